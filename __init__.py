@@ -1,0 +1,33 @@
+"""kvgen: a declarative compiler for quantized KV-cache formats.
+
+A YAML spec describes a format; ``kvgen build`` renders it into Triton reshape-and-cache and paged-attention kernels
+and a page-size calculator; ``kvgen.load`` gives a format object that allocates, writes and attends::
+
+    import kvgen
+    fmt = kvgen.load("int8_per_token_head")
+    cache = fmt.allocate(num_blocks=64, block_size=16, num_kv_heads=8, head_size=128, device="cuda")
+    fmt.write(cache, key, value, slot_mapping)
+    out = fmt.attend(query, cache, block_table, seq_lens, query_start_loc)
+"""
+
+from .codegen.errors import BuildError, KvgenError, NotSupportedYet, SpecError, StaleError
+from .codegen.loader import load_spec
+from .codegen.spec import FormatSpec
+from .codegen.version import KVGEN_VERSION as __version__
+from .runtime.format import Format, KVCache
+from .runtime.loader import load, shipped_names
+
+
+def __getattr__(name):
+    # the NumPy reference pulls in ml_dtypes; import it only when asked for
+    if name == "reference":
+        import importlib
+
+        return importlib.import_module(".reference", __name__)
+    raise AttributeError(name)
+
+
+__all__ = [
+    "BuildError", "Format", "FormatSpec", "KVCache", "KvgenError", "NotSupportedYet", "SpecError", "StaleError",
+    "__version__", "load", "load_spec", "shipped_names",
+]

@@ -1,0 +1,1 @@
+"""Spec schema, validation and the code generator (templates -> generated packages)."""

@@ -1,0 +1,154 @@
+"""Build generated packages from specs: atomic, deterministic, written only when changed, and checkable.
+
+Layout of an output directory (``generated/`` for the shipped specs)::
+
+    generated/__init__.py          the package marker (kvgen.generated)
+    generated/<name>/__init__.py   identity: NAME, SPEC_HASH, KVGEN_VERSION, SPEC_JSON
+    generated/<name>/layout.py     page-size calculator
+    generated/<name>/kernels.py    Triton kernels
+
+Each format directory is rendered completely into a temporary directory beside it and then renamed into place, so
+a reader sees the old package or the new one, never a mix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterable, Optional, Union
+
+from .errors import BuildError, SpecError
+from .loader import load_spec
+from .render import render_files
+from .spec import FormatSpec
+
+PACKAGE_INIT = '"""Generated kvgen formats: one package per spec (see each package\'s header). Do not edit."""\n'
+
+
+@dataclasses.dataclass
+class BuildResult:
+    name: str
+    spec_path: Optional[str]
+    out_dir: Path
+    changed: bool
+    diffs: dict[str, str] = dataclasses.field(default_factory=dict)  # file -> unified diff (check mode)
+
+
+def find_specs(paths: Iterable[Union[str, Path]]) -> list[Path]:
+    """Spec files named directly, or every *.yaml / *.yml inside the directories named, sorted."""
+    found: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found += sorted(list(p.glob("*.yaml")) + list(p.glob("*.yml")))
+        elif p.exists():
+            found.append(p)
+        else:
+            raise SpecError("no such file or directory", path=str(p))
+    return found
+
+
+def _current_files(directory: Path) -> dict[str, str]:
+    if not directory.is_dir():
+        return {}
+    return {p.name: p.read_text(encoding="utf-8") for p in sorted(directory.iterdir()) if p.is_file()
+            and p.suffix == ".py"}
+
+
+def _write_atomic_dir(target: Path, files: dict[str, str]) -> None:
+    """Write ``files`` into ``target`` so that it changes in one rename."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        for name, text in files.items():
+            with open(tmp / name, "w", encoding="utf-8", newline="\n") as fh:
+                fh.write(text)
+        if target.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
+            os.rmdir(old)
+            os.rename(target, old)  # rename out of the way, then in: both renames are atomic
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                os.rename(old, target)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_file_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+def build_spec(spec: FormatSpec, out_dir: Union[str, Path], *, check: bool = False,
+               spec_path: Optional[str] = None) -> BuildResult:
+    """Render one spec into ``out_dir/<name>``; with ``check``, only compare and report differences."""
+    out = Path(out_dir)
+    target = out / spec.name
+    try:
+        files = render_files(spec)
+    except SpecError:
+        raise
+    except Exception as exc:  # a template bug: never show a Jinja traceback as if the spec were wrong
+        raise BuildError(f"{spec.name}: kvgen failed to render this spec ({type(exc).__name__}: {exc}); "
+                         "this is a kvgen bug, please report it with the spec") from exc
+    current = _current_files(target)
+    result = BuildResult(spec.name, spec_path, target, changed=current != files)
+    if check:
+        for name in sorted(set(files) | set(current)):
+            old, new = current.get(name, ""), files.get(name, "")
+            if old != new:
+                diff = difflib.unified_diff(old.splitlines(True), new.splitlines(True),
+                                            f"{target / name} (on disk)", f"{target / name} (from spec)", n=1)
+                result.diffs[name] = "".join(diff)
+        return result
+    if result.changed:
+        _write_atomic_dir(target, files)
+    return result
+
+
+def ensure_package_init(out_dir: Union[str, Path], check: bool = False) -> bool:
+    """The package marker of an output directory; returns True when it is (or would be) changed."""
+    init = Path(out_dir) / "__init__.py"
+    if init.exists() and init.read_text(encoding="utf-8") == PACKAGE_INIT:
+        return False
+    if not check:
+        _write_file_atomic(init, PACKAGE_INIT)
+    return True
+
+
+def build_paths(paths: Iterable[Union[str, Path]], out_dir: Union[str, Path], *, check: bool = False,
+                on_result=None) -> list[BuildResult]:
+    """Validate every spec first (nothing is written when one is bad), then build each."""
+    spec_files = find_specs(paths)
+    if not spec_files:
+        raise BuildError("no spec files (*.yaml) found in " + ", ".join(map(str, paths)))
+    specs: list[tuple[Path, FormatSpec]] = [(p, load_spec(p)) for p in spec_files]
+    seen: dict[str, Path] = {}
+    for p, spec in specs:
+        if spec.name in seen:
+            raise SpecError(f"format name {spec.name!r} is also used by {seen[spec.name]}", path=str(p),
+                            field="name")
+        seen[spec.name] = p
+    results = []
+    init_changed = ensure_package_init(out_dir, check=check)
+    for p, spec in specs:
+        r = build_spec(spec, out_dir, check=check, spec_path=str(p))
+        results.append(r)
+        if on_result:
+            on_result(r)
+    if init_changed and check:
+        results.append(BuildResult("__init__", None, Path(out_dir), True,
+                                   {"__init__.py": "package marker missing or different\n"}))
+    return results

@@ -1,0 +1,50 @@
+"""kvgen's own exceptions: what users see instead of pydantic, Jinja or Triton tracebacks."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+class KvgenError(Exception):
+    """Base class of every error kvgen raises on purpose."""
+
+
+class SpecError(KvgenError, ValueError):
+    """A spec that cannot be built: names the file, the line and column, and the field."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: Optional[str] = None,
+        line: Optional[int] = None,
+        column: Optional[int] = None,
+        field: Optional[str] = None,
+    ):
+        self.message = message
+        self.path = path
+        self.line = line
+        self.column = column
+        self.field = field
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        where = self.path or "<spec>"
+        if self.line is not None:
+            where += f":{self.line}"
+            if self.column is not None:
+                where += f":{self.column}"
+        field = f" {self.field}:" if self.field else ""
+        return f"{where}:{field} {self.message}"
+
+
+class NotSupportedYet(SpecError):
+    """A valid spec asking for something the code generator does not implement yet."""
+
+
+class BuildError(KvgenError):
+    """A build that could not complete (nothing was written)."""
+
+
+class StaleError(KvgenError):
+    """Generated code does not match its spec (``kvgen build --check``, or the runtime's hash check)."""

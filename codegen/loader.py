@@ -1,0 +1,127 @@
+"""Read a spec file: YAML with every node's position kept, validated by the schema, errors mapped to lines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+from pydantic import ValidationError
+
+from .errors import SpecError
+from .spec import FormatSpec
+
+Position = tuple[int, int]  # 1-based line and column
+
+
+def _compose_with_positions(text: str, path: str) -> tuple[Any, dict[tuple, Position]]:
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise SpecError(
+            f"not valid YAML: {problem}",
+            path=path,
+            line=mark.line + 1 if mark else None,
+            column=mark.column + 1 if mark else None,
+        ) from None
+    if node is None:
+        raise SpecError("the file is empty; a spec is a YAML mapping with name, key and value", path=path, line=1)
+    positions: dict[tuple, Position] = {}
+
+    def walk(n: yaml.Node, loc: tuple) -> Any:
+        positions.setdefault(loc, (n.start_mark.line + 1, n.start_mark.column + 1))
+        if isinstance(n, yaml.MappingNode):
+            out: dict[Any, Any] = {}
+            for key_node, value_node in n.value:
+                if not isinstance(key_node, yaml.ScalarNode):
+                    raise SpecError("mapping keys must be plain names", path=path, line=key_node.start_mark.line + 1)
+                key = key_node.value
+                if key == "<<":
+                    raise SpecError("YAML merge keys ('<<') are not supported; use an anchor for the whole side",
+                                    path=path, line=key_node.start_mark.line + 1, column=key_node.start_mark.column + 1)
+                if key in out:
+                    raise SpecError(f"duplicate key {key!r}", path=path, line=key_node.start_mark.line + 1,
+                                    column=key_node.start_mark.column + 1, field=".".join(map(str, loc + (key,))))
+                # point a field at its key (where the user looks), its children at their own nodes
+                positions[loc + (key,)] = (key_node.start_mark.line + 1, key_node.start_mark.column + 1)
+                out[key] = walk(value_node, loc + (key,))
+            return out
+        if isinstance(n, yaml.SequenceNode):
+            return [walk(item, loc + (i,)) for i, item in enumerate(n.value)]
+        return yaml.SafeLoader("").construct_object(n, deep=True)
+
+    return walk(node, ()), positions
+
+
+def _locate(loc: tuple, positions: dict[tuple, Position]) -> Position | None:
+    loc = tuple(loc)
+    while loc:
+        if loc in positions:
+            return positions[loc]
+        loc = loc[:-1]
+    return positions.get(())
+
+
+def _explain(err: dict) -> str:
+    kind = err.get("type", "")
+    msg = err.get("msg", "invalid")
+    if kind == "extra_forbidden":
+        return "unknown field (not part of the spec schema; check the spelling)"
+    if kind == "missing":
+        return "required field is missing"
+    if kind == "enum":
+        expected = err.get("ctx", {}).get("expected", "")
+        return f"{err.get('input')!r} is not allowed; expected one of {expected}"
+    if kind == "literal_error":
+        expected = err.get("ctx", {}).get("expected", "")
+        return f"{err.get('input')!r} is not allowed; expected {expected}"
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    return msg
+
+
+def validate_data(data: Any, path: str, positions: dict[tuple, Position] | None = None) -> FormatSpec:
+    """Validate parsed spec data; the first error becomes a SpecError with the field's position."""
+    positions = positions or {}
+    if not isinstance(data, dict):
+        raise SpecError("a spec must be a YAML mapping (name, key, value, ...)", path=path, line=1)
+    try:
+        return FormatSpec.model_validate(data)
+    except ValidationError as exc:
+        errors = exc.errors()
+        # report the most specific error first: the deepest location
+        err = max(errors, key=lambda e: len(e.get("loc", ())))
+        loc = tuple(x for x in err.get("loc", ()) if not (isinstance(x, str) and x.startswith("function-")))
+        pos = _locate(loc, positions)
+        field = ".".join(str(x) for x in loc) or None
+        more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
+        raise SpecError(
+            _explain(err) + more, path=path, line=pos[0] if pos else None, column=pos[1] if pos else None,
+            field=field,
+        ) from None
+
+
+def load_spec_text(text: str, path: str = "<string>", *, supported: bool = True) -> FormatSpec:
+    """Parse and validate spec text; with ``supported``, also reject what this kvgen cannot build yet."""
+    data, positions = _compose_with_positions(text, path)
+    spec = validate_data(data, path, positions)
+    if supported:
+        from .support import check_supported
+
+        check_supported(spec, path, positions)
+    return spec
+
+
+def load_spec(path: Union[str, Path], *, supported: bool = True) -> FormatSpec:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError("no such file", path=str(p)) from None
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"not UTF-8 text ({exc.reason})", path=str(p)) from None
+    except OSError as exc:
+        raise SpecError(f"cannot read: {exc.strerror}", path=str(p)) from None
+    return load_spec_text(text, str(p), supported=supported)

@@ -1,0 +1,101 @@
+"""Argument checks of the kernel entry points: every problem is a ValueError that names the argument.
+
+Cheap checks (shape, dtype, device, contiguity) always run. Checks that read tensor contents (slot and block-table
+ranges, sequence lengths against capacity) need a device-to-host copy; they run when the tensors are on the CPU,
+or everywhere when ``KVGEN_DEBUG=1`` (or ``kvgen.runtime.checks.DEBUG = True``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, Optional
+
+import torch
+
+DEBUG = os.environ.get("KVGEN_DEBUG", "") not in ("", "0")
+
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def costly_checks_on(*tensors: torch.Tensor) -> bool:
+    return DEBUG or all(t.device.type == "cpu" for t in tensors)
+
+
+def tensor(name: str, x, *, dtypes: Iterable[torch.dtype], ndim: int, device: torch.device) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    dtypes = tuple(dtypes)
+    if x.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"{name}: dtype {str(x.dtype).replace('torch.', '')} is not supported; expected {allowed}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name}: is on {x.device}, but the cache is on {device}")
+    return x
+
+
+def shape(name: str, x: torch.Tensor, expected: tuple, what: str) -> None:
+    for got, want in zip(x.shape, expected):
+        if want is not None and got != want:
+            raise ValueError(f"{name}: shape {tuple(x.shape)} does not match {what} {tuple(expected)} "
+                             "(None = any)".replace("None", "*").replace("(* = any)", "(* = any)"))
+
+
+def last_dim_contiguous(name: str, x: torch.Tensor) -> torch.Tensor:
+    if x.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous (stride {x.stride(-1)}); pass .contiguous()")
+    return x
+
+
+def index_tensor(name: str, x, *, ndim: int, device: torch.device,
+                 dtypes=(torch.int32, torch.int64)) -> torch.Tensor:
+    x = tensor(name, x, dtypes=dtypes, ndim=ndim, device=device)
+    if not x.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous")
+    return x
+
+
+def slots_in_range(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    if slot_mapping.numel() == 0:
+        return
+    lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+    if lo < -1:
+        raise ValueError(f"slot_mapping: slot {lo} is invalid (slots are >= 0, or -1 to skip a token)")
+    if hi >= num_slots:
+        raise ValueError(f"slot_mapping: slot {hi} is out of range: the cache has {num_slots} slots "
+                         "(num_blocks * block_size)")
+
+
+def attention_ranges(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                     num_blocks: int, block_size: int, num_tokens: int) -> None:
+    qsl = query_start_loc.tolist()
+    if qsl[0] != 0 or qsl[-1] != num_tokens:
+        raise ValueError(f"query_start_loc: must start at 0 and end at the number of query tokens {num_tokens}, "
+                         f"got {qsl[0]} ... {qsl[-1]}")
+    lens = seq_lens.tolist()
+    max_blocks = block_table.shape[1]
+    for s, (a, b) in enumerate(zip(qsl[:-1], qsl[1:])):
+        if b < a:
+            raise ValueError(f"query_start_loc: must not decrease (sequence {s}: {a} -> {b})")
+        if lens[s] < b - a:
+            raise ValueError(f"seq_lens: sequence {s} has {lens[s]} KV tokens but {b - a} query tokens; "
+                             "seq_lens counts the new tokens too")
+        if lens[s] > max_blocks * block_size:
+            raise ValueError(f"seq_lens: sequence {s} has {lens[s]} tokens, more than its block_table row holds "
+                             f"({max_blocks} blocks x {block_size})")
+        used = (lens[s] + block_size - 1) // block_size
+        if used:
+            row = block_table[s, :used]
+            lo, hi = int(row.min()), int(row.max())
+            if lo < 0 or hi >= num_blocks:
+                raise ValueError(f"block_table: sequence {s} uses block {lo if lo < 0 else hi}, outside "
+                                 f"[0, {num_blocks})")
+
+
+def optional_positive_int(name: str, x: Optional[int]) -> Optional[int]:
+    if x is None:
+        return None
+    if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+        raise ValueError(f"{name}: expected a positive integer or None, got {x!r}")
+    return x

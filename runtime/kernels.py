@@ -1,0 +1,101 @@
+"""Import a generated package's Triton kernels and launch them: grids and tile sizes, nothing per-format."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import types
+
+import torch
+
+LOG2E = 1.4426950408889634
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run under the CPU interpreter in this process."""
+    return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+
+
+def _choose_mode() -> None:
+    """Without a GPU, kernels can only run interpreted: say so before the first @triton.jit is decorated."""
+    if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+class KernelSet:
+    """The kernels module of one generated package, imported on first use."""
+
+    def __init__(self, package: types.ModuleType):
+        self.package = package
+        self._module = None
+
+    @property
+    def module(self) -> types.ModuleType:
+        if self._module is None:
+            _choose_mode()
+            name = f"{self.package.__name__}.kernels"
+            mod = sys.modules.get(name)
+            if mod is None:
+                path = os.path.join(os.path.dirname(self.package.__file__), "kernels.py")
+                spec = importlib.util.spec_from_file_location(name, path)
+                mod = importlib.util.module_from_spec(spec)
+                sys.modules[name] = mod
+                try:
+                    spec.loader.exec_module(mod)
+                except BaseException:
+                    del sys.modules[name]
+                    raise
+            self._module = mod
+        return self._module
+
+    def _check_device(self, t: torch.Tensor) -> None:
+        _choose_mode()
+        if interpreting():
+            if t.device.type != "cpu":
+                raise ValueError(f"cache: is on {t.device}, but Triton runs interpreted (TRITON_INTERPRET=1) in this "
+                                 "process, which needs CPU tensors")
+        elif t.device.type != "cuda":
+            raise ValueError(f"cache: is on {t.device}; compiled Triton kernels need a CUDA device (or set "
+                             "TRITON_INTERPRET=1 before importing kvgen to run on the CPU)")
+
+    def write(self, key, value, k_bytes, v_bytes, k_scale, v_scale, slot_mapping, num_kv_heads, head_size,
+              layout_args) -> None:
+        self._check_device(k_bytes)
+        num_tokens = key.shape[0]
+        block_t = 64 if interpreting() else 16
+        block_t = min(block_t, _next_pow2(num_tokens))
+        grid = (triton_cdiv(num_tokens, block_t), num_kv_heads)
+        self.module.reshape_and_cache_kernel[grid](
+            key, value, k_bytes, v_bytes, k_scale, v_scale, slot_mapping, num_tokens,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, HEAD_PAD=max(16, _next_pow2(head_size)),
+            BLOCK_T=block_t, **layout_args,
+        )
+
+    def attend(self, query, out, k_bytes, v_bytes, k_scale, v_scale, block_table, seq_lens, query_start_loc,
+               sm_scale, window, max_query_len, num_kv_heads, block_size, layout_args) -> None:
+        self._check_device(k_bytes)
+        num_q_heads, head_size = query.shape[1], query.shape[2]
+        group = num_q_heads // num_kv_heads
+        max_rows = 128 if interpreting() else 64
+        block_m = max(16, _next_pow2(group * min(max_query_len, max(1, max_rows // group))))
+        block_q = max(1, block_m // group)
+        block_n = 128 if interpreting() else 64
+        num_q_tiles = triton_cdiv(max_query_len, block_q)
+        grid = (seq_lens.shape[0] * num_q_tiles, num_kv_heads)
+        self.module.paged_attention_kernel[grid](
+            query, out, k_bytes, v_bytes, k_scale, v_scale, block_table, seq_lens, query_start_loc,
+            sm_scale * LOG2E, window, num_q_tiles,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
+            NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_SIZE=head_size, HEAD_PAD=max(16, _next_pow2(head_size)),
+            BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, **layout_args,
+        )
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
