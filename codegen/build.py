@@ -151,4 +151,17 @@ def build_paths(paths: Iterable[Union[str, Path]], out_dir: Union[str, Path], *,
     if init_changed and check:
         results.append(BuildResult("__init__", None, Path(out_dir), True,
                                    {"__init__.py": "package marker missing or different\n"}))
+    if check and all(Path(p).is_dir() for p in paths):
+        # a package left behind by a spec that was removed or renamed
+        for orphan in sorted(set(_generated_packages(out_dir)) - set(seen)):
+            results.append(BuildResult(orphan, None, Path(out_dir) / orphan, True,
+                                       {"": f"{Path(out_dir) / orphan}: no spec builds this package; remove it\n"}))
     return results
+
+
+def _generated_packages(out_dir: Union[str, Path]) -> list[str]:
+    out = Path(out_dir)
+    if not out.is_dir():
+        return []
+    return [p.name for p in out.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))
+            and (p / "__init__.py").is_file()]

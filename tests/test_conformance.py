@@ -190,7 +190,7 @@ def _quiet_scale_warning():
 
 
 @pytest.mark.parametrize("name", FORMATS)
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(case=cases())
 def test_conformance(name, case):
     run_case(kvgen.load(name), case)
