@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .codegen.errors import KvgenError, StaleError
@@ -26,7 +27,7 @@ class _Group(click.Group):
         except KvgenError as exc:
             if ctx.params.get("debug") or (ctx.obj or {}).get("debug"):
                 raise
-            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True)
+            err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
             sys.exit(1)
 
 
@@ -42,6 +43,7 @@ def main(ctx, debug):
       kvgen build specs/                 # (re)generate the shipped formats into generated/
       kvgen show int8_per_token_head     # bytes per token and page of one format
       kvgen demo                         # write a paged cache and run attention on it
+      kvgen test my_format.yaml          # conformance of your own spec against the NumPy reference
     """
     ctx.obj = {"debug": debug}
 
@@ -90,17 +92,20 @@ def validate(files):
       kvgen validate specs/int8_per_token_head.yaml my_format.yaml
     """
     from .codegen.build import find_specs
-    from .codegen.errors import SpecError
+    from .codegen.errors import BuildError, SpecError
     from .codegen.loader import load_spec
 
     failed = 0
-    for path in find_specs(files):
+    paths = find_specs(files)
+    if not paths:
+        raise BuildError("no spec files (*.yaml) found in " + ", ".join(files))
+    for path in paths:
         try:
             spec = load_spec(path)
-            console.print(f"[green]ok[/]   {path}: {spec.name} (hash {spec.spec_hash()})", highlight=False)
+            console.print(f"[green]ok[/]   {escape(str(path))}: {spec.name} (hash {spec.spec_hash()})", highlight=False)
         except SpecError as exc:
             failed += 1
-            err_console.print(f"[red]FAIL[/] {exc}", highlight=False)
+            err_console.print(f"[red]FAIL[/] {escape(str(exc))}", highlight=False)
     if failed:
         sys.exit(1)
 
@@ -109,8 +114,11 @@ def _formats_table(names, block_size, num_kv_heads, head_size) -> Table:
     from .runtime.loader import load
 
     t = Table(title=f"Page sizes at block size {block_size}, {num_kv_heads} KV heads, head size {head_size}")
-    for col in ("format", "K B/tok/head", "V B/tok/head", "cell B", "page B", "vs bf16", "scales"):
-        t.add_column(col, justify="left" if col in ("format", "scales") else "right")
+    t.add_column("format", no_wrap=True)
+    t.add_column("K+V B/tok/head", justify="right", no_wrap=True)
+    t.add_column("page B", justify="right", no_wrap=True)
+    t.add_column("vs bf16", justify="right", no_wrap=True)
+    t.add_column("scales", overflow="fold", min_width=12)
     base = None
     rows = []
     for name in names:
@@ -120,16 +128,17 @@ def _formats_table(names, block_size, num_kv_heads, head_size) -> Table:
             base = d["page_bytes"]
     base = base or 2 * 2 * head_size * block_size * num_kv_heads  # bf16 K + V
     for d in rows:
-        scales = "; ".join(f"{s[0].upper()}: {v}" for s, v in d["scales"].items())
-        t.add_row(d["name"], str(d["key_bytes"]), str(d["value_bytes"]), str(d["bytes_per_token_head"]),
-                  f"{d['page_bytes']:,}", f"{d['page_bytes'] / base:.3f}", scales)
+        k, v = d["scales"]["key"], d["scales"]["value"]
+        scales = k if k == v else f"K: {k}; V: {v}"
+        kv = f"{d['key_bytes']}+{d['value_bytes']}" + (f"+{d['padding_bytes']}" if d["padding_bytes"] else "")
+        t.add_row(d["name"], kv, f"{d['page_bytes']:,}", f"{d['page_bytes'] / base:.3f}", scales)
     return t
 
 
 @main.command("list")
-@click.option("--block-size", default=16, show_default=True)
-@click.option("--num-kv-heads", default=8, show_default=True)
-@click.option("--head-size", default=128, show_default=True)
+@click.option("--block-size", default=16, show_default=True, type=click.IntRange(min=1))
+@click.option("--num-kv-heads", default=8, show_default=True, type=click.IntRange(min=1))
+@click.option("--head-size", default=128, show_default=True, type=click.IntRange(min=16))
 def list_formats(block_size, num_kv_heads, head_size):
     """List the shipped formats with their page sizes.
 
@@ -144,10 +153,12 @@ def list_formats(block_size, num_kv_heads, head_size):
 
 @main.command()
 @click.argument("name")
-@click.option("--block-size", default=16, show_default=True)
-@click.option("--num-kv-heads", default=8, show_default=True)
-@click.option("--head-size", default=128, show_default=True)
-def show(name, block_size, num_kv_heads, head_size):
+@click.option("--block-size", default=16, show_default=True, type=click.IntRange(min=1))
+@click.option("--num-kv-heads", default=8, show_default=True, type=click.IntRange(min=1))
+@click.option("--head-size", default=128, show_default=True, type=click.IntRange(min=16))
+@click.option("--png", "png", type=click.Path(dir_okay=False), default=None,
+              help="Also draw the byte map of one page (data, scales, zero points, padding) to this PNG file.")
+def show(name, block_size, num_kv_heads, head_size, png):
     """Show one format: bytes per token and head, page bytes, cell layout, where each scale lives.
 
     NAME is a shipped format, a generated directory or a spec .yaml file.
@@ -156,28 +167,91 @@ def show(name, block_size, num_kv_heads, head_size):
     Example:
       kvgen show int8_per_token_head --block-size 16 --num-kv-heads 8 --head-size 128
       kvgen show my_format.yaml
+      kvgen show nvfp4 --block-size 4 --num-kv-heads 2 --png nvfp4.png
     """
     from .runtime.loader import load
 
     fmt = load(name)
     d = fmt.describe(block_size, num_kv_heads, head_size)
-    console.print(f"[bold]{d['name']}[/]  {fmt.spec.description}", highlight=False)
+    console.print(f"[bold]{d['name']}[/]  {escape(fmt.spec.description)}", highlight=False)
     if fmt.spec.origin:
-        console.print(f"origin: {fmt.spec.origin}", highlight=False)
-    console.print(f"heads: {num_kv_heads} KV, head size {head_size}, block size {block_size}; storage "
-                  f"{', '.join(d['tensors'])} [{d['storage_dtype']}] of shape [num_blocks, {block_size}, "
-                  f"{num_kv_heads}, cell]", highlight=False)
+        console.print(f"origin: {escape(fmt.spec.origin)}", highlight=False)
+    shapes = fmt.layout.tensor_shapes("num_blocks", block_size, num_kv_heads, head_size)
+    storage = ", ".join(f"{t} {list(shapes[t])} {dt}" for t, dt in d["tensors"].items())
+    console.print(f"heads: {num_kv_heads} KV, head size {head_size}, block size {block_size}; storage: {storage}",
+                  highlight=False)
     console.print(f"bytes per token and KV head: K {d['key_bytes']}, V {d['value_bytes']}, padding "
                   f"{d['padding_bytes']}, total {d['bytes_per_token_head']}", highlight=False)
     console.print(f"bytes per page (one layer): {d['page_bytes']:,}", highlight=False)
     for side, where in d["scales"].items():
         console.print(f"{side} scale: {where}", highlight=False)
-    t = Table(title=f"cell layout (one slot, one KV head; head size {head_size})")
-    for col in ("tensor", "offset", "bytes", "field", "holds"):
-        t.add_column(col, justify="right" if col in ("offset", "bytes") else "left")
+    t = Table(title=f"fields of one (slot, KV head): offset in its region's cell; region start in the page")
+    for col in ("tensor", "region", "offset", "bytes", "field", "holds"):
+        t.add_column(col, justify="right" if col in ("region", "offset", "bytes") else "left")
     for f in d["fields"]:
-        t.add_row(f["tensor"], str(f["offset"]), str(f["bytes"]), f["field"], f["what"])
+        t.add_row(f["tensor"], str(f["region"]), str(f["offset"]), str(f["bytes"]), f["field"], f["what"])
     console.print(t)
+    if png:
+        from .runtime.bytemap import draw
+
+        draw(fmt, png, block_size, num_kv_heads, head_size)
+        console.print(f"byte map written to {png}", highlight=False)
+
+
+@main.command("test")
+@click.argument("specs", nargs=-1, required=True)
+@click.option("--examples", default=20, show_default=True, help="Random cases per format.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="auto: the GPU when one is present (compiled kernels), else the CPU interpreter.")
+def test_cmd(specs, examples, device):
+    """Run the conformance properties on your own specs (or shipped formats) and report pass/fail per property.
+
+    Each SPEC (a .yaml file, a generated directory or a shipped name) is built, then random cases check: page bytes,
+    stored bytes equal to the NumPy reference's encoding, quantization error within the spec's bound, and paged
+    attention within tolerance of float64. A failure is shrunk to a minimal case and printed.
+
+    \b
+    Example:
+      kvgen test my_format.yaml --examples 50
+      kvgen test specs/nvfp4.yaml int8_per_token_head
+    """
+    import os
+
+    import torch
+    from rich.progress import Progress
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "") in ("", "0") else "cpu"
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from .conformance import PROPERTIES, check
+    from .runtime.loader import load
+
+    t = Table(title=f"conformance on {device} ({examples} random cases per format)")
+    t.add_column("format")
+    for p in PROPERTIES:
+        t.add_column(p)
+    failed = 0
+    details = []
+    with Progress(console=console, transient=True) as progress:
+        for spec in specs:
+            fmt = load(spec)
+            task = progress.add_task(f"{fmt.name}", total=examples)
+            report = check(fmt, examples, device, on_example=lambda n: progress.update(task, completed=n))
+            progress.remove_task(task)
+            cells = ["[red]FAIL[/]" if report.failures[p] else "[green]pass[/]" for p in PROPERTIES]
+            t.add_row(fmt.name, *cells)
+            if not report.passed:
+                failed += 1
+                details.append((fmt.name, report))
+    console.print(t)
+    for name, report in details:
+        console.print(f"[bold]{name}[/]: minimal failing case {report.failing_case}", highlight=False)
+        for p, msg in report.failures.items():
+            if msg:
+                console.print(f"  {p}: {msg}", highlight=False)
+    if failed:
+        sys.exit(1)
 
 
 @main.command()

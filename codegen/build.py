@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import errno
 import os
 import shutil
 import tempfile
@@ -58,29 +59,57 @@ def _current_files(directory: Path) -> dict[str, str]:
             and p.suffix == ".py"}
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories in one step (Linux renameat2 RENAME_EXCHANGE); False where that is not available."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    AT_FDCWD, RENAME_EXCHANGE = -100, 2
+    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
 def _write_atomic_dir(target: Path, files: dict[str, str]) -> None:
-    """Write ``files`` into ``target`` so that it changes in one rename."""
+    """Make ``target`` hold exactly ``files``: rendered into a temporary directory beside it, then swapped in.
+
+    A reader sees the old package or the new one. Two builds racing for the same target both succeed: whoever
+    renames second finds the other's result and, when it is the same, keeps it.
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.new.", dir=target.parent))
     try:
         for name, text in files.items():
             with open(tmp / name, "w", encoding="utf-8", newline="\n") as fh:
                 fh.write(text)
-        if target.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
-            os.rmdir(old)
-            os.rename(target, old)  # rename out of the way, then in: both renames are atomic
+        for _ in range(50):
+            if _current_files(target) == files:
+                return  # another build wrote the same thing
             try:
+                if target.exists():
+                    if _exchange(tmp, target):  # tmp now holds the old package
+                        return
+                    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
+                    os.rename(target, old / "pkg")
+                    shutil.rmtree(old, ignore_errors=True)
                 os.rename(tmp, target)
-            except OSError:
-                os.rename(old, target)
+                return
+            except FileNotFoundError:
+                continue  # the target was moved by a concurrent build: look again
+            except OSError as exc:
+                if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                    continue  # a concurrent build put its package in place first: look again
                 raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, target)
-    except BaseException:
+        raise BuildError(f"{target}: could not be replaced; other builds keep changing it")
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _write_file_atomic(path: Path, text: str) -> None:
@@ -142,12 +171,15 @@ def build_paths(paths: Iterable[Union[str, Path]], out_dir: Union[str, Path], *,
                             field="name")
         seen[spec.name] = p
     results = []
-    init_changed = ensure_package_init(out_dir, check=check)
-    for p, spec in specs:
-        r = build_spec(spec, out_dir, check=check, spec_path=str(p))
-        results.append(r)
-        if on_result:
-            on_result(r)
+    try:
+        init_changed = ensure_package_init(out_dir, check=check)
+        for p, spec in specs:
+            r = build_spec(spec, out_dir, check=check, spec_path=str(p))
+            results.append(r)
+            if on_result:
+                on_result(r)
+    except OSError as exc:
+        raise BuildError(f"cannot write {exc.filename or out_dir}: {exc.strerror}") from None
     if init_changed and check:
         results.append(BuildResult("__init__", None, Path(out_dir), True,
                                    {"__init__.py": "package marker missing or different\n"}))

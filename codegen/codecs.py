@@ -1,20 +1,21 @@
-"""Element codecs: one class per element family, each rendering two Triton helpers for a side.
+"""Codecs: one per number format, each rendering two Triton helpers used for elements and for scales alike.
 
-A codec renders ``{prefix}encode(v)`` (fp32 already scaled -> integer code, rounding and saturation included) and
+A codec renders ``{prefix}encode(v)`` (fp32, already scaled -> integer code, rounding and saturation included) and
 ``{prefix}decode(code)`` (integer code -> fp32). Templates never look inside a codec: they load and store codes of
-``codec.unit`` (the Triton integer type holding one element's bits) and call these two helpers. Adding an element
-type means adding one codec here and one template under ``templates/codecs/``.
+``codec.unit`` (the Triton integer type holding one code; sub-byte codes travel in ``tl.uint8`` and are packed by
+the template) and call these two helpers. Adding a number format means adding one entry here and one template
+under ``templates/codecs/``.
 
 Every helper uses only integer and fp32 operations that the Triton interpreter and compiled GPU code evaluate
-identically (../shared/TRITON_NOTES.md): no fp8 or bf16 casts, no fp32 division.
+identically (../shared/TRITON_NOTES.md): no fp8, fp4 or bf16 casts, no fp32 division.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Optional
 
-from .spec import ElementType, Rounding, SideSpec
+from .spec import ELEMENTS, ElementType, Rounding, ScaleDType, SideSpec
 
 # 1.5 * 2**23: adding and subtracting it rounds an fp32 |x| < 2**22 to the nearest integer, ties to even.
 RNE_MAGIC = 12582912.0
@@ -22,61 +23,93 @@ RNE_MAGIC = 12582912.0
 
 @dataclasses.dataclass(frozen=True)
 class Codec:
-    """What a template needs to know about one side's element codec."""
+    """What a template needs to know about one number format."""
 
-    element: ElementType
+    name: str
     template: str  # file under templates/codecs/
     bits: int
-    unit: str  # Triton integer type of one stored element: tl.uint8 / tl.uint16 / tl.uint32
-    params: dict  # extra template variables (exponent bias, rounding, ...)
+    params: dict  # template variables (exponent bias, rounding, ...)
     summary: str  # one line for the generated header
 
     @property
+    def unit(self) -> str:
+        return {32: "tl.uint32", 16: "tl.uint16"}.get(self.bits, "tl.uint8")
+
+    @property
     def unit_bytes(self) -> int:
-        return self.bits // 8
+        return max(self.bits // 8, 1)
 
 
-def _float_codec(e: ElementType, side: SideSpec) -> Codec:
-    bits = {ElementType.fp32: 32, ElementType.fp16: 16, ElementType.bf16: 16}[e]
-    unit = {32: "tl.uint32", 16: "tl.uint16"}[bits]
-    return Codec(e, f"{e.value}.py.jinja", bits, unit, {}, f"{e.value}, stored as its bits, rounded to nearest even")
-
-
-def _fp8_codec(e: ElementType, side: SideSpec) -> Codec:
-    if e == ElementType.fp8_e4m3:
-        # e4m3fn: bias 7, 3 mantissa bits, no infinities, 0x7F / 0xFF are NaN, max finite 448
-        p = dict(mant=3, bias=7, emin=-6, max_finite=448.0, nan_code=0x7F, exp_mask=0xF, has_inf=False)
-    else:
-        # e5m2: bias 15, 2 mantissa bits, IEEE-like infinities (0x7C) and NaNs (0x7D..0x7F), max finite 57344
-        p = dict(mant=2, bias=15, emin=-14, max_finite=57344.0, nan_code=0x7E, exp_mask=0x1F, has_inf=True)
-    p["rne_magic"] = RNE_MAGIC
-    return Codec(e, "fp8.py.jinja", 8, "tl.uint8", p,
-                 f"{e.value} by bit manipulation: saturate to +-{p['max_finite']:g}, round half to even")
-
-
-def _int_codec(e: ElementType, side: SideSpec) -> Codec:
-    info = side.info
-    rounding = side.rounding or Rounding.half_even
-    p = dict(qmin=info.qmin, qmax=info.qmax, rounding=rounding.value, rne_magic=RNE_MAGIC,
-             mask=(1 << info.bits) - 1, half=1 << (info.bits - 1))
-    return Codec(e, "int.py.jinja", info.bits, "tl.uint8", p,
-                 f"{e.value}, round {rounding.value.replace('_', ' ')}, clamp to [{info.qmin:g}, {info.qmax:g}]")
-
-
-_FACTORIES: dict[ElementType, Callable[[ElementType, SideSpec], Codec]] = {
-    ElementType.fp32: _float_codec,
-    ElementType.fp16: _float_codec,
-    ElementType.bf16: _float_codec,
-    ElementType.fp8_e4m3: _fp8_codec,
-    ElementType.fp8_e5m2: _fp8_codec,
-    ElementType.int8: _int_codec,
+# exponent bias, mantissa bits, exponent bits, largest finite value, NaN code, special values
+_MINIFLOATS = {
+    "fp8_e4m3": dict(nbits=8, bias=7, mant=3, ebits=4, max_finite=448.0, nan_code=0x7F, special="fn"),
+    "fp8_e5m2": dict(nbits=8, bias=15, mant=2, ebits=5, max_finite=57344.0, nan_code=0x7E, special="ieee"),
+    "fp4_e2m1": dict(nbits=4, bias=1, mant=1, ebits=2, max_finite=6.0, nan_code=None, special="none"),
 }
 
 
-def codec_for(side: SideSpec) -> Codec:
-    """The codec of a side's element; codegen.support has already rejected elements without one."""
-    return _FACTORIES[side.element](side.element, side)
+def _minifloat(name: str) -> Codec:
+    p = dict(_MINIFLOATS[name])
+    p.update(emin=1 - p["bias"], exp_mask=(1 << p["ebits"]) - 1, sign_bit=1 << (p["nbits"] - 1),
+             rne_magic=RNE_MAGIC)
+    return Codec(name, "minifloat.py.jinja", p["nbits"], p,
+                 f"{name} by bit manipulation: saturate to +-{p['max_finite']:g}, round half to even")
+
+
+def _float(name: str) -> Codec:
+    bits = {"fp32": 32, "fp16": 16, "bf16": 16}[name]
+    return Codec(name, f"{name}.py.jinja", bits, {}, f"{name}, stored as its bits, rounded to nearest even")
+
+
+def _int(element: ElementType, rounding: Rounding) -> Codec:
+    info = ELEMENTS[element]
+    signed = info.kind == "int"
+    p = dict(qmin=info.qmin, qmax=info.qmax, rounding=rounding.value, rne_magic=RNE_MAGIC, signed=signed,
+             mask=(1 << info.bits) - 1, half=1 << (info.bits - 1))
+    return Codec(element.value, "int.py.jinja", info.bits, p,
+                 f"{element.value}, round {rounding.value.replace('_', ' ')}, clamp to [{info.qmin:g}, {info.qmax:g}]")
+
+
+def element_codec(side: SideSpec) -> Codec:
+    """The codec of a side's element (codegen.support has already rejected elements without one)."""
+    e = side.element
+    if e.value in _MINIFLOATS:
+        return _minifloat(e.value)
+    if e in (ElementType.fp32, ElementType.fp16, ElementType.bf16):
+        return _float(e.value)
+    return _int(e, side.rounding or Rounding.half_even)
+
+
+def scale_codec(dtype: ScaleDType) -> Codec:
+    """The codec a dynamic scale is stored with."""
+    if dtype == ScaleDType.e8m0:
+        return Codec("e8m0", "e8m0.py.jinja", 8, {}, "e8m0: power of two, exponent rounded up")
+    if dtype == ScaleDType.fp8_e4m3:
+        return _minifloat("fp8_e4m3")
+    return _float(dtype.value)
+
+
+# smallest positive value of each scale dtype: the floor of a stored dynamic scale
+SCALE_TINY = {
+    ScaleDType.fp32: 2.0 ** -149,
+    ScaleDType.fp16: 2.0 ** -24,
+    ScaleDType.bf16: 2.0 ** -133,
+    ScaleDType.fp8_e4m3: 2.0 ** -9,
+    ScaleDType.e8m0: 2.0 ** -127,
+}
+
+# scale dtypes whose encoding does not saturate by itself (IEEE overflow to inf): clamp to these first
+SCALE_MAX = {
+    ScaleDType.fp16: 65504.0,
+    ScaleDType.bf16: 3.3895313892515355e38,
+}
+
+_SUPPORTED_ELEMENTS = set(ElementType)
 
 
 def has_codec(element: ElementType) -> bool:
-    return element in _FACTORIES
+    return element in _SUPPORTED_ELEMENTS
+
+
+def summary(codec: Optional[Codec]) -> str:
+    return codec.summary if codec else "none"

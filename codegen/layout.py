@@ -1,14 +1,13 @@
-"""The byte layout of a format's pages: the one source of truth for templates, page-size calculator and allocator.
+"""The byte layout of a format's pages: the one plan that feeds the templates, page-size calculator and allocator.
 
-A format stores its pages in one or two tensors (``kv_cache`` when K and V are interleaved, as in vLLM; ``k_cache``
-and ``v_cache`` when split), each of physical shape ``[num_blocks, block_size, num_kv_heads, cell]``. A *cell* is
-the bytes of one (slot, KV head); its *fields* (a side's data, its inline scale, ...) sit at fixed byte offsets.
-Because the block and slot axes are outermost, the cell of slot ``s`` (``= block * block_size + offset``) and head
-``h`` starts at byte ``(s * num_kv_heads + h) * cell_bytes`` of its tensor.
+A format stores each layer in one or more tensors (``kv_cache``; or ``k_cache``/``v_cache``; plus
+``k_scale_cache``/``v_scale_cache`` for separate scales), each a sequence of pages (one page = one block of
+``block_size`` slots of all ``num_kv_heads`` heads). A page is a sequence of *regions*; a region holds its fields for
+every (slot, head) as ``[block_size, num_kv_heads, cell]``, the fields at fixed offsets in the cell (docs/SEMANTICS.md).
 
-``plan(spec)`` lists the fields with sizes that are affine in the head size; ``resolve(plan, head_size)`` turns that
-into offsets. The generated ``layout.py`` of every format is rendered from the same plan, so the page-size calculator
-in generated code, the allocator and the kernels' constexpr offsets cannot disagree.
+``plan(spec)`` assigns every field to a tensor and region with a size affine in the head size; the generated
+``layout.py`` (rendered from this plan by templates/layout.py.jinja) resolves offsets for concrete sizes. That
+rendered resolver is the only one: the runtime's allocator and the kernels' constexpr offsets both come from it.
 """
 
 from __future__ import annotations
@@ -16,28 +15,25 @@ from __future__ import annotations
 import dataclasses
 from fractions import Fraction
 
-from .spec import STORAGE_BYTES, CacheLayout, FormatSpec, Granularity, Placement, SIDES
+from .spec import SCALE_BYTES, STORAGE_BYTES, CacheLayout, FormatSpec, Placement, ScaleDType, SideSpec, SIDES
+
+FIELD_KINDS = ("data", "scale", "zp")
 
 
 @dataclasses.dataclass(frozen=True)
 class FieldPlan:
-    """One field of a cell: ``bytes = head_size * per_elem + fixed``, placed at the next multiple of ``align``."""
+    """One field: ``bytes = head_size * per_elem + fixed``, at the next multiple of ``align`` in its region's cell."""
 
-    name: str  # k_data, k_scale, v_data, v_scale
-    tensor: str  # kv_cache, k_cache or v_cache
-    per_elem: Fraction  # bytes per head-dimension element
-    fixed: int  # bytes independent of the head size
+    name: str  # k_data, k_scale, k_zp, v_data, v_scale, v_zp
+    tensor: str
+    region: int  # index of the region in its tensor's page
+    per_elem: Fraction
+    fixed: int
     align: int
-    what: str  # human description for headers, `kvgen show` and byte maps
-
-    def nbytes(self, head_size: int) -> int:
-        size = self.per_elem * head_size + self.fixed
-        if size.denominator != 1:
-            raise ValueError(f"{self.name}: head size {head_size} does not give a whole number of bytes")
-        return int(size)
+    what: str
 
     def size_expr(self) -> str:
-        """Python expression of the field size in terms of ``head_size`` (rendered into generated code)."""
+        """The field size as a Python expression of ``head_size`` (rendered into generated code)."""
         parts = []
         if self.per_elem:
             num, den = self.per_elem.numerator, self.per_elem.denominator
@@ -46,87 +42,101 @@ class FieldPlan:
             parts.append(str(self.fixed))
         return " + ".join(parts)
 
-
-@dataclasses.dataclass(frozen=True)
-class Field:
-    name: str
-    tensor: str
-    offset: int
-    nbytes: int
-    what: str
+    def nbytes(self, head_size: int) -> int:
+        size = self.per_elem * head_size + self.fixed
+        if size.denominator != 1:
+            raise ValueError(f"head size {head_size} does not give whole bytes for {self.name}")
+        return int(size)
 
 
-@dataclasses.dataclass(frozen=True)
-class CellLayout:
-    """Offsets of every field for one head size, and the cell size of each tensor."""
-
-    head_size: int
-    fields: dict[str, Field]
-    cell_bytes: dict[str, int]  # tensor name -> bytes per (slot, head)
-    storage_bytes: int  # bytes of one element of the storage dtype
-
-    def page_bytes(self, block_size: int, num_kv_heads: int) -> int:
-        return block_size * num_kv_heads * sum(self.cell_bytes.values())
-
-    def offset(self, name: str) -> int:
-        """Offset of a field, or -1 when the format has no such field (e.g. no inline scale)."""
-        f = self.fields.get(name)
-        return f.offset if f is not None else -1
+def groups_per_head(side: SideSpec) -> Fraction:
+    """Scales per head vector, as a multiple of the head size (per_block) or a constant (per_token_head)."""
+    sc = side.scale
+    return Fraction(1, sc.block) if sc.block else Fraction(0)
 
 
-def _align_up(x: int, a: int) -> int:
-    return (x + a - 1) // a * a
+def scale_is_stored(side: SideSpec) -> bool:
+    return side.scale is not None and not side.scale.granularity.is_static
 
 
-def tensor_names(spec: FormatSpec) -> tuple[str, ...]:
-    return ("kv_cache",) if spec.cache.layout == CacheLayout.interleaved else ("k_cache", "v_cache")
+def zp_is_stored(side: SideSpec) -> bool:
+    return side.zero_point is not None and side.zero_point.storage == "beside_scale"
+
+
+def _meta_fields(side_name: str, side: SideSpec) -> list[tuple[str, Fraction, int, int, str]]:
+    """(name, per_elem, fixed, align, what) of a side's stored scales and zero points."""
+    sc = side.scale
+    p = side_name[0]
+    per_elem = groups_per_head(side)
+    fixed = 0 if per_elem else 1
+    what_group = f"one per {sc.block} elements" if sc.block else "one per token and head"
+    out = [(f"{p}_scale", per_elem * sc.scale_bytes, fixed * sc.scale_bytes, sc.inline_align,
+            f"{side_name} scales, {sc.dtype.value}, {what_group}")]
+    if zp_is_stored(side):
+        out.append((f"{p}_zp", per_elem, fixed, 1, f"{side_name} zero points, uint8, {what_group}"))
+    return out
 
 
 def plan(spec: FormatSpec) -> list[FieldPlan]:
-    """The fields of a cell in storage order."""
-    fields: list[FieldPlan] = []
+    """Every stored field, in page order within each tensor."""
     interleaved = spec.cache.layout == CacheLayout.interleaved
+    regions: dict[str, int] = {}  # tensor -> number of regions so far
+    open_cell: dict[str, int] = {}  # tensor -> index of the cell region still taking fields
+    fields: list[FieldPlan] = []
+
+    def add(name, tensor, region, per_elem, fixed, align, what):
+        fields.append(FieldPlan(name, tensor, region, Fraction(per_elem), fixed, align, what))
+
+    def new_region(tensor: str) -> int:
+        regions[tensor] = regions.get(tensor, 0) + 1
+        return regions[tensor] - 1
+
+    def cell_region(tensor: str) -> int:
+        if tensor not in open_cell:
+            open_cell[tensor] = new_region(tensor)
+        return open_cell[tensor]
+
     for side_name in SIDES:
         side = spec.side(side_name)
         p = side_name[0]
         tensor = "kv_cache" if interleaved else f"{p}_cache"
-        elem_bytes = max(side.bits // 8, 1)
-        fields.append(FieldPlan(f"{p}_data", tensor, Fraction(side.bits, 8), 0, elem_bytes,
-                                f"{side_name} codes, {side.element.value}"))
-        sc = side.scale
-        if sc is not None and sc.granularity == Granularity.per_token_head and sc.placement == Placement.inline:
-            fields.append(FieldPlan(f"{p}_scale", tensor, Fraction(0), sc.scale_bytes, sc.inline_align,
-                                    f"{side_name} scale, {sc.dtype.value}, one per token and head"))
+        data = (f"{p}_data", Fraction(side.bits, 8), 0, max(side.bits // 8, 1),
+                f"{side_name} codes, {side.element.value}" + (f", {8 // side.bits} per byte" if side.bits < 8 else ""))
+        placement = side.scale.placement if scale_is_stored(side) else None
+        if placement == Placement.page_end:
+            add(*data[:1], tensor, new_region(tensor), *data[1:])
+            meta_region = new_region(tensor)
+            for m in _meta_fields(side_name, side):
+                add(m[0], tensor, meta_region, *m[1:])
+            open_cell.pop(tensor, None)  # fields after a page_end side start a new cell region
+            continue
+        region = cell_region(tensor)
+        add(*data[:1], tensor, region, *data[1:])
+        if placement == Placement.inline:
+            for m in _meta_fields(side_name, side):
+                add(m[0], tensor, region, *m[1:])
+        elif placement == Placement.separate:
+            meta_tensor = f"{p}_scale_cache"
+            meta_region = cell_region(meta_tensor)
+            for m in _meta_fields(side_name, side):
+                add(m[0], meta_tensor, meta_region, *m[1:])
     return fields
 
 
-def resolve(fields: list[FieldPlan], head_size: int, storage_bytes: int) -> CellLayout:
-    """Place the fields: each at the next multiple of its alignment; a cell ends at the largest alignment."""
-    ends: dict[str, int] = {}
-    aligns: dict[str, int] = {}
-    placed: dict[str, Field] = {}
-    for f in fields:
-        start = _align_up(ends.get(f.tensor, 0), f.align)
-        n = f.nbytes(head_size)
-        placed[f.name] = Field(f.name, f.tensor, start, n, f.what)
-        ends[f.tensor] = start + n
-        aligns[f.tensor] = max(aligns.get(f.tensor, 1), f.align, storage_bytes)
-    cells = {t: _align_up(end, aligns[t]) for t, end in ends.items()}
-    return CellLayout(head_size, placed, cells, storage_bytes)
+def tensor_storage(spec: FormatSpec) -> dict[str, str]:
+    """Storage dtype name of every tensor, in the order tensors first appear."""
+    out: dict[str, str] = {}
+    for f in plan(spec):
+        if f.tensor in out:
+            continue
+        if f.tensor.endswith("_scale_cache"):
+            side = spec.side("key" if f.tensor[0] == "k" else "value")
+            direct = {ScaleDType.fp32: "fp32", ScaleDType.fp16: "fp16", ScaleDType.bf16: "bf16"}
+            out[f.tensor] = "uint8" if zp_is_stored(side) else direct.get(side.scale.dtype, "uint8")
+        else:
+            out[f.tensor] = spec.cache.storage_dtype.value
+    return out
 
 
-def cell_layout(spec: FormatSpec, head_size: int) -> CellLayout:
-    return resolve(plan(spec), head_size, STORAGE_BYTES[spec.cache.storage_dtype])
-
-
-def page_bytes(spec: FormatSpec, block_size: int, num_kv_heads: int, head_size: int) -> int:
-    return cell_layout(spec, head_size).page_bytes(block_size, num_kv_heads)
-
-
-def bytes_per_token_head(spec: FormatSpec, head_size: int) -> dict[str, int]:
-    """Bytes one token takes per KV head, for K and V separately (data and inline scales; padding counted once)."""
-    cl = cell_layout(spec, head_size)
-    k = sum(f.nbytes for f in cl.fields.values() if f.name.startswith("k_"))
-    v = sum(f.nbytes for f in cl.fields.values() if f.name.startswith("v_"))
-    total = sum(cl.cell_bytes.values())
-    return {"key": k, "value": v, "padding": total - k - v, "total": total}
+STORAGE_SIZES = {dt.value: n for dt, n in STORAGE_BYTES.items()}
+SCALE_SIZES = {dt.value: n for dt, n in SCALE_BYTES.items()}

@@ -17,6 +17,11 @@ Position = tuple[int, int]  # 1-based line and column
 def _compose_with_positions(text: str, path: str) -> tuple[Any, dict[tuple, Position]]:
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.reader.ReaderError as exc:  # a character YAML does not allow: no mark, only a position
+        line = text.count("\n", 0, exc.position) + 1
+        column = exc.position - (text.rfind("\n", 0, exc.position) + 1) + 1
+        raise SpecError(f"not valid YAML: {exc.reason} (character {exc.character!r})", path=path, line=line,
+                        column=column) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         problem = getattr(exc, "problem", None) or str(exc)

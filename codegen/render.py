@@ -11,8 +11,8 @@ from pathlib import Path
 import jinja2
 
 from . import layout as layout_mod
-from .codecs import Codec, codec_for
-from .spec import SIDES, STORAGE_BYTES, FormatSpec, SideSpec
+from .codecs import SCALE_MAX, SCALE_TINY, Codec, element_codec, scale_codec
+from .spec import FormatSpec, Placement, SideSpec
 from .support import check_supported
 from .version import KVGEN_VERSION
 
@@ -35,15 +35,38 @@ class SideContext:
     name: str  # key / value
     p: str  # k / v
     P: str  # K / V
-    unit: str
+    bits: int
+    unit: str  # Triton integer type of one (unpacked) code
     unit_bytes: int
-    scale: str  # none / per_tensor / per_head / per_token_head
+    packed: bool  # sub-byte codes, several per byte
+    per_byte: int
+    msb_first: bool
+    code_mask: int
+    scale: str  # none / per_tensor / per_head / dynamic
+    group: str  # elements per dynamic scale along the head dimension ("HEAD_PAD" = the whole head)
+    ngroups: str  # scales per head vector (expression)
+    asym: bool
+    zp: str  # none / beside / low_bits
+    zp_clear: str  # mask that clears the zero point bits of an fp32 scale
+    global_scale: bool
+    qmax: str  # fp32 literal: the code range a dynamic scale maps the group's range to
+    scale_floor: str
+    scale_max: str  # saturation of fp16 / bf16 scales ("" when the codec saturates itself)
     apply: str
-    qmax: str  # fp32 literal
-    scale_min: str
-    bcast: str  # how a scale broadcasts against a [rows, HEAD_PAD] tile
+    sunit: str
+    sunit_bytes: int
+    meta_ptr: str
+    rotate: bool
+    scale_rule: str
     codec_summary: str
-    codec_source: str
+    scale_summary: str
+
+    def shift_expr(self, i: str) -> str:
+        """Bit position of sub-byte element ``i`` inside its byte."""
+        pos = f"({i} % {self.per_byte})"
+        if self.msb_first:
+            pos = f"({self.per_byte - 1} - {pos})"
+        return f"{pos} * {self.bits}"
 
 
 def _float_literal(x: float) -> str:
@@ -52,27 +75,50 @@ def _float_literal(x: float) -> str:
 
 def render_codec(codec: Codec, prefix: str) -> str:
     template = _ENV.get_template(f"codecs/{codec.template}")
-    return template.render(prefix=prefix, element=codec.element.value, bits=codec.bits, **codec.params).strip()
+    return template.render(prefix=prefix, element=codec.name, bits=codec.bits, **codec.params).strip()
 
 
-def side_context(name: str, side: SideSpec) -> SideContext:
-    codec = codec_for(side)
+def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
+    """The render context of a side and the codec sources it needs."""
+    p = name[0]
+    codec = element_codec(side)
+    sources = [render_codec(codec, f"{p}_")]
     sc = side.scale
-    scale = "none" if sc is None else sc.granularity.value
-    return SideContext(
-        name=name,
-        p=name[0],
-        P=name[0].upper(),
-        unit=codec.unit,
-        unit_bytes=codec.unit_bytes,
-        scale=scale,
+    info = side.info
+    if sc is None:
+        scale = "none"
+    elif sc.granularity.is_static:
+        scale = sc.granularity.value
+    else:
+        scale = "dynamic"
+    dynamic = scale == "dynamic"
+    scodec = scale_codec(sc.dtype) if dynamic else None
+    if scodec is not None:
+        sources.append(render_codec(scodec, f"{p}_scale_"))
+    asym = side.zero_point is not None
+    qmax = info.qmax - info.qmin if asym else info.qmax
+    zp = "none" if not asym else ("low_bits" if side.zero_point.storage == "scale_low_bits" else "beside")
+    group = str(sc.block) if dynamic and sc.block else "HEAD_PAD"
+    rule = ("(max - min) / " if asym else "absmax / ") + f"{qmax:g}" + (" / global" if dynamic and sc.global_scale else "")
+    ctx = SideContext(
+        name=name, p=p, P=p.upper(), bits=side.bits, unit=codec.unit, unit_bytes=codec.unit_bytes,
+        packed=side.bits < 8, per_byte=max(8 // side.bits, 1), msb_first=side.packing == "msb_first",
+        code_mask=(1 << side.bits) - 1 if side.bits < 32 else 0xFFFFFFFF,
+        scale=scale, group=group, ngroups=f"HEAD_SIZE // {sc.block}" if dynamic and sc.block else "1",
+        asym=asym, zp=zp, zp_clear=hex(0xFFFFFFFF ^ ((1 << side.bits) - 1)),
+        global_scale=bool(dynamic and sc.global_scale), qmax=_float_literal(qmax),
+        scale_floor=_float_literal(max(sc.min, SCALE_TINY[sc.dtype])) if dynamic else "0.0",
+        scale_max=_float_literal(SCALE_MAX[sc.dtype]) if dynamic and sc.dtype in SCALE_MAX else "",
         apply="none" if sc is None else sc.apply.value,
-        qmax=_float_literal(side.info.qmax),
-        scale_min=_float_literal(sc.min) if sc is not None else "0.0",
-        bcast="[:, None]" if scale == "per_token_head" else "",
+        sunit=scodec.unit if scodec else "tl.uint8", sunit_bytes=scodec.unit_bytes if scodec else 1,
+        meta_ptr=f"{p}_meta_ptr" if dynamic and sc.placement == Placement.separate else f"{p}_cache_ptr",
+        rotate=side.rotation is not None,
+        scale_rule=f"scale = max({rule}, {sc.min:g}) stored as {sc.dtype.value}" if dynamic else "",
         codec_summary=codec.summary,
-        codec_source=render_codec(codec, f"{name[0]}_"),
+        scale_summary=(f"{sc.dtype.value} per " + (f"{sc.block} elements" if sc.block else "token and head")
+                       + f", {sc.placement.value}") if dynamic else "",
     )
+    return ctx, sources
 
 
 def header(spec: FormatSpec, part: str) -> str:
@@ -106,7 +152,8 @@ def render_files(spec: FormatSpec) -> dict[str, str]:
     """File name -> text of the generated package of ``spec``."""
     check_supported(spec)
     plan = layout_mod.plan(spec)
-    storage_bytes = STORAGE_BYTES[spec.cache.storage_dtype]
+    k_ctx, k_src = side_context("key", spec.key)
+    v_ctx, v_src = side_context("value", spec.value)
     files = {
         "__init__.py": _ENV.get_template("init.py.jinja").render(
             header=header(spec, "package"),
@@ -117,15 +164,14 @@ def render_files(spec: FormatSpec) -> dict[str, str]:
         ),
         "layout.py": _ENV.get_template("layout.py.jinja").render(
             header=header(spec, "page-size calculator"),
-            storage_dtype=spec.cache.storage_dtype.value,
-            storage_bytes=storage_bytes,
-            tensors=repr(layout_mod.tensor_names(spec)),
+            tensors=repr(layout_mod.tensor_storage(spec)),
             fields=plan,
         ),
         "kernels.py": _ENV.get_template("kernels.py.jinja").render(
             header=header(spec, "Triton kernels"),
-            k=side_context("key", spec.key),
-            v=side_context("value", spec.value),
+            k=k_ctx,
+            v=v_ctx,
+            codec_sources=k_src + v_src,
         ),
     }
     out = {name: _tidy(text) for name, text in files.items()}

@@ -179,6 +179,10 @@ class ScaleSpec(_Strict):
                 object.__setattr__(self, "placement", Placement.inline)
         if g == Granularity.per_block and self.block is None:
             raise ValueError("granularity per_block needs 'block' (elements per scale, e.g. 16 or 32)")
+        if self.block is not None and self.block & (self.block - 1):
+            raise ValueError(f"'block' must be a power of two (it divides the head size), got {self.block}")
+        if self.global_scale and g.is_static:
+            raise ValueError("'global_scale' is a second level above dynamic scales; a static scale needs none")
         if g != Granularity.per_block and self.block is not None:
             raise ValueError(f"'block' only applies to granularity per_block, not {g.value}")
         if g == Granularity.per_channel_group and self.group_tokens is None:
@@ -253,6 +257,11 @@ class SideSpec(_Strict):
             raise ValueError(f"a zero point needs an unsigned integer element (uint2/4/8), not {self.element.value}")
         if info.kind == "uint" and self.zero_point is None:
             raise ValueError(f"element {self.element.value} is asymmetric and needs a 'zero_point'")
+        if self.zero_point is not None:
+            if self.scale is None or self.scale.granularity.is_static:
+                raise ValueError("a zero point is computed with a dynamic scale (per_token_head or per_block)")
+            if self.zero_point.storage == "scale_low_bits" and self.scale.dtype.value != "fp32":
+                raise ValueError("zero_point storage scale_low_bits needs an fp32 scale (its low mantissa bits)")
         if self.packing != "lsb_first" and info.bits >= 8:
             raise ValueError(f"'packing' applies to sub-byte elements, not {self.element.value}")
         return self

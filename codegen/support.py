@@ -6,9 +6,10 @@ from typing import Optional
 
 from .codecs import has_codec
 from .errors import NotSupportedYet
-from .spec import SIDES, FormatSpec, Granularity, Placement
+from .spec import SIDES, FormatSpec, Granularity
 
-_SUPPORTED_GRANULARITIES = (Granularity.per_tensor, Granularity.per_head, Granularity.per_token_head)
+_SUPPORTED_GRANULARITIES = (Granularity.per_tensor, Granularity.per_head, Granularity.per_token_head,
+                            Granularity.per_block)
 
 
 def unsupported(spec: FormatSpec) -> Optional[tuple[str, str]]:
@@ -16,24 +17,14 @@ def unsupported(spec: FormatSpec) -> Optional[tuple[str, str]]:
     for side_name in SIDES:
         side = spec.side(side_name)
         if not has_codec(side.element):
-            return f"{side_name}.element", f"element {side.element.value} has no codec yet (sub-byte and FP4 codecs are planned)"
-        if side.zero_point is not None:
-            return f"{side_name}.zero_point", "zero points are not supported yet"
-        if side.rotation is not None:
-            return f"{side_name}.rotation", "rotations are not supported yet"
+            return f"{side_name}.element", f"element {side.element.value} has no codec yet"
         if side.residual is not None:
             return f"{side_name}.residual", "full-precision residual windows are not supported yet"
+        if side.zero_point is not None and side.zero_point.dtype != "uint8":
+            return f"{side_name}.zero_point.dtype", "only uint8 zero points are supported yet"
         sc = side.scale
-        if sc is None:
-            continue
-        if sc.granularity not in _SUPPORTED_GRANULARITIES:
+        if sc is not None and sc.granularity not in _SUPPORTED_GRANULARITIES:
             return f"{side_name}.scale.granularity", f"granularity {sc.granularity.value} is not supported yet"
-        if sc.placement not in (None, Placement.inline):
-            return f"{side_name}.scale.placement", f"scale placement {sc.placement.value} is not supported yet"
-        if sc.dtype.value != "fp32":
-            return f"{side_name}.scale.dtype", f"scale dtype {sc.dtype.value} is not supported yet (only fp32)"
-        if sc.global_scale:
-            return f"{side_name}.scale.global_scale", "second-level global scales are not supported yet"
     return None
 
 

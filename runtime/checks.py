@@ -36,10 +36,11 @@ def tensor(name: str, x, *, dtypes: Iterable[torch.dtype], ndim: int, device: to
 
 
 def shape(name: str, x: torch.Tensor, expected: tuple, what: str) -> None:
+    """``expected`` may hold None for a dimension of any size."""
     for got, want in zip(x.shape, expected):
         if want is not None and got != want:
-            raise ValueError(f"{name}: shape {tuple(x.shape)} does not match {what} {tuple(expected)} "
-                             "(None = any)".replace("None", "*").replace("(* = any)", "(* = any)"))
+            pretty = "[" + ", ".join("*" if w is None else str(w) for w in expected) + "]"
+            raise ValueError(f"{name}: shape {list(x.shape)} does not match {what} {pretty}")
 
 
 def last_dim_contiguous(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -68,12 +69,15 @@ def slots_in_range(slot_mapping: torch.Tensor, num_slots: int) -> None:
 
 
 def attention_ranges(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                     num_blocks: int, block_size: int, num_tokens: int) -> None:
+                     num_blocks: int, block_size: int, num_tokens: int, max_query_len: Optional[int] = None) -> None:
     qsl = query_start_loc.tolist()
     if qsl[0] != 0 or qsl[-1] != num_tokens:
         raise ValueError(f"query_start_loc: must start at 0 and end at the number of query tokens {num_tokens}, "
                          f"got {qsl[0]} ... {qsl[-1]}")
     lens = seq_lens.tolist()
+    longest = max((b - a for a, b in zip(qsl[:-1], qsl[1:])), default=0)
+    if max_query_len is not None and max_query_len < longest:
+        raise ValueError(f"max_query_len: {max_query_len} is below the longest query ({longest} tokens)")
     max_blocks = block_table.shape[1]
     for s, (a, b) in enumerate(zip(qsl[:-1], qsl[1:])):
         if b < a:

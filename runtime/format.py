@@ -39,6 +39,7 @@ class KVCache:
     """
 
     format_name: str
+    spec_hash: str
     num_blocks: int
     block_size: int
     num_kv_heads: int
@@ -55,7 +56,7 @@ class KVCache:
 
     def nbytes(self) -> int:
         """Bytes of the paged storage (static scales excluded)."""
-        return sum(t.numel() * t.element_size() for n, t in self.tensors.items() if n.endswith("cache"))
+        return sum(t.numel() * t.element_size() for n, t in self.tensors.items() if n.endswith("_cache"))
 
 
 class Format:
@@ -68,6 +69,8 @@ class Format:
         self.layout = layout
         self.source = source  # where it was loaded from
         self._kernels = KernelSet(package)
+        self._consts: dict = {}
+        self._tensor_of: dict = {}
 
     def __repr__(self) -> str:
         return f"<kvgen format {self.name} from {self.source}>"
@@ -81,8 +84,24 @@ class Format:
         return self.layout.cell_layout(head_size)
 
     def _static(self, side: str) -> Optional[Granularity]:
+        """The granularity of a side's static scale (a global scale is one per layer), or None."""
         sc = self.spec.side(side).scale
-        return sc.granularity if sc is not None and sc.granularity.is_static else None
+        if sc is None:
+            return None
+        if sc.global_scale:
+            return Granularity.per_tensor
+        return sc.granularity if sc.granularity.is_static else None
+
+    def _check_head_size(self, head_size: int) -> None:
+        if head_size < 16:
+            raise ValueError(f"head_size: {head_size} is below the kernels' minimum of 16")
+        for side_name in ("key", "value"):
+            side = self.spec.side(side_name)
+            if side.scale is not None and side.scale.block and head_size % side.scale.block:
+                raise ValueError(f"head_size: {head_size} is not a multiple of the {side_name} scale block "
+                                 f"{side.scale.block}")
+            if (head_size * side.bits) % 8:
+                raise ValueError(f"head_size: {head_size} {side.element.value} elements do not fill whole bytes")
 
     # -- allocation -------------------------------------------------------------------------------------------
     def allocate(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, *,
@@ -96,15 +115,11 @@ class Format:
                           ("head_size", head_size)):
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {val!r}")
-        if head_size < 16:
-            raise ValueError(f"head_size: {head_size} is below the kernels' minimum of 16")
-        try:
-            shapes = self.layout.tensor_shapes(num_blocks, block_size, num_kv_heads, head_size)
-        except ValueError as exc:
-            raise ValueError(f"head_size: {exc}") from None
+        self._check_head_size(head_size)
+        shapes = self.layout.tensor_shapes(num_blocks, block_size, num_kv_heads, head_size)
         device = torch.device(device)
-        dtype = STORAGE_TORCH_DTYPES[self.layout.STORAGE_DTYPE]
-        tensors = {name: torch.zeros(shape, dtype=dtype, device=device) for name, shape in shapes.items()}
+        tensors = {name: torch.zeros(shape, dtype=STORAGE_TORCH_DTYPES[self.layout.TENSORS[name]], device=device)
+                   for name, shape in shapes.items()}
         missing = []
         for side, arg, key in (("key", k_scale, "k_scale"), ("value", v_scale, "v_scale")):
             gran = self._static(side)
@@ -120,7 +135,7 @@ class Format:
         if missing:
             warnings.warn(f"kvgen format {self.name}: no {' / '.join(missing)} given; using 1.0. Load the scales "
                           "from the checkpoint, or pass k_scale= / v_scale= to allocate().", stacklevel=2)
-        return KVCache(self.name, num_blocks, block_size, num_kv_heads, head_size, tensors)
+        return KVCache(self.name, self.spec.spec_hash(), num_blocks, block_size, num_kv_heads, head_size, tensors)
 
     @staticmethod
     def _scale_tensor(name: str, arg: ScaleArg, gran: Granularity, num_kv_heads: int,
@@ -140,30 +155,53 @@ class Format:
     def _check_cache(self, cache: KVCache) -> None:
         if not isinstance(cache, KVCache):
             raise ValueError(f"cache: expected a KVCache from {self.name}.allocate(), got {type(cache).__name__}")
-        if cache.format_name != self.name:
-            raise ValueError(f"cache: it was allocated by format {cache.format_name}, not {self.name}")
+        if cache.format_name != self.name or cache.spec_hash != self.spec.spec_hash():
+            raise ValueError(f"cache: it was allocated by format {cache.format_name} (spec hash {cache.spec_hash}), "
+                             f"not by {self.name} (spec hash {self.spec.spec_hash()})")
+        shapes = self.layout.tensor_shapes(cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_size)
+        for name, shape in shapes.items():
+            t = cache.tensors.get(name)
+            want = STORAGE_TORCH_DTYPES[self.layout.TENSORS[name]]
+            if t is None or tuple(t.shape) != shape or t.dtype != want or not t.is_contiguous():
+                got = "missing" if t is None else f"{tuple(t.shape)} {t.dtype}"
+                raise ValueError(f"cache: tensor {name!r} is {got}, expected a contiguous {shape} {want}")
 
-    def _layout_args(self, cache: KVCache) -> dict:
-        cl = self.layout.cell_layout(cache.head_size)
-        off, cells = cl["offsets"], cl["cell_bytes"]
-        k_tensor = "kv_cache" if "kv_cache" in cells else "k_cache"
-        v_tensor = "kv_cache" if "kv_cache" in cells else "v_cache"
-        return dict(
-            K_CELL=cells[k_tensor], K_DATA=off["k_data"], K_SCALE=off.get("k_scale", -1),
-            V_CELL=cells[v_tensor], V_DATA=off["v_data"], V_SCALE=off.get("v_scale", -1),
-        ), cache.tensors[k_tensor].view(torch.uint8), cache.tensors[v_tensor].view(torch.uint8)
-
-    def _scales(self, cache: KVCache):
-        dummy = None
-        out = []
-        for key in ("k_scale", "v_scale"):
-            t = cache.tensors.get(key)
-            if t is None:
-                if dummy is None:
-                    dummy = torch.ones(1, dtype=torch.float32, device=cache.device)
-                t = dummy
-            out.append(t)
-        return out
+    def _kernel_args(self, cache: KVCache) -> tuple[dict, dict]:
+        """Pointer arguments and constexprs shared by both kernels, from the generated layout."""
+        key = (cache.block_size, cache.num_kv_heads, cache.head_size, cache.device)
+        consts = self._consts.get(key[:3])
+        if consts is None:
+            lay = self.layout.page_layout(cache.block_size, cache.num_kv_heads, cache.head_size)
+            consts = dict(NUM_KV_HEADS=cache.num_kv_heads, HEAD_SIZE=cache.head_size,
+                          HEAD_PAD=max(16, 1 << (cache.head_size - 1).bit_length()), BLOCK_SIZE=cache.block_size)
+            for field in ("k_data", "k_scale", "k_zp", "v_data", "v_scale", "v_zp"):
+                f = lay["fields"].get(field)
+                pre = field.upper()
+                consts[f"{pre}_PAGE"] = lay["page_bytes"][f["tensor"]] if f else 0
+                consts[f"{pre}_BASE"] = f["base"] if f else 0
+                consts[f"{pre}_CELL"] = f["cell"] if f else 0
+            for side in ("key", "value"):
+                consts[f"{side[0].upper()}_LOG_B"] = rotation_log_b(cache.head_size) \
+                    if self.spec.side(side).rotation is not None else 0
+            self._consts[key[:3]] = consts
+            self._tensor_of = {f: lay["fields"][f]["tensor"] for f in lay["fields"]}
+        t = cache.tensors
+        ones = None
+        ptrs = {}
+        for p, side in (("k", "key"), ("v", "value")):
+            data = t[self._tensor_of[f"{p}_data"]].view(torch.uint8)
+            ptrs[f"{p}_cache_ptr"] = data
+            meta = self._tensor_of.get(f"{p}_scale")
+            ptrs[f"{p}_meta_ptr"] = t[meta].view(torch.uint8) if meta else data
+            scale = t.get(f"{p}_scale")
+            if scale is None:
+                if ones is None:
+                    ones = torch.ones(1, dtype=torch.float32, device=cache.device)
+                scale = ones
+            ptrs[f"{p}_scale_ptr"] = scale
+            rot = self.spec.side(side).rotation
+            ptrs[f"{p}_signs_ptr"] = rotation_signs(rot.seed, cache.head_size, cache.device) if rot else scale
+        return ptrs, consts
 
     def write(self, cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Quantize ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` into ``cache`` at ``slot_mapping``.
@@ -186,10 +224,8 @@ class Format:
             checks.slots_in_range(slot_mapping, cache.num_slots)
         if key.shape[0] == 0:
             return
-        layout_args, k_bytes, v_bytes = self._layout_args(cache)
-        k_scale, v_scale = self._scales(cache)
-        self._kernels.write(key, value, k_bytes, v_bytes, k_scale, v_scale, slot_mapping.to(torch.int64),
-                            cache.num_kv_heads, cache.head_size, layout_args)
+        ptrs, consts = self._kernel_args(cache)
+        self._kernels.write(key, value, slot_mapping.to(torch.int64), ptrs, consts)
 
     def attend(self, query: torch.Tensor, cache: KVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
                query_start_loc: torch.Tensor, *, sm_scale: Optional[float] = None,
@@ -232,7 +268,7 @@ class Format:
             raise ValueError(f"sm_scale: expected a finite float, got {sm_scale!r}")
         if checks.costly_checks_on(block_table, seq_lens, query_start_loc):
             checks.attention_ranges(block_table, seq_lens, query_start_loc, cache.num_blocks, cache.block_size,
-                                    num_tokens)
+                                    num_tokens, max_query_len)
         if out is None:
             out = torch.empty_like(query)
         else:
@@ -243,36 +279,62 @@ class Format:
             return out
         if max_query_len is None:
             max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-        layout_args, k_bytes, v_bytes = self._layout_args(cache)
-        k_scale, v_scale = self._scales(cache)
-        self._kernels.attend(query, out, k_bytes, v_bytes, k_scale, v_scale, block_table, seq_lens,
-                             query_start_loc, float(sm_scale), sliding_window or 0, max_query_len,
-                             cache.num_kv_heads, cache.block_size, layout_args)
+        ptrs, consts = self._kernel_args(cache)
+        qk_scale = float(sm_scale)
+        if self.spec.key.rotation is not None:
+            qk_scale /= 1 << consts["K_LOG_B"]  # rotated keys and query: q'.k' = b * q.k
+        self._kernels.attend(query, out, block_table, seq_lens, query_start_loc, qk_scale, sliding_window or 0,
+                             max_query_len, ptrs, consts)
         return out
 
     # -- description ------------------------------------------------------------------------------------------
     def describe(self, block_size: int = 16, num_kv_heads: int = 8, head_size: int = 128) -> dict:
         """Bytes per token and head, page bytes and where each scale lives: what `kvgen show` prints."""
-        cl = self.layout.cell_layout(head_size)
+        lay = self.layout.page_layout(block_size, num_kv_heads, head_size)
         fields = []
-        for name, tensor, size, align, what in self.layout.FIELDS:
-            fields.append(dict(field=name, tensor=tensor, offset=cl["offsets"][name], bytes=size(head_size),
-                               what=what))
+        for name, tensor, region, size, align, what in self.layout.FIELDS:
+            f = lay["fields"][name]
+            fields.append(dict(field=name, tensor=tensor, region=region, offset=f["offset"], base=f["base"],
+                               bytes=f["bytes"], what=what))
         k = sum(f["bytes"] for f in fields if f["field"].startswith("k_"))
         v = sum(f["bytes"] for f in fields if f["field"].startswith("v_"))
-        total = sum(cl["cell_bytes"].values())
-        scales = {}
-        for side in ("key", "value"):
-            sc = self.spec.side(side).scale
-            if sc is None:
-                scales[side] = "none (unquantized)"
-            elif sc.granularity.is_static:
-                per = "per layer" if sc.granularity == Granularity.per_tensor else "per KV head"
-                scales[side] = f"static fp32 {per}, in the cache object ({side[0]}_scale)"
-            else:
-                scales[side] = f"dynamic {sc.dtype.value} {sc.granularity.value}, {sc.placement.value} in the cell"
+        total = sum(sum(cells) for cells in lay["regions"].values())
         return dict(name=self.name, block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
                     key_bytes=k, value_bytes=v, padding_bytes=total - k - v, bytes_per_token_head=total,
                     page_bytes=self.page_bytes(block_size, num_kv_heads, head_size),
-                    storage_dtype=self.layout.STORAGE_DTYPE, tensors=list(self.layout.TENSORS),
-                    fields=fields, scales=scales)
+                    tensors=dict(self.layout.TENSORS), fields=fields,
+                    scales={side: self.scale_summary(side) for side in ("key", "value")})
+
+    def scale_summary(self, side: str) -> str:
+        s = self.spec.side(side)
+        sc = s.scale
+        if sc is None:
+            return "none"
+        if sc.granularity.is_static:
+            return "static fp32 " + ("per layer" if sc.granularity == Granularity.per_tensor else "per KV head")
+        group = f"per {sc.block} elements" if sc.block else "per token and head"
+        text = f"{sc.dtype.value} {group}, {sc.placement.value}"
+        if sc.global_scale:
+            text += " (x fp32 global per layer)"
+        if s.zero_point is not None:
+            text += ", zero point " + ("in scale low bits" if s.zero_point.storage == "scale_low_bits" else "uint8")
+        return text
+
+
+def rotation_log_b(head_size: int) -> int:
+    """log2 of the Hadamard block: the largest power of two dividing the head size."""
+    return (head_size & -head_size).bit_length() - 1
+
+
+_SIGNS: dict = {}
+
+
+def rotation_signs(seed: int, head_size: int, device: torch.device) -> torch.Tensor:
+    """The fixed +-1 vector applied before the Hadamard transform (docs/SEMANTICS.md)."""
+    key = (seed, head_size, str(device))
+    if key not in _SIGNS:
+        import numpy as np
+
+        bits = np.random.default_rng(seed).integers(0, 2, size=head_size)
+        _SIGNS[key] = torch.from_numpy((1 - 2 * bits).astype(np.float32)).to(device)
+    return _SIGNS[key]

@@ -63,37 +63,38 @@ class KernelSet:
             raise ValueError(f"cache: is on {t.device}; compiled Triton kernels need a CUDA device (or set "
                              "TRITON_INTERPRET=1 before importing kvgen to run on the CPU)")
 
-    def write(self, key, value, k_bytes, v_bytes, k_scale, v_scale, slot_mapping, num_kv_heads, head_size,
-              layout_args) -> None:
-        self._check_device(k_bytes)
+    def write(self, key, value, slot_mapping, tensors: dict, consts: dict) -> None:
+        """``tensors``: the kernel's pointer arguments by name; ``consts``: layout and shape constexprs."""
+        self._check_device(tensors["k_cache_ptr"])
         num_tokens = key.shape[0]
         block_t = 64 if interpreting() else 16
         block_t = min(block_t, _next_pow2(num_tokens))
-        grid = (triton_cdiv(num_tokens, block_t), num_kv_heads)
+        grid = (triton_cdiv(num_tokens, block_t), consts["NUM_KV_HEADS"])
         self.module.reshape_and_cache_kernel[grid](
-            key, value, k_bytes, v_bytes, k_scale, v_scale, slot_mapping, num_tokens,
-            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-            NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, HEAD_PAD=max(16, _next_pow2(head_size)),
-            BLOCK_T=block_t, **layout_args,
+            key, value, slot_mapping_ptr=slot_mapping, num_tokens=num_tokens,
+            stride_kt=key.stride(0), stride_kh=key.stride(1), stride_vt=value.stride(0), stride_vh=value.stride(1),
+            BLOCK_T=block_t, **tensors, **consts,
+            # stored bytes must not depend on the compiler contracting x * inv + c into one rounding
+            **({} if interpreting() else {"enable_fp_fusion": False}),
         )
 
-    def attend(self, query, out, k_bytes, v_bytes, k_scale, v_scale, block_table, seq_lens, query_start_loc,
-               sm_scale, window, max_query_len, num_kv_heads, block_size, layout_args) -> None:
-        self._check_device(k_bytes)
-        num_q_heads, head_size = query.shape[1], query.shape[2]
-        group = num_q_heads // num_kv_heads
+    def attend(self, query, out, block_table, seq_lens, query_start_loc, qk_scale, window, max_query_len,
+               tensors: dict, consts: dict) -> None:
+        self._check_device(tensors["k_cache_ptr"])
+        num_q_heads = query.shape[1]
+        group = num_q_heads // consts["NUM_KV_HEADS"]
         max_rows = 128 if interpreting() else 64
         block_m = max(16, _next_pow2(group * min(max_query_len, max(1, max_rows // group))))
         block_q = max(1, block_m // group)
         block_n = 128 if interpreting() else 64
         num_q_tiles = triton_cdiv(max_query_len, block_q)
-        grid = (seq_lens.shape[0] * num_q_tiles, num_kv_heads)
+        grid = (seq_lens.shape[0] * num_q_tiles, consts["NUM_KV_HEADS"])
         self.module.paged_attention_kernel[grid](
-            query, out, k_bytes, v_bytes, k_scale, v_scale, block_table, seq_lens, query_start_loc,
-            sm_scale * LOG2E, window, num_q_tiles,
-            query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-            NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_SIZE=head_size, HEAD_PAD=max(16, _next_pow2(head_size)),
-            BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, **layout_args,
+            query, out, block_table_ptr=block_table, seq_lens_ptr=seq_lens, query_start_loc_ptr=query_start_loc,
+            qk_scale=qk_scale * LOG2E, window=window, num_q_tiles=num_q_tiles,
+            stride_qt=query.stride(0), stride_qh=query.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
+            stride_bt=block_table.stride(0), GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
+            **tensors, **consts,
         )
 
 

@@ -36,8 +36,7 @@ def make_spec(key: dict[str, Any], value: Optional[dict[str, Any]] = None, **cac
 def encode_one(spec: FormatSpec, values: list[float], static_scale: Any = None) -> np.ndarray:
     """Encode one (token, head) vector with the key side: its data bytes."""
     x = np.array(values, dtype=np.float32).reshape(1, 1, -1)
-    data, _ = R.encode_side(spec.key, x, static_scale)
-    return data[0, 0]
+    return R.encode_side(spec.key, x, static_scale).data[0, 0]
 
 
 # --- layout ---------------------------------------------------------------------------------------------------------
@@ -75,14 +74,18 @@ def test_mixed_sides_align_each_field() -> None:
 
 
 def test_unsupported_features_raise() -> None:
-    with pytest.raises(NotImplementedError, match="reference:"):
-        R.cell_layout(make_spec({"element": "int4", "scale": {"granularity": "per_token_head"}}), 128)
-    with pytest.raises(NotImplementedError, match="reference:"):
-        R.cell_layout(make_spec({"element": "int8", "scale": {"granularity": "per_block", "block": 32}}), 128)
-    with pytest.raises(NotImplementedError, match="reference:"):
-        R.cell_layout(make_spec({"element": "int8", "scale": {"granularity": "per_token_head",
-                                                              "placement": "separate"}}), 128)
-    with pytest.raises(NotImplementedError, match="reference:"):
+    # what the schema can express but SEMANTICS.md does not define
+    kivi = {"element": "uint2", "zero_point": {}, "scale": {"granularity": "per_channel_group", "group_tokens": 32}}
+    residual = {"element": "int8", "scale": {"granularity": "per_token_head"}, "residual": {"tokens": 32}}
+    fp16_zp = {"element": "uint8", "zero_point": {"dtype": "fp16"}, "scale": {"granularity": "per_token_head"}}
+    for side in (kivi, residual, fp16_zp):
+        spec = make_spec(side)
+        with pytest.raises(NotImplementedError, match="reference:"):
+            R.layout(spec, 128)
+        with pytest.raises(NotImplementedError, match="reference:"):
+            R.encode_side(spec.key, np.zeros((1, 1, 128), np.float32))
+    # several tensors or regions: cell_layout / new_cache_bytes are for one-region kv_cache formats only
+    with pytest.raises(ValueError):
         R.cell_layout(make_spec({"element": "bf16"}, layout="split"), 128)
 
 
@@ -135,7 +138,7 @@ def test_fp8_matches_ml_dtypes_in_range(name: str, dtype: type) -> None:
     # every finite code survives decode -> encode
     codes = np.arange(256, dtype=np.uint8)
     finite = np.isfinite(codes.view(dtype).astype(np.float32))
-    values = R.decode_side(spec.key, codes[finite].reshape(1, 1, -1), 1.0)[0, 0]
+    values = R.decode_side(spec.key, codes[finite].reshape(1, 1, -1), static_scale=1.0)[0, 0]
     assert np.array_equal(encode_one(spec, list(values)), codes[finite])
 
 
@@ -156,15 +159,16 @@ def test_unquantized_codes_by_hand() -> None:
 def test_decode_by_hand() -> None:
     fp8 = shipped("fp8_e4m3").key
     # 0x7E = 448, 0x01 = 2**-9, 0xBC = -1.5; times the static scale 2
-    got = R.decode_side(fp8, np.array([[[0x7E, 0x01, 0xBC]]], np.uint8), 2.0)
+    got = R.decode_side(fp8, np.array([[[0x7E, 0x01, 0xBC]]], np.uint8), static_scale=2.0)
     assert got.tolist() == [[[896.0, 2.0**-8, -3.0]]]
     e5 = shipped("fp8_e5m2").key
-    assert R.decode_side(e5, np.array([[[0x7B, 0x01]]], np.uint8), 1.0).tolist() == [[[57344.0, 2.0**-16]]]
+    got = R.decode_side(e5, np.array([[[0x7B, 0x01]]], np.uint8), static_scale=1.0)
+    assert got.tolist() == [[[57344.0, 2.0**-16]]]
     # bf16 bytes 82 3F = 0x3F82 = 1 + 2 * 2**-7 = 1.015625
     assert R.decode_side(shipped("bf16").key, np.array([[[0x82, 0x3F]]], np.uint8)).tolist() == [[[1.015625]]]
-    # int8 0xFD = -3, 0x7F = 127, times a stored per (token, head) scale 0.5
+    # int8 0xFD = -3, 0x7F = 127, times a stored per (token, head) scale 0.5 = 0x3F000000 (bytes 00 00 00 3F)
     i8 = shipped("int8_per_token_head").key
-    got = R.decode_side(i8, np.array([[[0xFD, 0x7F]]], np.uint8), np.array([[0.5]], np.float32))
+    got = R.decode_side(i8, np.array([[[0xFD, 0x7F]]], np.uint8), np.array([[[0, 0, 0, 0x3F]]], np.uint8))
     assert got.tolist() == [[[-1.5, 63.5]]]
 
 
@@ -173,9 +177,10 @@ def test_decode_by_hand() -> None:
 def test_int8_per_token_head_rounds_half_away_from_zero() -> None:
     spec = shipped("int8_per_token_head")
     x = np.array([127.0, 2.5, -2.5, 0.5, -0.5, 0.5 - 2.0**-25, 1.4, -127.0], np.float32).reshape(1, 1, -1)
-    data, scale = R.encode_side(spec.key, x)
-    # absmax 127 -> scale 127 / 127 = 1.0, 1 / scale = 1.0
-    assert scale.tolist() == [[1.0]]
+    enc = R.encode_side(spec.key, x)
+    data = enc.data
+    # absmax 127 -> scale 127 / 127 = 1.0, 1 / scale = 1.0 (stored 00 00 80 3F)
+    assert enc.scale.tolist() == [[[0x00, 0x00, 0x80, 0x3F]]]
     # 2.5 -> trunc(3.0) = 3; -2.5 -> -3; 0.5 -> trunc(1.0) = 1; -0.5 -> -1;
     # 0.5 - 2**-25: (0.5 - 2**-25) + 0.5 = 1 - 2**-25 is the float32 tie of 1 - 2**-24 (odd) and 1.0 (even) -> 1.0,
     #   trunc -> 1 (exact rounding would give 0: this is vLLM's float32 addition);
@@ -210,9 +215,10 @@ def test_dynamic_scale_floor_and_values() -> None:
     x = np.zeros((1, 3, 4), np.float32)
     x[0, 1] = [896.0, 34.0, -3.0, 0.0]  # absmax 896 -> scale 896 / 448 = 2.0, 1 / 2 = 0.5
     x[0, 2] = [112.0, 0.25, -0.5, 0.0]  # absmax 112 -> scale 0.25, 1 / 0.25 = 4
-    data, scale = R.encode_side(spec.key, x)
+    enc = R.encode_side(spec.key, x)
+    data = enc.data
     # all zeros: max(0 / 448, 1e-6) = float32(1e-6), bits 0x358637BD
-    assert scale[0].view(np.uint32).tolist() == [0x358637BD, 0x40000000, 0x3E800000]
+    assert enc.scale[0].view("<u4")[:, 0].tolist() == [0x358637BD, 0x40000000, 0x3E800000]
     assert data[0, 0].tolist() == [0, 0, 0, 0]
     # 896 * 0.5 = 448 -> 0x7E; 17 -> 0x58 (tie to 16); -1.5 -> 0xBC
     assert data[0, 1].tolist() == [0x7E, 0x58, 0xBC, 0x00]
@@ -223,28 +229,30 @@ def test_dynamic_scale_floor_and_values() -> None:
 def test_static_per_head_scales() -> None:
     spec = make_spec({"element": "fp8_e4m3", "scale": {"granularity": "per_head"}})
     x = np.full((1, 2, 1), 2.0, np.float32)
-    data, scale = R.encode_side(spec.key, x, [1.0, 4.0])
+    enc = R.encode_side(spec.key, x, [1.0, 4.0])
     # head 0: 2 / 1 = 2 = 0 1000 000 = 0x40; head 1: 2 / 4 = 0.5 = 0 0110 000 = 0x30
-    assert scale is None and data[0, :, 0].tolist() == [0x40, 0x30]
+    assert enc.scale is None and enc.data[0, :, 0].tolist() == [0x40, 0x30]
     with pytest.raises(ValueError):
         R.encode_side(spec.key, x, [1.0, 2.0, 3.0])
+    # one value is broadcast to every head
+    assert R.encode_side(spec.key, x, 4.0).data[0, :, 0].tolist() == [0x30, 0x30]
 
 
 # --- error bound ----------------------------------------------------------------------------------------------------
 
 def test_error_bound_by_hand() -> None:
     one = np.float32(1.0)
-    # e4m3 at 17 (scale 1): step 2 in [16, 32) -> half ulp 1, plus 17 * 2**-22
+    slack = 2.0**-21  # float32 slack per unit of |x / s| + zp + 1, in code units (reference.quant.CODE_SLACK)
+    # e4m3 at 17 (scale 1): step 2 in [16, 32) -> half ulp 1, plus (17 + 1) * slack
     b = R.error_bound(shipped("fp8_e4m3").key, np.array([[[17.0, 0.001]]], np.float32), one)
     # below 2**-6 the subnormal step 2**-9 -> 2**-10
-    assert b[0, 0].tolist() == [1.0 + 17 * 2.0**-22, 2.0**-10 + float(np.float32(0.001)) * 2.0**-22]
+    assert b[0, 0].tolist() == [1.0 + 18 * slack, 2.0**-10 + (float(np.float32(0.001)) + 1) * slack]
     # bf16 at 1.0: step 2**-7 -> 2**-8; fp16 at 70000: beyond 65504 + 16 it overflows to inf
     assert R.error_bound(shipped("bf16").key, np.array([[[1.0]]], np.float32)).item() == 2.0**-8
     assert R.error_bound(shipped("fp16").key, np.array([[[70000.0]]], np.float32)).item() == math.inf
-    # int8 saturation: scale 1, 200 -> code 127: excess 200 - 127 = 73; bound = 0.5 + 2**-16 + 73 + 200 * 2**-22
+    # int8 saturation: scale 1, 200 -> code 127: excess 200 - 127 = 73; bound = 0.5 + 73 + (200 + 1) * slack
     spec = make_spec({"element": "int8", "scale": {"granularity": "per_tensor"}})
-    assert R.error_bound(spec.key, np.array([[[200.0]]], np.float32), 1.0).item() == \
-        0.5 + 2.0**-16 + 73.0 + 200 * 2.0**-22
+    assert R.error_bound(spec.key, np.array([[[200.0]]], np.float32), 1.0).item() == 0.5 + 73.0 + 201 * slack
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -254,8 +262,8 @@ def test_error_bound_holds_and_is_tight(name: str) -> None:
     x = (rng.standard_normal((64, 2, 32)) * np.exp2(rng.uniform(-12, 12, (64, 2, 1)))).astype(np.float32)
     x[0] = 0.0
     static = 0.75 if spec.key.scale is not None and spec.key.scale.granularity.is_static else None
-    data, scale = R.encode_side(spec.key, x, static)
-    decoded = R.decode_side(spec.key, data, scale if scale is not None else static)
+    enc = R.encode_side(spec.key, x, static)
+    decoded = R.decode_side(spec.key, enc.data, enc.scale, enc.zp, static)
     err = np.abs(decoded - x.astype(np.float64))
     bound = R.error_bound(spec.key, x, static)
     assert np.all(err <= bound)

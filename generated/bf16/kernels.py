@@ -8,9 +8,10 @@ import triton
 import triton.language as tl
 
 # ---------------------------------------------------------------------------------------------------------------
-# Element codecs. key: bf16, stored as its bits, rounded to nearest even
-#                 value: bf16, stored as its bits, rounded to nearest even
+# Codecs. key: bf16, stored as its bits, rounded to nearest even
+#         value: bf16, stored as its bits, rounded to nearest even
 # ---------------------------------------------------------------------------------------------------------------
+
 
 @triton.jit
 def k_encode(v):
@@ -43,20 +44,27 @@ def v_decode(code):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# reshape_and_cache: one program per (BLOCK_T tokens, KV head). Token t goes to cell
-# (slot_mapping[t] * NUM_KV_HEADS + head) of each side's tensor; slot -1 writes nothing.
+# reshape_and_cache: one program per (BLOCK_T tokens, KV head). Token t goes to slot slot_mapping[t]
+# (block slot // BLOCK_SIZE, offset slot % BLOCK_SIZE); slot -1 writes nothing.
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
 def reshape_and_cache_kernel(
     key_ptr, value_ptr,  # [num_tokens, NUM_KV_HEADS, HEAD_SIZE], bf16 / fp16 / fp32, last dim contiguous
-    k_cache_ptr, v_cache_ptr,  # uint8 views of the cache tensor(s); the same tensor when K and V are interleaved
-    k_scale_ptr, v_scale_ptr,  # static fp32 scales ([1] per tensor, [NUM_KV_HEADS] per head); unused otherwise
+    k_cache_ptr, v_cache_ptr,  # uint8 views of the tensors holding the K and V codes (the same when interleaved)
+    k_meta_ptr, v_meta_ptr,  # uint8 views of the tensors holding dynamic scales (separate placement, else = data)
+    k_scale_ptr, v_scale_ptr,  # static fp32 scales: [1] per tensor or global, [NUM_KV_HEADS] per head
+    k_signs_ptr, v_signs_ptr,  # fp32 [HEAD_SIZE] +-1 rotation signs (unused without rotation)
     slot_mapping_ptr,  # int64 [num_tokens]
     num_tokens,
     stride_kt, stride_kh, stride_vt, stride_vh,
-    NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
-    K_CELL: tl.constexpr, K_DATA: tl.constexpr, K_SCALE: tl.constexpr,
-    V_CELL: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    K_LOG_B: tl.constexpr, V_LOG_B: tl.constexpr,
+    K_DATA_PAGE: tl.constexpr, K_DATA_BASE: tl.constexpr, K_DATA_CELL: tl.constexpr,
+    K_SCALE_PAGE: tl.constexpr, K_SCALE_BASE: tl.constexpr, K_SCALE_CELL: tl.constexpr,
+    K_ZP_PAGE: tl.constexpr, K_ZP_BASE: tl.constexpr, K_ZP_CELL: tl.constexpr,
+    V_DATA_PAGE: tl.constexpr, V_DATA_BASE: tl.constexpr, V_DATA_CELL: tl.constexpr,
+    V_SCALE_PAGE: tl.constexpr, V_SCALE_BASE: tl.constexpr, V_SCALE_CELL: tl.constexpr,
+    V_ZP_PAGE: tl.constexpr, V_ZP_BASE: tl.constexpr, V_ZP_CELL: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
     head = tl.program_id(1)
@@ -64,52 +72,57 @@ def reshape_and_cache_kernel(
     slot = tl.load(slot_mapping_ptr + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
     valid = slot >= 0
     slot = tl.where(valid, slot, 0)
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
     d = tl.arange(0, HEAD_PAD)
     dmask = d < HEAD_SIZE
-    store_mask = valid[:, None] & dmask[None, :]
+    in_mask = valid[:, None] & dmask[None, :]
     tok64 = tok.to(tl.int64)
-    x_key = tl.load(key_ptr + tok64[:, None] * stride_kt + head * stride_kh + d[None, :], mask=store_mask, other=0.0).to(tl.float32)
-    x_value = tl.load(value_ptr + tok64[:, None] * stride_vt + head * stride_vh + d[None, :], mask=store_mask, other=0.0).to(tl.float32)
-    # key: stored unquantized
-    k_codes = k_encode(x_key)
-    k_cell = k_cache_ptr + (slot * NUM_KV_HEADS + head) * K_CELL
-    k_dst = (k_cell[:, None] + K_DATA + d[None, :] * 2).to(tl.pointer_type(tl.uint16))
-    tl.store(k_dst, k_codes, mask=store_mask)
+    x_key = tl.load(key_ptr + tok64[:, None] * stride_kt + head * stride_kh + d[None, :], mask=in_mask, other=0.0).to(tl.float32)
+    x_value = tl.load(value_ptr + tok64[:, None] * stride_vt + head * stride_vh + d[None, :], mask=in_mask, other=0.0).to(tl.float32)
 
-    # value: stored unquantized
+    # ---- key ----
+    k_codes = k_encode(x_key)
+    k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
+    tl.store((k_row[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), k_codes, mask=valid[:, None] & dmask[None, :])
+
+    # ---- value ----
     v_codes = v_encode(x_value)
-    v_cell = v_cache_ptr + (slot * NUM_KV_HEADS + head) * V_CELL
-    v_dst = (v_cell[:, None] + V_DATA + d[None, :] * 2).to(tl.pointer_type(tl.uint16))
-    tl.store(v_dst, v_codes, mask=store_mask)
+    v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
+    tl.store((v_row[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), v_codes, mask=valid[:, None] & dmask[None, :])
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # paged_attention: one program per (sequence, tile of BLOCK_Q query tokens, KV head). Its BLOCK_M rows are
 # (query token, query head) pairs: row r is query token tile * BLOCK_Q + r // GROUP and query head
-# kv_head * GROUP + r % GROUP, so every K/V byte is read once for all query heads that share it (GQA/MQA).
+# head * GROUP + r % GROUP, so every K/V byte is read once for all query heads that share it (GQA/MQA).
 # Query i of a sequence with q_len queries and seq_len KV tokens sits at position seq_len - q_len + i and sees
-# positions j <= it (causal), and only the WINDOW newest (j > pos - WINDOW) when WINDOW > 0.
+# positions j <= it (causal), and only the `window` newest (j > pos - window) when window > 0.
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
 def paged_attention_kernel(
     q_ptr, out_ptr,  # [num_tokens, NUM_KV_HEADS * GROUP, HEAD_SIZE]
-    k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+    k_cache_ptr, v_cache_ptr, k_meta_ptr, v_meta_ptr, k_scale_ptr, v_scale_ptr, k_signs_ptr, v_signs_ptr,
     block_table_ptr,  # int32 [num_seqs, max_blocks]
     seq_lens_ptr,  # int32 [num_seqs]: KV length including the new tokens
     query_start_loc_ptr,  # int32 [num_seqs + 1]
-    qk_scale,  # sm_scale * log2(e): scores are computed in base 2
+    qk_scale,  # sm_scale * log2(e) (/ b when keys are rotated): scores are computed in base 2
     window,  # sliding window in tokens, 0 for none
     num_q_tiles,  # query tiles per sequence in the grid
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    K_CELL: tl.constexpr, K_DATA: tl.constexpr, K_SCALE: tl.constexpr,
-    V_CELL: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, K_LOG_B: tl.constexpr, V_LOG_B: tl.constexpr,
+    K_DATA_PAGE: tl.constexpr, K_DATA_BASE: tl.constexpr, K_DATA_CELL: tl.constexpr,
+    K_SCALE_PAGE: tl.constexpr, K_SCALE_BASE: tl.constexpr, K_SCALE_CELL: tl.constexpr,
+    K_ZP_PAGE: tl.constexpr, K_ZP_BASE: tl.constexpr, K_ZP_CELL: tl.constexpr,
+    V_DATA_PAGE: tl.constexpr, V_DATA_BASE: tl.constexpr, V_DATA_CELL: tl.constexpr,
+    V_SCALE_PAGE: tl.constexpr, V_SCALE_BASE: tl.constexpr, V_SCALE_CELL: tl.constexpr,
+    V_ZP_PAGE: tl.constexpr, V_ZP_BASE: tl.constexpr, V_ZP_CELL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     seq = tl.program_id(0) // num_q_tiles
     tile = tl.program_id(0) % num_q_tiles
-    kv_head = tl.program_id(1)
+    head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if tile * BLOCK_Q < q_len:
@@ -118,7 +131,7 @@ def paged_attention_kernel(
 
         r = tl.arange(0, BLOCK_M)
         qi = tile * BLOCK_Q + r // GROUP
-        q_head = kv_head * GROUP + r % GROUP
+        q_head = head * GROUP + r % GROUP
         row_mask = (r < BLOCK_Q * GROUP) & (qi < q_len)
         q_pos = context + qi
         d = tl.arange(0, HEAD_PAD)
@@ -139,11 +152,11 @@ def paged_attention_kernel(
         for start in range(lo, hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_mask = n < hi
-            block = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-            slot = block * BLOCK_SIZE + n % BLOCK_SIZE
-            k_cell = k_cache_ptr + (slot * NUM_KV_HEADS + kv_head) * K_CELL
-            k_src = (k_cell[:, None] + K_DATA + d[None, :] * 2).to(tl.pointer_type(tl.uint16))
-            k_tile = k_decode(tl.load(k_src, mask=n_mask[:, None] & dmask[None, :], other=0))
+            blk = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+            off = n % BLOCK_SIZE
+            k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
+            k_code = tl.load((k_row[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=n_mask[:, None] & dmask[None, :], other=0)
+            k_tile = k_decode(k_code)
             scores = tl.dot(q, tl.trans(k_tile), input_precision="ieee") * qk_scale
             visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
             visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
@@ -152,9 +165,9 @@ def paged_attention_kernel(
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay at zero
             p = tl.exp2(scores - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
-            v_cell = v_cache_ptr + (slot * NUM_KV_HEADS + kv_head) * V_CELL
-            v_src = (v_cell[:, None] + V_DATA + d[None, :] * 2).to(tl.pointer_type(tl.uint16))
-            v_tile = v_decode(tl.load(v_src, mask=n_mask[:, None] & dmask[None, :], other=0))
+            v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
+            v_code = tl.load((v_row[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=n_mask[:, None] & dmask[None, :], other=0)
+            v_tile = v_decode(v_code)
             acc = acc * alpha[:, None] + tl.dot(p, v_tile, input_precision="ieee")
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new

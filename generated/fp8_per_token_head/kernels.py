@@ -9,18 +9,19 @@ import triton
 import triton.language as tl
 
 # ---------------------------------------------------------------------------------------------------------------
-# Element codecs. key: fp8_e4m3 by bit manipulation: saturate to +-448, round half to even
-#                 value: fp8_e4m3 by bit manipulation: saturate to +-448, round half to even
+# Codecs. key: fp8_e4m3 by bit manipulation: saturate to +-448, round half to even; scales fp32 per token and head, inline
+#         value: fp8_e4m3 by bit manipulation: saturate to +-448, round half to even; scales fp32 per token and head, inline
 # ---------------------------------------------------------------------------------------------------------------
+
 
 @triton.jit
 def k_encode(v):
-    # fp32 -> fp8_e4m3 code by bit manipulation (the interpreter's fp8 cast is wrong):
+    # fp32 -> fp8_e4m3 code by bit manipulation (the interpreter's low-precision casts are wrong):
     # saturate |v| to 448.0, find its binade e (clamped to the subnormal binade -6),
     # scale the magnitude to an integer grid of 2**3 steps per binade, round half to even, then
     # code = (e - (-6)) * 2**3 + m  (a carry of m moves into the next binade by itself).
     bits = v.to(tl.uint32, bitcast=True)
-    sign = (bits >> 24) & 0x80
+    sign = (bits >> 24) & 128
     a = tl.minimum(tl.abs(v), 448.0)
     e = ((a.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
     e = tl.maximum(e, -6)
@@ -35,25 +36,35 @@ def k_encode(v):
 def k_decode(code):
     # fp8_e4m3 code -> fp32: normal codes rebuild the fp32 bit pattern, subnormals scale the mantissa
     c = code.to(tl.uint32)
-    sign = (c & 0x80) << 24
+    sign = (c & 128) << 24
     ex = (c >> 3) & 15
     man = c & 7
     normal = (((ex + (127 - 7)) << 23) | (man << 20)).to(tl.float32, bitcast=True)
     subnormal = man.to(tl.float32) * 0.001953125
     mag = tl.where(ex == 0, subnormal, normal)
-    # e4m3fn has no infinities: only S.1111.111 is NaN
-    mag = tl.where((c & 0x7F) == 0x7F, float("nan"), mag)
+    # no infinities: only the all-ones pattern is NaN
+    mag = tl.where((c & 127) == 127, float("nan"), mag)
     return (mag.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
+def k_scale_encode(v):
+    return v.to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def k_scale_decode(code):
+    return code.to(tl.uint32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def v_encode(v):
-    # fp32 -> fp8_e4m3 code by bit manipulation (the interpreter's fp8 cast is wrong):
+    # fp32 -> fp8_e4m3 code by bit manipulation (the interpreter's low-precision casts are wrong):
     # saturate |v| to 448.0, find its binade e (clamped to the subnormal binade -6),
     # scale the magnitude to an integer grid of 2**3 steps per binade, round half to even, then
     # code = (e - (-6)) * 2**3 + m  (a carry of m moves into the next binade by itself).
     bits = v.to(tl.uint32, bitcast=True)
-    sign = (bits >> 24) & 0x80
+    sign = (bits >> 24) & 128
     a = tl.minimum(tl.abs(v), 448.0)
     e = ((a.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
     e = tl.maximum(e, -6)
@@ -68,32 +79,49 @@ def v_encode(v):
 def v_decode(code):
     # fp8_e4m3 code -> fp32: normal codes rebuild the fp32 bit pattern, subnormals scale the mantissa
     c = code.to(tl.uint32)
-    sign = (c & 0x80) << 24
+    sign = (c & 128) << 24
     ex = (c >> 3) & 15
     man = c & 7
     normal = (((ex + (127 - 7)) << 23) | (man << 20)).to(tl.float32, bitcast=True)
     subnormal = man.to(tl.float32) * 0.001953125
     mag = tl.where(ex == 0, subnormal, normal)
-    # e4m3fn has no infinities: only S.1111.111 is NaN
-    mag = tl.where((c & 0x7F) == 0x7F, float("nan"), mag)
+    # no infinities: only the all-ones pattern is NaN
+    mag = tl.where((c & 127) == 127, float("nan"), mag)
     return (mag.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def v_scale_encode(v):
+    return v.to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def v_scale_decode(code):
+    return code.to(tl.uint32).to(tl.float32, bitcast=True)
+
+
 # ---------------------------------------------------------------------------------------------------------------
-# reshape_and_cache: one program per (BLOCK_T tokens, KV head). Token t goes to cell
-# (slot_mapping[t] * NUM_KV_HEADS + head) of each side's tensor; slot -1 writes nothing.
+# reshape_and_cache: one program per (BLOCK_T tokens, KV head). Token t goes to slot slot_mapping[t]
+# (block slot // BLOCK_SIZE, offset slot % BLOCK_SIZE); slot -1 writes nothing.
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
 def reshape_and_cache_kernel(
     key_ptr, value_ptr,  # [num_tokens, NUM_KV_HEADS, HEAD_SIZE], bf16 / fp16 / fp32, last dim contiguous
-    k_cache_ptr, v_cache_ptr,  # uint8 views of the cache tensor(s); the same tensor when K and V are interleaved
-    k_scale_ptr, v_scale_ptr,  # static fp32 scales ([1] per tensor, [NUM_KV_HEADS] per head); unused otherwise
+    k_cache_ptr, v_cache_ptr,  # uint8 views of the tensors holding the K and V codes (the same when interleaved)
+    k_meta_ptr, v_meta_ptr,  # uint8 views of the tensors holding dynamic scales (separate placement, else = data)
+    k_scale_ptr, v_scale_ptr,  # static fp32 scales: [1] per tensor or global, [NUM_KV_HEADS] per head
+    k_signs_ptr, v_signs_ptr,  # fp32 [HEAD_SIZE] +-1 rotation signs (unused without rotation)
     slot_mapping_ptr,  # int64 [num_tokens]
     num_tokens,
     stride_kt, stride_kh, stride_vt, stride_vh,
-    NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
-    K_CELL: tl.constexpr, K_DATA: tl.constexpr, K_SCALE: tl.constexpr,
-    V_CELL: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    K_LOG_B: tl.constexpr, V_LOG_B: tl.constexpr,
+    K_DATA_PAGE: tl.constexpr, K_DATA_BASE: tl.constexpr, K_DATA_CELL: tl.constexpr,
+    K_SCALE_PAGE: tl.constexpr, K_SCALE_BASE: tl.constexpr, K_SCALE_CELL: tl.constexpr,
+    K_ZP_PAGE: tl.constexpr, K_ZP_BASE: tl.constexpr, K_ZP_CELL: tl.constexpr,
+    V_DATA_PAGE: tl.constexpr, V_DATA_BASE: tl.constexpr, V_DATA_CELL: tl.constexpr,
+    V_SCALE_PAGE: tl.constexpr, V_SCALE_BASE: tl.constexpr, V_SCALE_CELL: tl.constexpr,
+    V_ZP_PAGE: tl.constexpr, V_ZP_BASE: tl.constexpr, V_ZP_CELL: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
     head = tl.program_id(1)
@@ -101,62 +129,81 @@ def reshape_and_cache_kernel(
     slot = tl.load(slot_mapping_ptr + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
     valid = slot >= 0
     slot = tl.where(valid, slot, 0)
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
     d = tl.arange(0, HEAD_PAD)
     dmask = d < HEAD_SIZE
-    store_mask = valid[:, None] & dmask[None, :]
+    in_mask = valid[:, None] & dmask[None, :]
     tok64 = tok.to(tl.int64)
-    x_key = tl.load(key_ptr + tok64[:, None] * stride_kt + head * stride_kh + d[None, :], mask=store_mask, other=0.0).to(tl.float32)
-    x_value = tl.load(value_ptr + tok64[:, None] * stride_vt + head * stride_vh + d[None, :], mask=store_mask, other=0.0).to(tl.float32)
-    # key: dynamic scale per token and head = max(absmax / 448.0, 1e-06)
-    k_absmax = tl.max(tl.abs(x_key), axis=1)
-    k_s = tl.maximum(tl.math.div_rn(k_absmax, 448.0), 1e-06)
-    k_inv = tl.math.div_rn(tl.full(k_s.shape, 1.0, tl.float32), k_s)
-    k_codes = k_encode(x_key * k_inv[:, None])
-    k_cell = k_cache_ptr + (slot * NUM_KV_HEADS + head) * K_CELL
-    k_dst = (k_cell[:, None] + K_DATA + d[None, :] * 1).to(tl.pointer_type(tl.uint8))
-    tl.store(k_dst, k_codes, mask=store_mask)
-    # the fp32 scale sits inline, after the key data of the cell
-    tl.store((k_cell + K_SCALE).to(tl.pointer_type(tl.float32)), k_s, mask=valid)
+    x_key = tl.load(key_ptr + tok64[:, None] * stride_kt + head * stride_kh + d[None, :], mask=in_mask, other=0.0).to(tl.float32)
+    x_value = tl.load(value_ptr + tok64[:, None] * stride_vt + head * stride_vh + d[None, :], mask=in_mask, other=0.0).to(tl.float32)
 
-    # value: dynamic scale per token and head = max(absmax / 448.0, 1e-06)
-    v_absmax = tl.max(tl.abs(x_value), axis=1)
-    v_s = tl.maximum(tl.math.div_rn(v_absmax, 448.0), 1e-06)
-    v_inv = tl.math.div_rn(tl.full(v_s.shape, 1.0, tl.float32), v_s)
-    v_codes = v_encode(x_value * v_inv[:, None])
-    v_cell = v_cache_ptr + (slot * NUM_KV_HEADS + head) * V_CELL
-    v_dst = (v_cell[:, None] + V_DATA + d[None, :] * 1).to(tl.pointer_type(tl.uint8))
-    tl.store(v_dst, v_codes, mask=store_mask)
-    # the fp32 scale sits inline, after the value data of the cell
-    tl.store((v_cell + V_SCALE).to(tl.pointer_type(tl.float32)), v_s, mask=valid)
+    # ---- key ----
+    # dynamic scale per group of HEAD_PAD elements: scale = max(absmax / 448, 1e-06) stored as fp32
+    k_xg = tl.reshape(x_key, [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
+    k_s = tl.math.div_rn(tl.max(tl.abs(k_xg), axis=2), 448.0)
+    k_s = tl.maximum(k_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
+    k_scode = k_scale_encode(k_s)
+    k_eff_g = k_scale_decode(k_scode)
+    k_eff = tl.reshape(tl.broadcast_to(k_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
+    k_v = x_key * tl.math.div_rn(tl.full(k_eff.shape, 1.0, tl.float32), k_eff)
+    k_codes = k_encode(k_v)
+    k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
+    tl.store((k_row[:, None] + d[None, :] * 1).to(tl.pointer_type(tl.uint8)), k_codes, mask=valid[:, None] & dmask[None, :])
+    k_gi = tl.arange(0, HEAD_PAD // HEAD_PAD)
+    k_gmask = valid[:, None] & (k_gi < 1)[None, :]
+    k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
+    tl.store((k_srow[:, None] + k_gi[None, :] * 4).to(tl.pointer_type(tl.uint32)), k_scode, mask=k_gmask)
+
+    # ---- value ----
+    # dynamic scale per group of HEAD_PAD elements: scale = max(absmax / 448, 1e-06) stored as fp32
+    v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
+    v_s = tl.math.div_rn(tl.max(tl.abs(v_xg), axis=2), 448.0)
+    v_s = tl.maximum(v_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
+    v_scode = v_scale_encode(v_s)
+    v_eff_g = v_scale_decode(v_scode)
+    v_eff = tl.reshape(tl.broadcast_to(v_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
+    v_v = x_value * tl.math.div_rn(tl.full(v_eff.shape, 1.0, tl.float32), v_eff)
+    v_codes = v_encode(v_v)
+    v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
+    tl.store((v_row[:, None] + d[None, :] * 1).to(tl.pointer_type(tl.uint8)), v_codes, mask=valid[:, None] & dmask[None, :])
+    v_gi = tl.arange(0, HEAD_PAD // HEAD_PAD)
+    v_gmask = valid[:, None] & (v_gi < 1)[None, :]
+    v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
+    tl.store((v_srow[:, None] + v_gi[None, :] * 4).to(tl.pointer_type(tl.uint32)), v_scode, mask=v_gmask)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # paged_attention: one program per (sequence, tile of BLOCK_Q query tokens, KV head). Its BLOCK_M rows are
 # (query token, query head) pairs: row r is query token tile * BLOCK_Q + r // GROUP and query head
-# kv_head * GROUP + r % GROUP, so every K/V byte is read once for all query heads that share it (GQA/MQA).
+# head * GROUP + r % GROUP, so every K/V byte is read once for all query heads that share it (GQA/MQA).
 # Query i of a sequence with q_len queries and seq_len KV tokens sits at position seq_len - q_len + i and sees
-# positions j <= it (causal), and only the WINDOW newest (j > pos - WINDOW) when WINDOW > 0.
+# positions j <= it (causal), and only the `window` newest (j > pos - window) when window > 0.
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
 def paged_attention_kernel(
     q_ptr, out_ptr,  # [num_tokens, NUM_KV_HEADS * GROUP, HEAD_SIZE]
-    k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+    k_cache_ptr, v_cache_ptr, k_meta_ptr, v_meta_ptr, k_scale_ptr, v_scale_ptr, k_signs_ptr, v_signs_ptr,
     block_table_ptr,  # int32 [num_seqs, max_blocks]
     seq_lens_ptr,  # int32 [num_seqs]: KV length including the new tokens
     query_start_loc_ptr,  # int32 [num_seqs + 1]
-    qk_scale,  # sm_scale * log2(e): scores are computed in base 2
+    qk_scale,  # sm_scale * log2(e) (/ b when keys are rotated): scores are computed in base 2
     window,  # sliding window in tokens, 0 for none
     num_q_tiles,  # query tiles per sequence in the grid
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    K_CELL: tl.constexpr, K_DATA: tl.constexpr, K_SCALE: tl.constexpr,
-    V_CELL: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, K_LOG_B: tl.constexpr, V_LOG_B: tl.constexpr,
+    K_DATA_PAGE: tl.constexpr, K_DATA_BASE: tl.constexpr, K_DATA_CELL: tl.constexpr,
+    K_SCALE_PAGE: tl.constexpr, K_SCALE_BASE: tl.constexpr, K_SCALE_CELL: tl.constexpr,
+    K_ZP_PAGE: tl.constexpr, K_ZP_BASE: tl.constexpr, K_ZP_CELL: tl.constexpr,
+    V_DATA_PAGE: tl.constexpr, V_DATA_BASE: tl.constexpr, V_DATA_CELL: tl.constexpr,
+    V_SCALE_PAGE: tl.constexpr, V_SCALE_BASE: tl.constexpr, V_SCALE_CELL: tl.constexpr,
+    V_ZP_PAGE: tl.constexpr, V_ZP_BASE: tl.constexpr, V_ZP_CELL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     seq = tl.program_id(0) // num_q_tiles
     tile = tl.program_id(0) % num_q_tiles
-    kv_head = tl.program_id(1)
+    head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if tile * BLOCK_Q < q_len:
@@ -165,7 +212,7 @@ def paged_attention_kernel(
 
         r = tl.arange(0, BLOCK_M)
         qi = tile * BLOCK_Q + r // GROUP
-        q_head = kv_head * GROUP + r % GROUP
+        q_head = head * GROUP + r % GROUP
         row_mask = (r < BLOCK_Q * GROUP) & (qi < q_len)
         q_pos = context + qi
         d = tl.arange(0, HEAD_PAD)
@@ -186,13 +233,15 @@ def paged_attention_kernel(
         for start in range(lo, hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_mask = n < hi
-            block = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-            slot = block * BLOCK_SIZE + n % BLOCK_SIZE
-            k_cell = k_cache_ptr + (slot * NUM_KV_HEADS + kv_head) * K_CELL
-            k_src = (k_cell[:, None] + K_DATA + d[None, :] * 1).to(tl.pointer_type(tl.uint8))
-            k_tile = k_decode(tl.load(k_src, mask=n_mask[:, None] & dmask[None, :], other=0))
-            k_tok_s = tl.load((k_cell + K_SCALE).to(tl.pointer_type(tl.float32)), mask=n_mask, other=0.0)
-            k_tile = k_tile * k_tok_s[:, None]
+            blk = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+            off = n % BLOCK_SIZE
+            k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
+            k_code = tl.load((k_row[:, None] + d[None, :] * 1).to(tl.pointer_type(tl.uint8)), mask=n_mask[:, None] & dmask[None, :], other=0)
+            k_tile = k_decode(k_code)
+            k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
+            k_sidx = d // HEAD_PAD  # the scale of each element's group
+            k_scode = tl.load((k_srow[:, None] + k_sidx[None, :] * 4).to(tl.pointer_type(tl.uint32)), mask=n_mask[:, None] & dmask[None, :], other=0)
+            k_tile = k_tile * (k_scale_decode(k_scode))
             scores = tl.dot(q, tl.trans(k_tile), input_precision="ieee") * qk_scale
             visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
             visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
@@ -201,11 +250,13 @@ def paged_attention_kernel(
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay at zero
             p = tl.exp2(scores - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
-            v_cell = v_cache_ptr + (slot * NUM_KV_HEADS + kv_head) * V_CELL
-            v_src = (v_cell[:, None] + V_DATA + d[None, :] * 1).to(tl.pointer_type(tl.uint8))
-            v_tile = v_decode(tl.load(v_src, mask=n_mask[:, None] & dmask[None, :], other=0))
-            v_tok_s = tl.load((v_cell + V_SCALE).to(tl.pointer_type(tl.float32)), mask=n_mask, other=0.0)
-            v_tile = v_tile * v_tok_s[:, None]
+            v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
+            v_code = tl.load((v_row[:, None] + d[None, :] * 1).to(tl.pointer_type(tl.uint8)), mask=n_mask[:, None] & dmask[None, :], other=0)
+            v_tile = v_decode(v_code)
+            v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
+            v_sidx = d // HEAD_PAD  # the scale of each element's group
+            v_scode = tl.load((v_srow[:, None] + v_sidx[None, :] * 4).to(tl.pointer_type(tl.uint32)), mask=n_mask[:, None] & dmask[None, :], other=0)
+            v_tile = v_tile * (v_scale_decode(v_scode))
             acc = acc * alpha[:, None] + tl.dot(p, v_tile, input_precision="ieee")
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new

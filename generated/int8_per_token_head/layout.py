@@ -6,16 +6,16 @@
 # Origin: vLLM Triton backend (kv_cache_dtype int8_per_token_head); cell [K hs | K scale | V hs | V scale], 264
 #   B at hs 128.
 
-STORAGE_DTYPE = "int8"  # dtype of the raw cache tensor(s)
-STORAGE_BYTES = 1
-TENSORS = ('kv_cache',)  # each [num_blocks, block_size, num_kv_heads, cell]
+# tensor -> storage dtype, in page order
+TENSORS = {'kv_cache': 'int8'}
+STORAGE_BYTES = {"uint8": 1, "int8": 1, "fp16": 2, "bf16": 2, "fp32": 4}
 
-# (field, tensor, size in bytes as a function of head_size, alignment, what it holds), in storage order
+# (field, tensor, region, size in bytes as a function of head_size, alignment, what it holds), in storage order
 FIELDS = (
-    ("k_data", "kv_cache", lambda head_size: head_size, 1, "key codes, int8"),
-    ("k_scale", "kv_cache", lambda head_size: 4, 4, "key scale, fp32, one per token and head"),
-    ("v_data", "kv_cache", lambda head_size: head_size, 1, "value codes, int8"),
-    ("v_scale", "kv_cache", lambda head_size: 4, 4, "value scale, fp32, one per token and head"),
+    ("k_data", "kv_cache", 0, lambda head_size: head_size, 1, "key codes, int8"),
+    ("k_scale", "kv_cache", 0, lambda head_size: 4, 4, "key scales, fp32, one per token and head"),
+    ("v_data", "kv_cache", 0, lambda head_size: head_size, 1, "value codes, int8"),
+    ("v_scale", "kv_cache", 0, lambda head_size: 4, 4, "value scales, fp32, one per token and head"),
 )
 
 
@@ -23,24 +23,53 @@ def _align_up(x, a):
     return (x + a - 1) // a * a
 
 
-def cell_layout(head_size):
-    """Byte offsets of every field and the cell size of every tensor, for one head size."""
-    offsets, ends, aligns = {}, {}, {}
-    for name, tensor, size, align, _ in FIELDS:
-        start = _align_up(ends.get(tensor, 0), align)
-        offsets[name] = start
-        ends[tensor] = start + size(head_size)
-        aligns[tensor] = max(aligns.get(tensor, 1), align, STORAGE_BYTES)
-    cells = {t: _align_up(ends[t], aligns[t]) for t in TENSORS}
-    return {"offsets": offsets, "cell_bytes": cells}
+def page_layout(block_size, num_kv_heads, head_size):
+    """Where every field lives for concrete sizes.
+
+    Returns {"fields": {name: {"tensor", "base", "cell", "offset", "bytes"}}, "regions": {tensor: [cell bytes]},
+    "page_bytes": {tensor: bytes}}. A field of (block b, slot offset o, head h) starts at byte
+    b * page_bytes[tensor] + base + (o * num_kv_heads + h) * cell of its tensor.
+    """
+    cells = {t: [] for t in TENSORS}  # tensor -> per region: [end of the last field, alignment]
+    placed = {}
+    for name, tensor, region, size, align, _ in FIELDS:
+        while len(cells[tensor]) <= region:
+            cells[tensor].append([0, STORAGE_BYTES[TENSORS[tensor]]])
+        cell = cells[tensor][region]
+        offset = _align_up(cell[0], align)
+        nbytes = size(head_size)
+        cell[0] = offset + nbytes
+        cell[1] = max(cell[1], align)
+        placed[name] = (tensor, region, offset, nbytes)
+    regions, starts, pages = {}, {}, {}
+    for tensor, rs in cells.items():
+        regions[tensor] = [_align_up(end, align) for end, align in rs]
+        page = 0
+        for i, (cell, (_, align)) in enumerate(zip(regions[tensor], rs)):
+            page = _align_up(page, align)
+            starts[(tensor, i)] = page
+            page += block_size * num_kv_heads * cell
+        pages[tensor] = _align_up(page, max(a for _, a in rs))
+    fields = {
+        name: {"tensor": t, "base": starts[(t, r)] + off, "cell": regions[t][r], "offset": off, "bytes": n}
+        for name, (t, r, off, n) in placed.items()
+    }
+    return {"fields": fields, "regions": regions, "page_bytes": pages}
 
 
 def page_bytes(block_size, num_kv_heads, head_size):
     """Bytes one block (page) of one layer takes, over all of the format's cache tensors."""
-    return block_size * num_kv_heads * sum(cell_layout(head_size)["cell_bytes"].values())
+    return sum(page_layout(block_size, num_kv_heads, head_size)["page_bytes"].values())
 
 
 def tensor_shapes(num_blocks, block_size, num_kv_heads, head_size):
-    """Shape of every cache tensor, in elements of STORAGE_DTYPE."""
-    cells = cell_layout(head_size)["cell_bytes"]
-    return {t: (num_blocks, block_size, num_kv_heads, cells[t] // STORAGE_BYTES) for t in TENSORS}
+    """Shape of every cache tensor in its storage dtype: one-region tensors keep the (slot, head) axes."""
+    lay = page_layout(block_size, num_kv_heads, head_size)
+    shapes = {}
+    for tensor, dtype in TENSORS.items():
+        size = STORAGE_BYTES[dtype]
+        if len(lay["regions"][tensor]) == 1:
+            shapes[tensor] = (num_blocks, block_size, num_kv_heads, lay["regions"][tensor][0] // size)
+        else:
+            shapes[tensor] = (num_blocks, lay["page_bytes"][tensor] // size)
+    return shapes

@@ -1,0 +1,237 @@
+"""Conformance properties of a generated format against the NumPy reference (used by tests and `kvgen test`).
+
+For a format and a random case (shapes, GQA ratio, data with outliers, zero rows and negative values, slot mapping
+with -1 holes, shuffled block tables, decode / prefill / chunked prefill, optional sliding window):
+  page_bytes   page_bytes() equals the bytes allocate() takes per block, and the reference's own page size;
+  bytes        every byte the write kernel stores equals the byte the reference encodes;
+  error_bound  decode(encode(x)) stays within the bound the spec implies (reference.error_bound);
+  attention    paged attention matches float64 attention on the reference-decoded cache within TOLERANCE.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from . import reference as R
+from .runtime.format import Format
+
+PROPERTIES = ("page_bytes", "bytes", "error_bound", "attention")
+
+# |out - ref| <= ATOL * max|V| + RTOL * |ref| per query dtype. The kernel computes in fp32 with exact fp32 dots; the
+# slack is the output's rounding to the query dtype (the interpreter truncates bf16: 2**-7) and fp32 accumulation.
+TOLERANCE = {
+    torch.float32: (5e-5, 5e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+HEAD_SIZES = (16, 32, 48, 64)
+
+
+@dataclasses.dataclass
+class Case:
+    head_size: int
+    block_size: int
+    num_kv_heads: int
+    group: int
+    seq_lens: list
+    q_lens: list
+    dtype: torch.dtype
+    window: Optional[int]
+    holes: int
+    seed: int
+    k_scale: float
+    v_scale: float
+    magnitude: float
+
+
+def head_sizes_for(fmt: Format) -> list:
+    """Head sizes the format accepts (a block scale must divide the head size)."""
+    blocks = [fmt.spec.side(s).scale.block for s in ("key", "value")
+              if fmt.spec.side(s).scale is not None and fmt.spec.side(s).scale.block]
+    return [h for h in HEAD_SIZES if all(h % b == 0 for b in blocks)]
+
+
+@st.composite
+def cases(draw, fmt: Format, max_len: int = 45) -> Case:
+    num_seqs = draw(st.integers(1, 3))
+    seq_lens = draw(st.lists(st.integers(1, max_len), min_size=num_seqs, max_size=num_seqs))
+    mode = draw(st.sampled_from(["decode", "prefill", "chunked"]))
+    if mode == "decode":
+        q_lens = [1] * num_seqs
+    elif mode == "prefill":
+        q_lens = list(seq_lens)
+    else:
+        q_lens = [draw(st.integers(1, n)) for n in seq_lens]
+    return Case(
+        head_size=draw(st.sampled_from(head_sizes_for(fmt))),
+        block_size=draw(st.sampled_from([1, 4, 16])),
+        num_kv_heads=draw(st.integers(1, 3)),
+        group=draw(st.sampled_from([1, 2, 3, 4])),
+        seq_lens=seq_lens,
+        q_lens=q_lens,
+        dtype=draw(st.sampled_from(list(TOLERANCE))),
+        window=draw(st.one_of(st.none(), st.integers(1, 20))),
+        holes=draw(st.integers(0, 5)),
+        seed=draw(st.integers(0, 2**31 - 1)),
+        k_scale=draw(st.sampled_from([1.0, 0.037, 2.5])),
+        v_scale=draw(st.sampled_from([1.0, 0.5, 7.25])),
+        magnitude=draw(st.sampled_from([1.0, 30.0, 1e-3])),
+    )
+
+
+def kv_data(rng: np.random.Generator, shape: tuple, magnitude: float) -> np.ndarray:
+    """Normal data with an outlier channel, exact zeros, an all-zero token and large negative values."""
+    x = rng.standard_normal(shape).astype(np.float32) * magnitude
+    x[..., rng.integers(0, shape[-1])] *= 20.0
+    x[rng.random(shape) < 0.05] = 0.0
+    if shape[0] > 2:
+        x[rng.integers(0, shape[0])] = 0.0  # a whole token of zeros: its dynamic scale is the floor
+        x[rng.integers(0, shape[0]), :, 0] = -60.0 * magnitude
+    return x
+
+
+def build_batch(case: Case, rng: np.random.Generator):
+    """Shuffled block tables, a slot mapping over all tokens with -1 holes, and the data to write."""
+    bs = case.block_size
+    blocks_needed = [(n + bs - 1) // bs for n in case.seq_lens]
+    num_blocks = sum(blocks_needed) + 2
+    perm = rng.permutation(num_blocks)
+    block_table = np.zeros((len(case.seq_lens), max(blocks_needed) + 1), dtype=np.int32)
+    used = 0
+    for s, nb in enumerate(blocks_needed):
+        block_table[s, :nb] = perm[used:used + nb]
+        used += nb
+    slots = []
+    for s, n in enumerate(case.seq_lens):
+        pos = np.arange(n)
+        slots.append(block_table[s, pos // bs].astype(np.int64) * bs + pos % bs)
+    slots = np.concatenate(slots)
+    slots = np.insert(slots, rng.integers(0, len(slots) + 1, size=case.holes), -1)  # tokens to skip
+    shape = (len(slots), case.num_kv_heads, case.head_size)
+    return num_blocks, block_table, slots, kv_data(rng, shape, case.magnitude), kv_data(rng, shape, case.magnitude)
+
+
+def static_scales(fmt: Format, case: Case) -> dict:
+    """The static scales a case gives the cache: per layer (or global) a float, per head one value per head."""
+    out = {"k_scale": None, "v_scale": None}
+    for side, name, val in (("key", "k_scale", case.k_scale), ("value", "v_scale", case.v_scale)):
+        kind = fmt._static(side)
+        if kind is None:
+            continue
+        if kind.value == "per_head":
+            out[name] = [val * (1.0 + 0.5 * h) for h in range(case.num_kv_heads)]
+        else:
+            out[name] = val
+    return out
+
+
+def run_case(fmt: Format, case: Case, device: str = "cpu") -> dict:
+    """Check every property on one case; property -> None when it holds, else a message."""
+    result: dict = {p: None for p in PROPERTIES}
+    rng = np.random.default_rng(case.seed)
+    spec = fmt.spec
+    num_blocks, block_table, slots, key, value = build_batch(case, rng)
+    scales = static_scales(fmt, case)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        cache = fmt.allocate(num_blocks, case.block_size, case.num_kv_heads, case.head_size, device=device,
+                             **scales)
+    key_t = torch.from_numpy(key).to(case.dtype)
+    value_t = torch.from_numpy(value).to(case.dtype)
+    fmt.write(cache, key_t.to(device), value_t.to(device), torch.from_numpy(slots).to(device))
+
+    page = fmt.page_bytes(case.block_size, case.num_kv_heads, case.head_size)
+    allocated = cache.nbytes()
+    ref_page = R.page_bytes(spec, case.block_size, case.num_kv_heads, case.head_size)
+    if allocated != page * num_blocks or page != ref_page:
+        result["page_bytes"] = (f"page_bytes {page}, allocated {allocated} for {num_blocks} blocks, reference "
+                                f"page {ref_page}")
+
+    key32, value32 = key_t.float().numpy(), value_t.float().numpy()
+    expected = R.new_cache(spec, num_blocks, case.block_size, case.num_kv_heads, case.head_size)
+    R.write(spec, expected, key32, value32, slots, k_scale=scales["k_scale"], v_scale=scales["v_scale"])
+    for name, want in expected.items():
+        got = cache.tensors[name].view(torch.uint8).reshape(num_blocks, -1).cpu().numpy()
+        if not np.array_equal(got, want):
+            where = np.argwhere(got != want)
+            idx = tuple(int(i) for i in where[0])
+            result["bytes"] = (f"{name}: {len(where)} bytes differ; first at (block, byte) {idx}: kernel "
+                               f"{int(got[idx]):#04x}, reference {int(want[idx]):#04x}")
+            break
+
+    k_deq, v_deq = R.read(spec, expected, scales["k_scale"], scales["v_scale"], head_size=case.head_size,
+                          block_size=case.block_size, num_kv_heads=case.num_kv_heads)
+    written = slots >= 0
+    blk, off = slots[written] // case.block_size, slots[written] % case.block_size
+    for side, x, deq, s in (("key", key32, k_deq, scales["k_scale"]), ("value", value32, v_deq, scales["v_scale"])):
+        bound = R.error_bound(spec.side(side), x[written], s)
+        err = np.abs(deq[blk, off] - x[written].astype(np.float64))
+        if not np.all(err <= bound):
+            worst = np.unravel_index(np.argmax(err - bound), err.shape)
+            result["error_bound"] = (f"{side}: error {err[worst]:.4g} above its bound {bound[worst]:.4g} at "
+                                     f"(token, head, dim) {tuple(int(i) for i in worst)}")
+            break
+
+    qsl = np.concatenate([[0], np.cumsum(case.q_lens)]).astype(np.int32)
+    num_q_heads = case.num_kv_heads * case.group
+    query = torch.from_numpy(rng.standard_normal((int(qsl[-1]), num_q_heads, case.head_size)).astype(np.float32))
+    query = query.to(case.dtype)
+    sm_scale = 1.0 / math.sqrt(case.head_size)
+    out = fmt.attend(query.to(device), cache, torch.from_numpy(block_table).to(device),
+                     torch.tensor(case.seq_lens, dtype=torch.int32, device=device), torch.from_numpy(qsl).to(device),
+                     sm_scale=sm_scale, sliding_window=case.window).cpu()
+    ref = R.paged_attention(query.double().numpy(), k_deq, v_deq, block_table, np.array(case.seq_lens), qsl,
+                            sm_scale, case.window)
+    atol, rtol = TOLERANCE[case.dtype]
+    err = np.abs(out.double().numpy() - ref)
+    limit = atol * max(float(np.abs(v_deq).max()), 1e-30) + rtol * np.abs(ref)
+    if not np.all(err <= limit):
+        result["attention"] = f"error {err.max():.3g} above tolerance (worst ratio {(err / limit).max():.2f})"
+    return result
+
+
+@dataclasses.dataclass
+class Report:
+    """Outcome of `check`: examples run and, per property, the message of its minimal failing case (or None)."""
+
+    name: str
+    examples: int
+    failures: dict
+    failing_case: Optional[Case]
+
+    @property
+    def passed(self) -> bool:
+        return not any(self.failures.values())
+
+
+def check(fmt: Format, examples: int = 20, device: str = "cpu",
+          on_example: Optional[Callable[[int], None]] = None) -> Report:
+    """Run the properties on ``examples`` random cases; a failure is shrunk by hypothesis to a minimal case."""
+    seen = {"n": 0, "case": None, "result": None}
+
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck), print_blob=False)
+    @given(case=cases(fmt))
+    def prop(case):
+        result = run_case(fmt, case, device)
+        seen["n"] += 1
+        if on_example:
+            on_example(seen["n"])
+        if any(result.values()):
+            seen["case"], seen["result"] = case, result
+            raise AssertionError(result)
+
+    try:
+        prop()
+    except AssertionError:
+        pass
+    failures = seen["result"] or {p: None for p in PROPERTIES}
+    return Report(fmt.name, seen["n"], failures, seen["case"])

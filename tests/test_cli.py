@@ -1,0 +1,188 @@
+"""The `kvgen` command line: help texts, list, show, demo; errors as one line, never a traceback.
+
+Page sizes are worked out by hand from vLLM's layouts: a bf16 cell is K and V at 2 bytes per element,
+2 * 2 * 128 = 512 B; an int8_per_token_head cell is 128 B of K codes, a 4 B fp32 K scale, 128 B of V codes and a
+4 B V scale = 264 B. A page at the defaults (block 16, 8 KV heads) is 16 * 8 cells: 65,536 B and 33,792 B.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import kvgen
+from kvgen.cli import main as cli_main
+
+ROOT = Path(kvgen.__file__).resolve().parent
+KVGEN = Path(sys.executable).parent / "kvgen"
+SHIPPED = sorted(p.stem for p in (ROOT / "specs").glob("*.yaml"))
+
+# block 16, 8 KV heads, head size 128
+PAGE_BYTES = {"bf16": 65_536, "fp16": 65_536, "fp8_e4m3": 32_768, "fp8_e5m2": 32_768,
+              "fp8_per_token_head": 33_792, "int8_per_token_head": 33_792}
+CELL_BYTES = {"bf16": 512, "fp16": 512, "fp8_e4m3": 256, "fp8_e5m2": 256, "fp8_per_token_head": 264,
+              "int8_per_token_head": 264}
+
+
+def run_kvgen(*args, columns=200, **env):
+    e = dict(os.environ, COLUMNS=str(columns), TRITON_INTERPRET="1")
+    e.update(env)
+    r = subprocess.run([str(KVGEN), *map(str, args)], capture_output=True, text=True, env=e, timeout=300)
+    assert "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
+    return r
+
+
+@pytest.mark.parametrize("args", [[], ["build"], ["validate"], ["list"], ["show"], ["demo"]],
+                         ids=lambda a: a[0] if a else "kvgen")
+def test_help(args):
+    r = CliRunner().invoke(cli_main, args + ["--help"])
+    assert r.exit_code == 0, r.output
+    assert "Example" in r.output
+    assert "Usage:" in r.output
+
+
+def test_subcommands_are_listed_in_main_help():
+    r = CliRunner().invoke(cli_main, ["--help"])
+    for sub in ("build", "validate", "list", "show", "demo"):
+        assert re.search(rf"^\s+{sub}\s", r.output, re.M), r.output
+
+
+def test_version():
+    r = CliRunner().invoke(cli_main, ["--version"])
+    assert r.exit_code == 0
+    assert kvgen.__version__ in r.output
+
+
+def row_of(output: str, name: str) -> str:
+    """The table row whose first cell is ``name``."""
+    rows = [line for line in output.splitlines() if re.match(rf"^\s*[│|]\s*{name}\s*[│|]", line)]
+    assert len(rows) == 1, f"{name}: {len(rows)} rows in\n{output}"
+    return rows[0]
+
+
+def test_list_prints_every_format_with_page_bytes():
+    r = run_kvgen("list")
+    assert r.returncode == 0, r.stderr
+    for name in SHIPPED:
+        row = row_of(r.stdout, name)
+        if name in PAGE_BYTES:
+            assert f"{PAGE_BYTES[name]:,}" in row, row
+            parts = re.search(r"(\d+)\+(\d+)(?:\+(\d+))?", row)  # K + V (+ padding) bytes per token and head
+            assert parts and sum(int(p) for p in parts.groups() if p) == CELL_BYTES[name], row
+    assert "65,536" in row_of(r.stdout, "bf16")
+    assert "33,792" in row_of(r.stdout, "int8_per_token_head")
+
+
+def test_list_other_shape():
+    r = run_kvgen("list", "--block-size", "32", "--num-kv-heads", "2", "--head-size", "64")
+    assert r.returncode == 0, r.stderr
+    assert f"{32 * 2 * 2 * 2 * 64:,}" in row_of(r.stdout, "bf16")  # 16,384
+    assert f"{32 * 2 * (64 + 4 + 64 + 4):,}" in row_of(r.stdout, "int8_per_token_head")  # 8,704
+
+
+def test_list_at_80_columns_prints_full_names():
+    r = run_kvgen("list", columns=80)
+    assert r.returncode == 0
+    for name in SHIPPED:
+        assert name in r.stdout, f"{name} missing or truncated"
+    assert "65,536" in r.stdout and "33,792" in r.stdout
+
+
+def line_with(output: str, needle: str) -> str:
+    lines = [line for line in output.splitlines() if needle in line]
+    assert lines, f"no line with {needle!r} in\n{output}"
+    return lines[0]
+
+
+def invoke(*args, **env):
+    r = CliRunner(env=env or None).invoke(cli_main, [str(a) for a in args])
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    return r
+
+
+def test_show_int8_per_token_head():
+    r = invoke("show", "int8_per_token_head")
+    assert r.exit_code == 0, r.output
+    per_token = line_with(r.stdout, "bytes per token")
+    assert re.findall(r"\b132\b", per_token) == ["132", "132"], per_token  # K 132 = 128 + 4, V 132
+    assert re.search(r"\b264\b", per_token), per_token
+    assert "33,792" in line_with(r.stdout, "per page")
+    for side in ("key", "value"):
+        where = line_with(r.stdout, f"{side} scale")
+        assert "inline" in where and re.search(r"per[_ ]token", where), where
+
+
+def test_show_bf16_and_a_static_format():
+    r = invoke("show", "bf16")
+    assert r.exit_code == 0
+    assert re.findall(r"\b256\b", line_with(r.stdout, "bytes per token"))[:2] == ["256", "256"]
+    assert "65,536" in line_with(r.stdout, "per page")
+    assert "none" in line_with(r.stdout, "key scale")
+    r = invoke("show", "fp8_e4m3")
+    assert r.exit_code == 0
+    assert "32,768" in line_with(r.stdout, "per page")
+    assert "static" in line_with(r.stdout, "key scale") and "static" in line_with(r.stdout, "value scale")
+
+
+def test_show_prints_storage_dtype_and_shape():
+    r = invoke("show", "int8_per_token_head")
+    storage = line_with(r.stdout, "storage")
+    assert "int8" in storage, storage
+    assert "num_blocks" in storage, storage
+
+
+def test_show_unknown_name_is_one_line_error():
+    r = run_kvgen("show", "no_such_format_xyz")
+    assert r.returncode == 1
+    assert r.stdout == ""
+    err = r.stderr.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "no_such_format_xyz" in err
+    assert "bf16" in err  # says which formats exist
+
+
+def test_show_spec_yaml(tmp_path):
+    spec = tmp_path / "show_me.yaml"
+    spec.write_text("name: show_me\ndescription: shown\nkey:\n  element: fp16\nvalue:\n  element: fp16\n")
+    r = invoke("show", spec, "--head-size", "64", "--num-kv-heads", "2", KVGEN_CACHE_DIR=str(tmp_path / "c"))
+    assert r.exit_code == 0, r.output
+    assert "show_me" in r.stdout
+    assert f"{16 * 2 * 2 * 2 * 64:,}" in line_with(r.stdout, "per page")
+
+
+def test_show_text_with_brackets_does_not_crash(tmp_path):
+    spec = tmp_path / "brackets.yaml"
+    spec.write_text('name: brackets\ndescription: "cell [k | v], see [/docs]"\nkey:\n  element: fp16\n'
+                    "value:\n  element: fp16\n")
+    runner = CliRunner(env={"KVGEN_CACHE_DIR": str(tmp_path / "c")})
+    r = runner.invoke(cli_main, ["show", str(spec)])
+    assert r.exception is None, repr(r.exception)  # an exception escaping main() is a traceback for the user
+    assert "cell [k | v], see [/docs]" in r.stdout
+    weird = tmp_path / "[/x]" / "missing_format_dir"
+    r = runner.invoke(cli_main, ["show", str(weird)])
+    assert isinstance(r.exception, SystemExit), repr(r.exception)
+    assert r.exit_code == 1 and str(weird) in r.stderr
+
+
+def test_demo_bf16():
+    r = invoke("demo", "--format", "bf16", "--seqs", "2", "--context", "20")
+    assert r.exit_code == 0, r.output
+    m = re.search(r"relative L2 error[^:]*:\s*([0-9.eE+-]+)", r.stdout)
+    assert m, r.stdout
+    err = float(m.group(1))
+    assert 0 <= err < 1e-2, err
+    assert "bf16" in r.stdout
+
+
+def test_demo_unknown_format_is_one_line_error():
+    r = CliRunner().invoke(cli_main, ["demo", "--format", "no_such_format_xyz"])
+    assert r.exit_code == 1
+    assert isinstance(r.exception, SystemExit)
+    assert "no_such_format_xyz" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

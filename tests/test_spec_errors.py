@@ -1,0 +1,535 @@
+"""Bad specs give a kvgen.SpecError naming file, line (and column) and field; never a pydantic/Jinja traceback.
+
+Expected lines and columns are computed from the YAML text of each case (where the offending key is written),
+not from anything kvgen reports about itself.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import kvgen
+from kvgen.cli import main as cli_main
+
+ROOT = Path(kvgen.__file__).resolve().parent
+SPECS = ROOT / "specs"
+KVGEN = Path(sys.executable).parent / "kvgen"
+
+# words that only show up when a library's error or traceback leaks through
+LEAKS = ("Traceback", "pydantic", "errors.pydantic.dev", "jinja", "triton", "ValidationError", "MarkupError")
+
+
+def line_of(text: str, needle: str, nth: int = 1) -> int:
+    """1-based number of the nth line of ``text`` that contains ``needle``."""
+    hits = [i + 1 for i, line in enumerate(text.splitlines()) if needle in line]
+    assert len(hits) >= nth, f"test bug: {needle!r} not found {nth} time(s)"
+    return hits[nth - 1]
+
+
+def col_of(text: str, needle: str, nth: int = 1) -> int:
+    """1-based column where ``needle`` starts on that line."""
+    line = text.splitlines()[line_of(text, needle, nth) - 1]
+    return line.index(needle) + 1
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    p = tmp_path / name
+    p.write_text(text, encoding="utf-8")
+    return p
+
+
+def spec_error(path: Path, cls=kvgen.SpecError) -> kvgen.SpecError:
+    with pytest.raises(cls) as info:
+        kvgen.load_spec(path)
+    err = info.value
+    msg = str(err)
+    assert isinstance(err, kvgen.SpecError)
+    assert isinstance(err, kvgen.KvgenError)
+    assert str(path) in msg, msg
+    for leak in LEAKS:
+        assert leak.lower() not in msg.lower(), f"{leak!r} leaked into: {msg}"
+    # raised "from None": no pydantic / yaml exception chained underneath (it would print as a second traceback)
+    assert err.__cause__ is None
+    assert err.__context__ is None or err.__suppress_context__
+    return err
+
+
+def assert_at(err: kvgen.SpecError, path: Path, line: int, column: int | None = None) -> None:
+    msg = str(err)
+    assert err.line == line, msg
+    assert f"{path}:{line}" in msg, msg
+    if column is not None:
+        assert err.column == column, msg
+        assert f"{path}:{line}:{column}" in msg, msg
+
+
+def assert_field(err: kvgen.SpecError, field: str) -> None:
+    assert err.field == field, str(err)
+    assert f" {field}:" in str(err), str(err)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# schema errors
+
+
+NESTED_UNKNOWN = """\
+kvgen_spec: 1
+name: nested_unknown
+# a comment line, so the line number is not just the count of keys
+key:
+  element: int8
+  scale:
+    granularity: per_token_head
+    bogus: 3
+value:
+  element: bf16
+"""
+
+
+def test_unknown_nested_key_points_at_its_line_and_column(tmp_path):
+    p = write(tmp_path, "nested.yaml", NESTED_UNKNOWN)
+    err = spec_error(p)
+    assert_at(err, p, line_of(NESTED_UNKNOWN, "bogus:"), col_of(NESTED_UNKNOWN, "bogus:"))
+    assert_field(err, "key.scale.bogus")
+    assert "unknown" in err.message.lower()
+
+
+def test_unknown_top_level_key(tmp_path):
+    text = "name: top\nkey:\n  element: bf16\nvalue:\n  element: bf16\ncolour: red\n"
+    p = write(tmp_path, "top.yaml", text)
+    err = spec_error(p)
+    assert_at(err, p, 6, 1)
+    assert_field(err, "colour")
+
+
+def test_unknown_key_in_value_side(tmp_path):
+    text = "name: v\nkey:\n  element: bf16\nvalue:\n  element: bf16\n  rotaton: {kind: hadamard}\n"
+    p = write(tmp_path, "v.yaml", text)
+    err = spec_error(p)
+    assert_at(err, p, 6, 3)
+    assert_field(err, "value.rotaton")
+
+
+def test_unknown_key_in_flow_mapping(tmp_path):
+    text = "name: flow\nkey: {element: int8, scale: {granularity: per_token_head, bogus: 1}}\nvalue: {element: bf16}\n"
+    p = write(tmp_path, "flow.yaml", text)
+    err = spec_error(p)
+    assert_at(err, p, 2, col_of(text, "bogus"))
+    assert_field(err, "key.scale.bogus")
+
+
+ENUM = """\
+name: enum_case
+key:
+  element: int9
+value:
+  element: bf16
+"""
+
+
+def test_wrong_enum_value_lists_allowed_values(tmp_path):
+    p = write(tmp_path, "enum.yaml", ENUM)
+    err = spec_error(p)
+    assert_at(err, p, line_of(ENUM, "int9"))
+    assert_field(err, "key.element")
+    assert "int9" in err.message
+    for allowed in ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "uint8"):
+        assert f"'{allowed}'" in err.message, err.message
+
+
+def test_wrong_granularity_value(tmp_path):
+    text = "name: g\nkey:\n  element: int8\n  scale:\n    granularity: per_galaxy\nvalue:\n  element: bf16\n"
+    p = write(tmp_path, "g.yaml", text)
+    err = spec_error(p)
+    assert_at(err, p, 5)
+    assert_field(err, "key.scale.granularity")
+    assert "per_galaxy" in err.message and "per_token_head" in err.message
+
+
+def test_missing_required_value_side(tmp_path):
+    text = "name: missing\nkey:\n  element: bf16\n"
+    p = write(tmp_path, "missing.yaml", text)
+    err = spec_error(p)
+    assert_at(err, p, 1)  # the mapping that lacks it starts on line 1
+    assert_field(err, "value")
+    assert "missing" in err.message.lower()
+
+
+def test_missing_nested_required_field_points_at_its_parent(tmp_path):
+    text = "name: m2\nkey:\n  element: bf16\nvalue:\n  rounding: half_even\n"
+    p = write(tmp_path, "m2.yaml", text)
+    err = spec_error(p)
+    assert err.field in ("value.element", "value")
+    assert err.line in (4, 5), str(err)
+    assert "element" in str(err)
+
+
+@pytest.mark.parametrize("bad", ["Bad-Name", "1abc", "has space", "x" * 65])
+def test_invalid_name(tmp_path, bad):
+    text = f"name: '{bad}'\nkey:\n  element: bf16\nvalue:\n  element: bf16\n"
+    p = write(tmp_path, "name.yaml", text)
+    err = spec_error(p)
+    assert_at(err, p, 1, 1)
+    assert_field(err, "name")
+    assert bad in err.message
+
+
+def test_name_that_is_not_a_string(tmp_path):
+    text = "name: 5\nkey:\n  element: bf16\nvalue:\n  element: bf16\n"
+    p = write(tmp_path, "n5.yaml", text)
+    err = spec_error(p)
+    assert_at(err, p, 1)
+    assert_field(err, "name")
+
+
+QUANT_NO_SCALE = """\
+name: q
+key:
+  element: int8
+value:
+  element: bf16
+"""
+
+
+def test_quantized_element_without_scale(tmp_path):
+    p = write(tmp_path, "q.yaml", QUANT_NO_SCALE)
+    err = spec_error(p)
+    assert err.field in ("key", "key.element", "key.scale"), str(err)
+    assert err.line in (line_of(QUANT_NO_SCALE, "key:"), line_of(QUANT_NO_SCALE, "int8")), str(err)
+    assert f"{p}:{err.line}" in str(err)
+    assert "int8" in err.message and "scale" in err.message
+
+
+SCALE_UNQUANT = """\
+name: s
+key:
+  element: bf16
+value:
+  element: bf16
+  scale:
+    granularity: per_tensor
+"""
+
+
+def test_scale_on_unquantized_element(tmp_path):
+    p = write(tmp_path, "s.yaml", SCALE_UNQUANT)
+    err = spec_error(p)
+    assert err.field in ("value", "value.scale"), str(err)
+    assert err.line in (line_of(SCALE_UNQUANT, "value:"), line_of(SCALE_UNQUANT, "scale:")), str(err)
+    assert f"{p}:{err.line}" in str(err)
+    assert "bf16" in err.message and "scale" in err.message
+
+
+STATIC_PLACEMENT = """\
+name: sp
+key:
+  element: fp8_e4m3
+  scale:
+    granularity: per_tensor
+    placement: inline
+value:
+  element: bf16
+"""
+
+
+def test_static_scale_with_placement(tmp_path):
+    p = write(tmp_path, "sp.yaml", STATIC_PLACEMENT)
+    err = spec_error(p)
+    assert err.field in ("key.scale", "key.scale.placement"), str(err)
+    assert err.line in (line_of(STATIC_PLACEMENT, "scale:"), line_of(STATIC_PLACEMENT, "placement:")), str(err)
+    assert f"{p}:{err.line}" in str(err)
+    assert "placement" in err.message
+
+
+PER_BLOCK = """\
+name: pb
+key:
+  element: fp8_e4m3
+  scale:
+    granularity: per_block
+value:
+  element: bf16
+"""
+
+
+def test_per_block_without_block(tmp_path):
+    p = write(tmp_path, "pb.yaml", PER_BLOCK)
+    err = spec_error(p)
+    assert err.field in ("key.scale", "key.scale.block", "key.scale.granularity"), str(err)
+    assert err.line in (line_of(PER_BLOCK, "scale:"), line_of(PER_BLOCK, "granularity:")), str(err)
+    assert "block" in err.message
+
+
+ZP_FLOAT = """\
+name: zp
+key:
+  element: fp8_e4m3
+  scale:
+    granularity: per_tensor
+  zero_point:
+    dtype: uint8
+value:
+  element: bf16
+"""
+
+
+def test_zero_point_on_float_element(tmp_path):
+    p = write(tmp_path, "zp.yaml", ZP_FLOAT)
+    err = spec_error(p)
+    assert err.field in ("key", "key.zero_point"), str(err)
+    assert err.line in (line_of(ZP_FLOAT, "key:"), line_of(ZP_FLOAT, "zero_point:")), str(err)
+    assert "zero point" in err.message and "fp8_e4m3" in err.message
+
+
+def test_out_of_range_number(tmp_path):
+    text = "name: mn\nkey:\n  element: int8\n  scale:\n    granularity: per_token_head\n    min: 0\nvalue:\n  element: bf16\n"
+    p = write(tmp_path, "mn.yaml", text)
+    err = spec_error(p)
+    assert_at(err, p, 6, 5)
+    assert_field(err, "key.scale.min")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# file-level errors
+
+
+def test_invalid_yaml_syntax_reports_the_line(tmp_path):
+    text = "name: y\nkey:\n  element: bf16: oops\nvalue:\n  element: bf16\n"
+    p = write(tmp_path, "y.yaml", text)
+    err = spec_error(p)
+    assert_at(err, p, 3)
+    assert "YAML" in err.message
+
+
+def test_tab_indentation_reports_the_line(tmp_path):
+    text = "name: t\nkey:\n  element: bf16\nvalue:\n\telement: bf16\n"
+    p = write(tmp_path, "t.yaml", text)
+    err = spec_error(p)
+    assert_at(err, p, 5)
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "# only a comment\n"])
+def test_empty_file(tmp_path, text):
+    p = write(tmp_path, "empty.yaml", text)
+    err = spec_error(p)
+    assert "empty" in err.message
+
+
+@pytest.mark.parametrize("text", ["- name: x\n- key: y\n", "just a string\n", "42\n"])
+def test_non_mapping_document(tmp_path, text):
+    p = write(tmp_path, "nm.yaml", text)
+    err = spec_error(p)
+    assert "mapping" in err.message
+    assert err.line == 1
+
+
+def test_file_that_does_not_exist(tmp_path):
+    p = tmp_path / "nope" / "missing.yaml"
+    err = spec_error(p)
+    assert "no such file" in err.message.lower()
+
+
+def test_directory_instead_of_file(tmp_path):
+    err = spec_error(tmp_path)
+    assert err.message
+
+
+def test_not_utf8(tmp_path):
+    p = tmp_path / "latin1.yaml"
+    p.write_bytes("name: caf\xe9\nkey:\n  element: bf16\nvalue:\n  element: bf16\n".encode("latin-1"))
+    err = spec_error(p)
+    assert "UTF-8" in err.message
+
+
+DUP_TOP = """\
+name: dup
+key:
+  element: bf16
+value:
+  element: bf16
+name: dup2
+"""
+
+DUP_NESTED = """\
+name: dup
+key:
+  element: bf16
+  element: fp16
+value:
+  element: bf16
+"""
+
+
+def test_duplicate_top_level_key(tmp_path):
+    p = write(tmp_path, "dup.yaml", DUP_TOP)
+    err = spec_error(p)
+    assert_at(err, p, line_of(DUP_TOP, "name:", 2), 1)
+    assert_field(err, "name")
+    assert "duplicate" in err.message.lower()
+
+
+def test_duplicate_nested_key(tmp_path):
+    p = write(tmp_path, "dupn.yaml", DUP_NESTED)
+    err = spec_error(p)
+    assert_at(err, p, line_of(DUP_NESTED, "element: fp16"), 3)
+    assert_field(err, "key.element")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# valid, but not implemented yet
+
+NOT_YET = {
+    "residual_window": ("""\
+name: resid
+key:
+  element: int8
+  scale:
+    granularity: per_token_head
+  residual:
+    tokens: 32
+value:
+  element: bf16
+""", "key.residual", "residual:"),
+    "per_channel_group": ("""\
+name: kivi
+key:
+  element: int8
+  scale:
+    granularity: per_channel_group
+    group_tokens: 32
+value:
+  element: bf16
+""", "key.scale.granularity", "granularity: per_channel_group"),
+    "value_side_residual": ("""\
+name: vresid
+key:
+  element: bf16
+value:
+  element: fp16
+  residual:
+    tokens: 8
+    dtype: fp32
+""", "value.residual", "residual:"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NOT_YET))
+def test_not_supported_yet_names_the_field(tmp_path, case):
+    text, field, needle = NOT_YET[case]
+    p = write(tmp_path, f"{case}.yaml", text)
+    # the spec itself is valid ...
+    spec = kvgen.load_spec(p, supported=False)
+    assert isinstance(spec, kvgen.FormatSpec)
+    # ... but this kvgen cannot build it
+    err = spec_error(p, kvgen.NotSupportedYet)
+    assert_field(err, field)
+    assert_at(err, p, line_of(text, needle), col_of(text, needle.split(":")[0]))
+    assert "not supported yet" in err.message
+
+
+# --------------------------------------------------------------------------------------------------------------
+# shipped specs
+
+SHIPPED = sorted(SPECS.glob("*.yaml"))
+
+
+def test_there_are_shipped_specs():
+    names = {p.stem for p in SHIPPED}
+    assert {"bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "fp8_per_token_head", "int8_per_token_head"} <= names
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_every_shipped_spec_validates(path):
+    spec = kvgen.load_spec(path)
+    assert spec.name == path.stem
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the CLI: `kvgen validate`
+
+
+def run_kvgen(*args, **env):
+    e = dict(os.environ)
+    e.update(env)
+    return subprocess.run([str(KVGEN), *map(str, args)], capture_output=True, text=True, env=e, timeout=120)
+
+
+BAD_FOR_CLI = {
+    "nested.yaml": (NESTED_UNKNOWN, line_of(NESTED_UNKNOWN, "bogus:")),
+    "enum.yaml": (ENUM, line_of(ENUM, "int9")),
+    "dup.yaml": (DUP_TOP, line_of(DUP_TOP, "name:", 2)),
+    "syntax.yaml": ("name: y\nkey:\n  element: bf16: oops\nvalue:\n  element: bf16\n", 3),
+    "notyet.yaml": (NOT_YET["per_channel_group"][0], line_of(NOT_YET["per_channel_group"][0], "granularity:")),
+}
+
+
+def test_cli_validate_reports_each_bad_file_with_its_line(tmp_path):
+    paths = {name: write(tmp_path, name, text) for name, (text, _) in BAD_FOR_CLI.items()}
+    good = SPECS / "bf16.yaml"
+    r = run_kvgen("validate", good, *paths.values())
+    assert r.returncode == 1, r.stdout + r.stderr
+    for leak in LEAKS:
+        assert leak not in r.stdout + r.stderr
+    for name, (_, line) in BAD_FOR_CLI.items():
+        assert f"{paths[name]}:{line}" in r.stderr, r.stderr
+        assert str(paths[name]) not in r.stdout
+    assert "bf16.yaml" in r.stdout  # the good file is still checked and reported ok
+
+
+def test_cli_validate_missing_file(tmp_path):
+    r = CliRunner().invoke(cli_main, ["validate", str(tmp_path / "no_such.yaml")])
+    assert r.exit_code == 1
+    assert isinstance(r.exception, SystemExit)
+    assert "no_such.yaml" in r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_cli_validate_shipped_specs_dir():
+    r = CliRunner().invoke(cli_main, ["validate", str(SPECS)])
+    assert r.exit_code == 0, r.output
+    for p in SHIPPED:
+        assert p.name in r.stdout
+
+
+@pytest.mark.parametrize("name", ["nested.yaml", "enum.yaml", "notyet.yaml"])
+def test_cli_validate_clirunner(tmp_path, name):
+    text, line = BAD_FOR_CLI[name]
+    p = write(tmp_path, name, text)
+    r = CliRunner().invoke(cli_main, ["validate", str(p)])
+    assert r.exit_code == 1, r.output
+    assert isinstance(r.exception, SystemExit)  # not an escaping exception
+    assert f"{p}:{line}" in r.stderr
+
+
+def test_cli_validate_error_text_is_not_rich_markup(tmp_path):
+    crash = write(tmp_path, "crash.yaml", 'name: mk\nkey:\n  element: "[/x]"\nvalue:\n  element: bf16\n')
+    eaten = write(tmp_path, "eaten.yaml", 'name: mk\nkey:\n  element: "[red]int9"\nvalue:\n  element: bf16\n')
+    r = CliRunner().invoke(cli_main, ["validate", str(eaten), str(crash)])
+    assert isinstance(r.exception, SystemExit), repr(r.exception)  # anything else is a traceback for the user
+    assert r.exit_code == 1
+    assert f"{crash}:3" in r.stderr
+    assert "[red]int9" in r.stderr  # the value exactly as written in the spec
+
+
+def test_control_character_reports_the_line(tmp_path):
+    text = "name: ctl\nkey:\n  element: bf16\x07\nvalue:\n  element: bf16\n"
+    p = write(tmp_path, "ctl.yaml", text)
+    err = spec_error(p)
+    assert "\n" not in str(err)
+    assert "<unicode string>" not in str(err)
+    assert_at(err, p, 3)
+
+
+def test_cli_validate_directory_without_specs(tmp_path):
+    (tmp_path / "empty").mkdir()
+    r = CliRunner().invoke(cli_main, ["validate", str(tmp_path / "empty")])
+    assert isinstance(r.exception, SystemExit)
+    assert r.exit_code != 0
+    assert "empty" in r.stderr
