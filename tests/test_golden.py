@@ -25,6 +25,7 @@ E + 127 of a scale 2**E. Multi-byte values are little-endian. fp32: 1.0 = 0x3F80
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -37,6 +38,8 @@ import kvgen
 from kvgen import reference as R
 from kvgen.codegen.loader import load_spec
 
+# the kernel tests run on the GPU, compiled, when TRITON_INTERPRET=0 (else on the CPU interpreter)
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 PENDING = Path("/work/pending_specs")  # specs staged before their kernels land
 NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE = 2, 16, 2, 32
@@ -715,10 +718,10 @@ def test_kernel_page_bytes(g: Golden) -> None:
 @pytest.mark.parametrize("g", [_needs_kernels(g) for g in GOLDEN])
 def test_kernel_bytes(g: Golden) -> None:
     fmt = kvgen.load(g.name)
-    cache = fmt.allocate(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, device="cpu", **static_scales(g))
+    cache = fmt.allocate(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, device=DEVICE, **static_scales(g))
     if g.k_scale is not None:
-        assert cache.tensors["k_scale"].float().reshape(-1).tolist() == np.ravel(g.k_scale).tolist()
-        assert cache.tensors["v_scale"].float().reshape(-1).tolist() == np.ravel(g.v_scale).tolist()
+        assert cache.tensors["k_scale"].float().cpu().reshape(-1).tolist() == np.ravel(g.k_scale).tolist()
+        assert cache.tensors["v_scale"].float().cpu().reshape(-1).tolist() == np.ravel(g.v_scale).tolist()
 
     def pages() -> dict[str, np.ndarray]:
         return {name: cache.tensors[name].view(torch.uint8).reshape(NUM_BLOCKS, -1).cpu().numpy().copy()
@@ -726,5 +729,6 @@ def test_kernel_bytes(g: Golden) -> None:
 
     before = pages()
     key, value = inputs(g)
-    fmt.write(cache, torch.from_numpy(key), torch.from_numpy(value), torch.tensor(SLOTS, dtype=torch.int64))
+    fmt.write(cache, torch.from_numpy(key).to(DEVICE), torch.from_numpy(value).to(DEVICE),
+              torch.tensor(SLOTS, dtype=torch.int64, device=DEVICE))
     check_write(g, before, pages())
