@@ -68,9 +68,8 @@ def fwht(x, ROWS: tl.constexpr, D: tl.constexpr, LOG_B: tl.constexpr):
     # Unnormalized fast Walsh-Hadamard transform of every block of 2**LOG_B along the last axis, stage h = 1, 2,
     # 4, ...: (x[i], x[i + h]) <- (x[i] + x[i + h], x[i] - x[i + h]) for i mod 2h < h. One fp32 add per output and
     # stage, in a fixed order: bit-exact in the interpreter and compiled.
-    for i in tl.static_range(LOG_B):
-        h: tl.constexpr = 1 << i
-        pairs = tl.permute(tl.reshape(x, [ROWS, D // (2 * h), 2, h]), [0, 1, 3, 2])
+    for i in tl.static_range(LOG_B):  # h = 1 << i
+        pairs = tl.permute(tl.reshape(x, [ROWS, D // (2 << i), 2, 1 << i]), [0, 1, 3, 2])
         a, b = tl.split(pairs)
         x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [ROWS, D])
     return x
