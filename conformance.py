@@ -235,3 +235,53 @@ def check(fmt: Format, examples: int = 20, device: str = "cpu",
         pass
     failures = seen["result"] or {p: None for p in PROPERTIES}
     return Report(fmt.name, seen["n"], failures, seen["case"])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Random valid specs across the whole format space: "every spec that validates builds and conforms".
+# --------------------------------------------------------------------------------------------------------------
+_QUANTIZED = ["fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "int8", "int4", "int2", "uint8", "uint4", "uint2"]
+
+
+@st.composite
+def side_specs(draw) -> dict:
+    """A valid side of a spec, as plain YAML data."""
+    element = draw(st.sampled_from(["bf16", "fp16", "fp32"] + _QUANTIZED * 3))
+    side: dict = {"element": element}
+    if draw(st.integers(0, 3)) == 0:
+        side["rotation"] = {"kind": "hadamard", "seed": draw(st.integers(0, 1000))}
+    if element in ("bf16", "fp16", "fp32"):
+        return side
+    asym = element.startswith("uint")
+    if element.startswith(("int", "uint")):
+        side["rounding"] = draw(st.sampled_from(["half_even", "half_away_from_zero"]))
+    if element in ("int4", "int2", "uint4", "uint2", "fp4_e2m1"):
+        side["packing"] = draw(st.sampled_from(["lsb_first", "msb_first"]))
+    grans = ["per_token_head", "per_block"] + ([] if asym else ["per_tensor", "per_head"])
+    gran = draw(st.sampled_from(grans))
+    scale: dict = {"granularity": gran, "apply": draw(st.sampled_from(["divide", "reciprocal_multiply"]))}
+    if gran in ("per_token_head", "per_block"):
+        scale["dtype"] = draw(st.sampled_from(["fp32", "fp16", "bf16", "fp8_e4m3", "e8m0"]))
+        scale["placement"] = draw(st.sampled_from(["inline", "page_end", "separate"]))
+        if scale["placement"] == "inline" and draw(st.booleans()):
+            scale["align"] = draw(st.sampled_from([1, 2, 4, 8, 16]))
+        if gran == "per_block":
+            scale["block"] = draw(st.sampled_from([16, 32]))
+        scale["min"] = draw(st.sampled_from([1e-6, 1e-3]))
+        scale["global_scale"] = draw(st.integers(0, 3)) == 0
+    side["scale"] = scale
+    if asym:
+        low_bits = scale["dtype"] == "fp32" and draw(st.booleans())
+        side["zero_point"] = {"storage": "scale_low_bits" if low_bits else "beside_scale"}
+    return side
+
+
+@st.composite
+def format_specs(draw) -> dict:
+    """A valid spec (plain data) with random K and V sides (the same side half of the time)."""
+    key = draw(side_specs())
+    value = key if draw(st.booleans()) else draw(side_specs())
+    cache: dict = {"layout": draw(st.sampled_from(["interleaved", "split"]))}
+    if draw(st.integers(0, 3)) == 0:
+        cache["storage_dtype"] = draw(st.sampled_from(["uint8", "int8", "fp16", "bf16", "fp32"]))
+    return {"kvgen_spec": 1, "name": "random_spec", "cache": cache, "key": key, "value": value}
