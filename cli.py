@@ -122,12 +122,19 @@ def _formats_table(names, block_size, num_kv_heads, head_size) -> Table:
     base = None
     rows = []
     for name in names:
-        d = load(name).describe(block_size, num_kv_heads, head_size)
+        try:
+            d = load(name).describe(block_size, num_kv_heads, head_size)
+        except ValueError as exc:  # a shape this format does not take (e.g. a block size below its token group)
+            rows.append({"name": name, "error": str(exc)})
+            continue
         rows.append(d)
         if name == "bf16":
             base = d["page_bytes"]
     base = base or 2 * 2 * head_size * block_size * num_kv_heads  # bf16 K + V
     for d in rows:
+        if "error" in d:
+            t.add_row(d["name"], "-", "-", "-", f"not at this shape: {d['error']}")
+            continue
         k, v = d["scales"]["key"], d["scales"]["value"]
         scales = k if k == v else f"K: {k}; V: {v}"
         kv = f"{d['key_bytes']}+{d['value_bytes']}" + (f"+{d['padding_bytes']}" if d["padding_bytes"] else "")
@@ -183,6 +190,9 @@ def show(name, block_size, num_kv_heads, head_size, png):
     console.print(f"bytes per token and KV head: K {d['key_bytes']}, V {d['value_bytes']}, padding "
                   f"{d['padding_bytes']}, total {d['bytes_per_token_head']}", highlight=False)
     console.print(f"bytes per page (one layer): {d['page_bytes']:,}", highlight=False)
+    if d["residual_bytes_per_seq"]:
+        console.print(f"full-precision residual window per sequence (one layer, K and V): "
+                      f"{d['residual_bytes_per_seq']:,} B", highlight=False)
     for side, where in d["scales"].items():
         console.print(f"{side} scale: {where}", highlight=False)
     t = Table(title=f"fields of one (slot, KV head): offset in its region's cell; region start in the page")

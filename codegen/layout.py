@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from fractions import Fraction
 
-from .spec import SCALE_BYTES, STORAGE_BYTES, CacheLayout, FormatSpec, Placement, ScaleDType, SideSpec, SIDES
+from .spec import SCALE_BYTES, STORAGE_BYTES, CacheLayout, FormatSpec, Granularity, Placement, ScaleDType, SideSpec, SIDES
 
 FIELD_KINDS = ("data", "scale", "zp")
 
@@ -31,6 +31,7 @@ class FieldPlan:
     fixed: int
     align: int
     what: str
+    rows_per: int = 1  # tokens per row of its region: 1 (a row per slot) or G (a row per KIVI key group)
 
     def size_expr(self) -> str:
         """The field size as a Python expression of ``head_size`` (rendered into generated code)."""
@@ -50,9 +51,16 @@ class FieldPlan:
 
 
 def groups_per_head(side: SideSpec) -> Fraction:
-    """Scales per head vector, as a multiple of the head size (per_block) or a constant (per_token_head)."""
+    """Scales per head vector (per_token_head: a constant 1, i.e. 0 per element), as a multiple of the head size
+    for per_block (one per block) and per_channel_group (one per channel)."""
     sc = side.scale
+    if sc.granularity == Granularity.per_channel_group:
+        return Fraction(1)
     return Fraction(1, sc.block) if sc.block else Fraction(0)
+
+
+def zp_bytes(side: SideSpec) -> int:
+    return {"uint8": 1, "fp16": 2, "fp32": 4}[side.zero_point.dtype]
 
 
 def scale_is_stored(side: SideSpec) -> bool:
@@ -69,11 +77,16 @@ def _meta_fields(side_name: str, side: SideSpec) -> list[tuple[str, Fraction, in
     p = side_name[0]
     per_elem = groups_per_head(side)
     fixed = 0 if per_elem else 1
-    what_group = f"one per {sc.block} elements" if sc.block else "one per token and head"
+    if sc.granularity == Granularity.per_channel_group:
+        what_group = f"one per channel and group of {sc.group_tokens} tokens"
+    else:
+        what_group = f"one per {sc.block} elements" if sc.block else "one per token and head"
     out = [(f"{p}_scale", per_elem * sc.scale_bytes, fixed * sc.scale_bytes, sc.inline_align,
             f"{side_name} scales, {sc.dtype.value}, {what_group}")]
     if zp_is_stored(side):
-        out.append((f"{p}_zp", per_elem, fixed, 1, f"{side_name} zero points, uint8, {what_group}"))
+        nz = zp_bytes(side)
+        kind = "zero points, uint8" if side.zero_point.dtype == "uint8" else f"minimums, {side.zero_point.dtype}"
+        out.append((f"{p}_zp", per_elem * nz, fixed * nz, nz, f"{side_name} {kind}, {what_group}"))
     return out
 
 
@@ -84,8 +97,8 @@ def plan(spec: FormatSpec) -> list[FieldPlan]:
     open_cell: dict[str, int] = {}  # tensor -> index of the cell region still taking fields
     fields: list[FieldPlan] = []
 
-    def add(name, tensor, region, per_elem, fixed, align, what):
-        fields.append(FieldPlan(name, tensor, region, Fraction(per_elem), fixed, align, what))
+    def add(name, tensor, region, per_elem, fixed, align, what, rows_per=1):
+        fields.append(FieldPlan(name, tensor, region, Fraction(per_elem), fixed, align, what, rows_per))
 
     def new_region(tensor: str) -> int:
         regions[tensor] = regions.get(tensor, 0) + 1
@@ -103,6 +116,13 @@ def plan(spec: FormatSpec) -> list[FieldPlan]:
         data = (f"{p}_data", Fraction(side.bits, 8), 0, max(side.bits // 8, 1),
                 f"{side_name} codes, {side.element.value}" + (f", {8 // side.bits} per byte" if side.bits < 8 else ""))
         placement = side.scale.placement if scale_is_stored(side) else None
+        if side.scale is not None and side.scale.granularity == Granularity.per_channel_group:
+            # KIVI keys: codes in the cell; one row of metadata per group of G tokens, in a region of its own
+            add(*data[:1], tensor, cell_region(tensor), *data[1:])
+            meta_region = new_region(tensor)
+            for m in _meta_fields(side_name, side):
+                add(m[0], tensor, meta_region, *m[1:], rows_per=side.scale.group_tokens)
+            continue
         if placement == Placement.page_end:
             add(*data[:1], tensor, new_region(tensor), *data[1:])
             meta_region = new_region(tensor)

@@ -12,7 +12,7 @@ import jinja2
 
 from . import layout as layout_mod
 from .codecs import SCALE_MAX, SCALE_TINY, Codec, element_codec, scale_codec
-from .spec import FormatSpec, Placement, SideSpec
+from .spec import FormatSpec, Granularity, Placement, ScaleDType, SideSpec
 from .support import check_supported
 from .version import KVGEN_VERSION
 
@@ -44,9 +44,13 @@ class SideContext:
     code_mask: int
     scale: str  # none / per_tensor / per_head / dynamic
     group: str  # elements per dynamic scale along the head dimension ("HEAD_PAD" = the whole head)
+    group_tokens: int  # KIVI keys: tokens per channel group
     ngroups: str  # scales per head vector (expression)
     asym: bool
-    zp: str  # none / beside / low_bits
+    zp: str  # none / beside / low_bits / float (the group minimum as offset)
+    zunit: str
+    zbytes: int
+    zp_max: str  # saturation of an fp16 minimum before rounding ("" for none)
     zp_clear: str  # mask that clears the zero point bits of an fp32 scale
     global_scale: bool
     qmax: str  # fp32 literal: the code range a dynamic scale maps the group's range to
@@ -78,6 +82,10 @@ def render_codec(codec: Codec, prefix: str) -> str:
     return template.render(prefix=prefix, element=codec.name, bits=codec.bits, **codec.params).strip()
 
 
+def _float_codec_for(dtype: str) -> Codec:
+    return scale_codec(ScaleDType(dtype))
+
+
 def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
     """The render context of a side and the codec sources it needs."""
     p = name[0]
@@ -89,23 +97,35 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
         scale = "none"
     elif sc.granularity.is_static:
         scale = sc.granularity.value
+    elif sc.granularity == Granularity.per_channel_group:
+        scale = "channel_group"  # KIVI keys: quantized by the flush kernel, per channel over G tokens
     else:
         scale = "dynamic"
-    dynamic = scale == "dynamic"
+    dynamic = scale in ("dynamic", "channel_group")
     scodec = scale_codec(sc.dtype) if dynamic else None
     if scodec is not None:
         sources.append(render_codec(scodec, f"{p}_scale_"))
     asym = side.zero_point is not None
-    qmax = info.qmax - info.qmin if asym else info.qmax
     zp = "none" if not asym else ("low_bits" if side.zero_point.storage == "scale_low_bits" else "beside")
+    float_zp = asym and side.zero_point.dtype != "uint8"
+    if float_zp:
+        zp = "float"
+        zcodec = _float_codec_for(side.zero_point.dtype)
+        sources.append(render_codec(zcodec, f"{p}_zp_"))
+    qmax = info.qmax - info.qmin if asym else info.qmax
     group = str(sc.block) if dynamic and sc.block else "HEAD_PAD"
     rule = ("(max - min) / " if asym else "absmax / ") + f"{qmax:g}" + (" / global" if dynamic and sc.global_scale else "")
+    if zp == "float":
+        rule += f" with the {side.zero_point.dtype} minimum as offset"
     ctx = SideContext(
         name=name, p=p, P=p.upper(), bits=side.bits, unit=codec.unit, unit_bytes=codec.unit_bytes,
         packed=side.bits < 8, per_byte=max(8 // side.bits, 1), msb_first=side.packing == "msb_first",
         code_mask=(1 << side.bits) - 1 if side.bits < 32 else 0xFFFFFFFF,
-        scale=scale, group=group, ngroups=f"HEAD_SIZE // {sc.block}" if dynamic and sc.block else "1",
-        asym=asym, zp=zp, zp_clear=hex(0xFFFFFFFF ^ ((1 << side.bits) - 1)),
+        scale=scale, group=group, group_tokens=sc.group_tokens if sc is not None and sc.group_tokens else 1, ngroups=f"HEAD_SIZE // {sc.block}" if dynamic and sc.block else "1",
+        asym=asym, zp=zp,
+        zunit={"fp16": "tl.uint16", "fp32": "tl.uint32"}.get(side.zero_point.dtype, "tl.uint8") if asym else "tl.uint8",
+        zbytes={"fp16": 2, "fp32": 4}.get(side.zero_point.dtype, 1) if asym else 1,
+        zp_max="65504.0" if float_zp and side.zero_point.dtype == "fp16" else "", zp_clear=hex(0xFFFFFFFF ^ ((1 << side.bits) - 1)),
         global_scale=bool(dynamic and sc.global_scale), qmax=_float_literal(qmax),
         scale_floor=_float_literal(max(sc.min, SCALE_TINY[sc.dtype])) if dynamic else "0.0",
         scale_max=_float_literal(SCALE_MAX[sc.dtype]) if dynamic and sc.dtype in SCALE_MAX else "",
@@ -113,10 +133,12 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
         sunit=scodec.unit if scodec else "tl.uint8", sunit_bytes=scodec.unit_bytes if scodec else 1,
         meta_ptr=f"{p}_meta_ptr" if dynamic and sc.placement == Placement.separate else f"{p}_cache_ptr",
         rotate=side.rotation is not None,
-        scale_rule=f"scale = max({rule}, {sc.min:g}) stored as {sc.dtype.value}" if dynamic else "",
+        scale_rule=f"scale = max({rule.split(' with ')[0]}, {sc.min:g}) stored as {sc.dtype.value}"
+        + (f", the {side.zero_point.dtype} minimum as offset" if zp == "float" else "") if dynamic else "",
         codec_summary=codec.summary,
-        scale_summary=(f"{sc.dtype.value} per " + (f"{sc.block} elements" if sc.block else "token and head")
-                       + f", {sc.placement.value}") if dynamic else "",
+        scale_summary=(f"{sc.dtype.value} per " + (f"{sc.block} elements" if sc.block else (
+            f"channel over {sc.group_tokens} tokens" if sc.group_tokens else "token and head"))
+            + f", {sc.placement.value}") if dynamic else "",
     )
     return ctx, sources
 
@@ -154,6 +176,9 @@ def render_files(spec: FormatSpec) -> dict[str, str]:
     plan = layout_mod.plan(spec)
     k_ctx, k_src = side_context("key", spec.key)
     v_ctx, v_src = side_context("value", spec.value)
+    # KIVI: the residual buffers' dtype codec (prefix r_)
+    r_codec = _float_codec_for(spec.key.residual.dtype) if spec.streaming else None
+    r_src = [render_codec(r_codec, "r_")] if r_codec else []
     files = {
         "__init__.py": _ENV.get_template("init.py.jinja").render(
             header=header(spec, "package"),
@@ -166,12 +191,19 @@ def render_files(spec: FormatSpec) -> dict[str, str]:
             header=header(spec, "page-size calculator"),
             tensors=repr(layout_mod.tensor_storage(spec)),
             fields=plan,
+            rows_per=repr({(f.tensor, f.region): f.rows_per for f in plan if f.rows_per != 1}),
+            residual=repr(None if not spec.streaming else {
+                "tokens": spec.key.residual.tokens, "ring": spec.key.residual.tokens + spec.group_tokens,
+                "group": spec.group_tokens, "dtype": spec.key.residual.dtype}),
         ),
         "kernels.py": _ENV.get_template("kernels.py.jinja").render(
             header=header(spec, "Triton kernels"),
             k=k_ctx,
             v=v_ctx,
-            codec_sources=k_src + v_src,
+            codec_sources=k_src + v_src + r_src,
+            streaming=spec.streaming,
+            r_unit=r_codec.unit if r_codec else "tl.uint16",
+            r_unit_bytes=r_codec.unit_bytes if r_codec else 2,
         ),
     }
     out = {name: _tidy(text) for name, text in files.items()}

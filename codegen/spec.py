@@ -262,6 +262,16 @@ class SideSpec(_Strict):
                 raise ValueError("a zero point is computed with a dynamic scale (per_token_head or per_block)")
             if self.zero_point.storage == "scale_low_bits" and self.scale.dtype.value != "fp32":
                 raise ValueError("zero_point storage scale_low_bits needs an fp32 scale (its low mantissa bits)")
+            if self.zero_point.dtype != "uint8" and self.zero_point.storage != "beside_scale":
+                raise ValueError(f"a float zero point ({self.zero_point.dtype}) is stored beside_scale")
+        if self.scale is not None and self.scale.granularity == Granularity.per_channel_group:
+            if self.residual is None:
+                raise ValueError("per_channel_group (KIVI keys) needs a 'residual' window of full-precision tokens")
+            if self.residual.tokens % self.scale.group_tokens:
+                raise ValueError(f"residual.tokens {self.residual.tokens} must be a multiple of group_tokens "
+                                 f"{self.scale.group_tokens}")
+            if self.scale.placement != Placement.page_end:
+                raise ValueError("per_channel_group scales are stored per page (placement: page_end)")
         if self.packing != "lsb_first" and info.bits >= 8:
             raise ValueError(f"'packing' applies to sub-byte elements, not {self.element.value}")
         return self
@@ -303,6 +313,25 @@ class FormatSpec(_Strict):
                 "(at most 64 characters)"
             )
         return v
+
+    @model_validator(mode="after")
+    def _residual(self) -> "FormatSpec":
+        k, v = self.key.residual, self.value.residual
+        if (k is None) != (v is None) or (k is not None and k != v):
+            raise ValueError("key.residual and value.residual must be the same (one full-precision window per "
+                             "sequence)")
+        if k is not None and (self.key.scale is None or self.key.scale.granularity != Granularity.per_channel_group):
+            raise ValueError("a residual window goes with KIVI keys: key.scale.granularity per_channel_group")
+        return self
+
+    @property
+    def streaming(self) -> bool:
+        """Whether the format keeps a per-sequence residual window (KIVI): writes need sequence metadata."""
+        return self.key.residual is not None
+
+    @property
+    def group_tokens(self) -> int:
+        return self.key.scale.group_tokens if self.streaming else 1
 
     @model_validator(mode="after")
     def _storage(self) -> "FormatSpec":

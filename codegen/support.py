@@ -6,10 +6,9 @@ from typing import Optional
 
 from .codecs import has_codec
 from .errors import NotSupportedYet
-from .spec import SIDES, FormatSpec, Granularity
+from .spec import SIDES, FormatSpec, Granularity, Placement
 
-_SUPPORTED_GRANULARITIES = (Granularity.per_tensor, Granularity.per_head, Granularity.per_token_head,
-                            Granularity.per_block)
+_SUPPORTED_GRANULARITIES = tuple(Granularity)
 
 
 def unsupported(spec: FormatSpec) -> Optional[tuple[str, str]]:
@@ -18,13 +17,17 @@ def unsupported(spec: FormatSpec) -> Optional[tuple[str, str]]:
         side = spec.side(side_name)
         if not has_codec(side.element):
             return f"{side_name}.element", f"element {side.element.value} has no codec yet"
-        if side.residual is not None:
-            return f"{side_name}.residual", "full-precision residual windows are not supported yet"
-        if side.zero_point is not None and side.zero_point.dtype != "uint8":
-            return f"{side_name}.zero_point.dtype", "only uint8 zero points are supported yet"
         sc = side.scale
         if sc is not None and sc.granularity not in _SUPPORTED_GRANULARITIES:
             return f"{side_name}.scale.granularity", f"granularity {sc.granularity.value} is not supported yet"
+        if spec.streaming and side.rotation is not None:
+            return f"{side_name}.rotation", "rotation with a residual window is not supported yet"
+        if spec.streaming and sc is not None and sc.granularity.is_static:
+            return f"{side_name}.scale.granularity", "static scales with a residual window are not supported yet"
+    if spec.streaming and spec.value.scale is not None and spec.value.scale.placement != Placement.inline:
+        return "value.scale.placement", "with a residual window, value scales are inline (others not supported yet)"
+    if spec.streaming and spec.cache.layout.value != "interleaved":
+        return "cache.layout", "with a residual window, the layout is interleaved (split not supported yet)"
     return None
 
 

@@ -5,7 +5,8 @@ Rules (docs/SEMANTICS.md, "Layout"):
     ``num_kv_heads`` heads). A page is a sequence of regions; a region is ``[block_size, num_kv_heads, cell]``
     (slot-major) and a cell holds one or more fields at fixed offsets.
   * Fields: ``{k,v}_data`` (``ceil(D * bits / 8)`` bytes), ``{k,v}_scale`` (one scale per group, little-endian;
-    dynamic sides only), ``{k,v}_zp`` (one uint8 per group; ``zero_point: beside_scale`` only).
+    dynamic sides only), ``{k,v}_zp`` (one zero point per group in its dtype: uint8, or fp16 / fp32 little-endian
+    for a float zero point; ``zero_point: beside_scale`` only).
   * Sides are placed key first, then value. The data tensor is ``kv_cache`` (``layout: interleaved``) or
     ``k_cache`` / ``v_cache`` (``split``). Every tensor has an open "cell region" that fields are appended to:
       - unquantized / static-scale side: its data is appended to the open cell region;
@@ -15,9 +16,9 @@ Rules (docs/SEMANTICS.md, "Layout"):
       - ``page_end``: a region ``[data]`` and a region ``[scale, zero point]`` are appended to the page; they are
         closed, so a later inline / separate side opens a new cell region after them.
   * Alignment: a field starts at the next multiple of its alignment (data: its element size, at least 1; scale:
-    ``align``, default the scale's size; zero point: 1); a cell ends at a multiple of the largest alignment of its
-    fields and of its tensor's storage dtype (= the region's alignment). Regions follow each other, each starting at
-    a multiple of its alignment; a page ends at a multiple of the largest region alignment (this padding between
+    ``align``, default the scale's size; zero point: its size, so 1 for uint8); a cell ends at a multiple of the
+    largest alignment of its fields and of its tensor's storage dtype (= the region's alignment). Regions follow
+    each other, each starting at a multiple of its alignment; a page ends at a multiple of the largest region alignment (this padding between
     regions and at the page end is zero in every format whose region sizes are multiples of the next alignment).
   * Storage dtypes: data tensors ``cache.storage_dtype``; scale tensors fp32 / fp16 / bf16 for those scale dtypes
     without a zero point, else uint8. Shapes in storage elements: one region ``[num_blocks, block_size, H,
@@ -39,7 +40,7 @@ import numpy as np
 from ._schema import CacheLayout, FormatSpec, Placement, ScaleDType, SideSpec, StorageDType
 from .codes import ELEMENT_BITS, SCALE_BYTES
 from .quant import (StaticScale, as_float32, data_bytes, decode_side, encode_side, is_dynamic, require_side,
-                    scale_field_bytes, zp_field_bytes)
+                    scale_field_bytes, zp_bytes, zp_field_bytes)
 
 STORAGE_BYTES: dict[StorageDType, int] = {
     StorageDType.uint8: 1,
@@ -174,7 +175,7 @@ def layout(spec: FormatSpec, head_size: int) -> dict[str, TensorLayout]:
             placement = side.scale.placement
             extra.append((f"{p}_scale", scale_field_bytes(side, head_size), _scale_align(side)))
             if zp_field_bytes(side, head_size):
-                extra.append((f"{p}_zp", zp_field_bytes(side, head_size), 1))
+                extra.append((f"{p}_zp", zp_field_bytes(side, head_size), zp_bytes(side)))
 
         def open_region() -> list:
             if not t["open"]:

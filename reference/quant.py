@@ -17,6 +17,12 @@ docs/SEMANTICS.md; all arithmetic float32 round-to-nearest-even unless said othe
       5. ``s_eff = s_q`` (``fp32(s_q * g)`` with a global scale).
   * Zero point (asymmetric, uintB): ``zp = clamp(round(-lo / s_eff), 0, 2^B - 1)`` (the side's rounding, float32
     division), stored as one uint8 per group (``beside_scale``) or in the low B bits of the fp32 scale.
+  * Float zero point (``zero_point: {dtype: fp16 | fp32}``, KIVI; SEMANTICS.md "Float zero points"): ``lo = min x``,
+    ``hi = max x`` (no 0 in the range); ``s = (hi - lo) / qmax`` floored and rounded as above -> ``s_q``; ``m`` =
+    ``lo`` rounded to the zero-point dtype (fp16 saturates at +-65504, then rounds half to even); encode
+    ``v = (x' - m) / s_q`` (or ``(x' - m) * (1 / s_q)``), code ``clamp(round(v), 0, qmax)``; decode
+    ``code * s_q + m``. ``m`` is stored beside its scale, ``groups * 2`` (fp16) or ``* 4`` (fp32) bytes,
+    little-endian, aligned to its size. Not combined with a global scale (undefined).
   * Encode: ``v = x' / s_eff`` (divide) or ``x' * (1 / s_eff)`` (reciprocal_multiply), ``+ zp`` (float32 add);
     then the element code (:mod:`.codes`).
   * Decode: ``(code - zp) * s_eff`` in float64 (exact), then the inverse rotation in float64.
@@ -33,10 +39,13 @@ import numpy as np
 from . import rotation as rot
 from ._schema import ApplyScale, ElementType, Granularity, ScaleDType, SideSpec
 from .codes import (CODE_RANGE, ELEMENT_BITS, FLOAT_DTYPES, INTEGERS, LOWBIT_FLOATS, QMAX, SCALE_BYTES, SCALE_TINY,
-                    decode_codes, decode_scale, element_bytes_ceil, encode_codes, encode_scale,
+                    decode_codes, decode_scale, element_bytes_ceil, encode_codes, encode_scale, from_little_endian,
                     half_ulp, little_endian_bytes, overflow_threshold, round_int)
 
 StaticScale = Union[float, np.ndarray, list, None]
+
+#: numpy dtype of each zero-point dtype (uint8: an integer code offset; fp16 / fp32: a float offset, the group min).
+ZP_DTYPES: dict[str, type] = {"uint8": np.uint8, "fp16": np.float16, "fp32": np.float32}
 
 #: Slack, in code units per unit of ``|x' / s| + zp + 1``, for the float32 roundings between the ideal code value
 #: ``x' / s_eff + zp`` and the value that is rounded to a code: the division (or the reciprocal and the product: two
@@ -77,8 +86,14 @@ def require_side(side: SideSpec) -> None:
     if zp is not None:
         if g.is_static:
             raise NotImplementedError("reference: a zero point with a static scale is not defined in SEMANTICS.md")
+        if zp.dtype not in ZP_DTYPES:
+            raise NotImplementedError(f"reference: zero point dtype {zp.dtype} is not defined in SEMANTICS.md")
         if zp.dtype != "uint8":
-            raise NotImplementedError(f"reference: zero point dtype {zp.dtype} (SEMANTICS.md: one uint8)")
+            if zp.storage != "beside_scale":
+                raise NotImplementedError(f"reference: a float ({zp.dtype}) zero point is stored beside_scale")
+            if scale.global_scale:
+                raise NotImplementedError("reference: a float zero point with a global scale is not defined in "
+                                          "SEMANTICS.md")
         if zp.storage == "scale_low_bits" and scale.dtype != ScaleDType.fp32:
             raise NotImplementedError(f"reference: zero point in the low bits of a {scale.dtype.value} scale "
                                       "(SEMANTICS.md: fp32 only)")
@@ -96,6 +111,64 @@ def is_static(side: SideSpec) -> bool:
 
 def is_asymmetric(side: SideSpec) -> bool:
     return side.zero_point is not None
+
+
+def has_float_zp(side: SideSpec) -> bool:
+    """True for a float zero point (``zero_point.dtype`` fp16 / fp32: the group minimum is the offset)."""
+    return side.zero_point is not None and side.zero_point.dtype != "uint8"
+
+
+def zp_bytes(side: SideSpec) -> int:
+    """Bytes of one stored zero point: 1 (uint8) or 2 / 4 (fp16 / fp32); 0 without a beside_scale zero point."""
+    if side.zero_point is None or side.zero_point.storage != "beside_scale":
+        return 0
+    return np.dtype(ZP_DTYPES[side.zero_point.dtype]).itemsize
+
+
+def encode_zero(side: SideSpec, lo: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A float zero point: ``m`` = float32 ``lo`` rounded to the zero-point dtype (fp16: clamp to +-65504 first, then
+    round half to even). Returns ``(m as float32, stored little-endian bytes [..., G * size])``."""
+    assert side.zero_point is not None
+    lo = np.asarray(lo, dtype=np.float32)
+    if side.zero_point.dtype == "fp16":
+        q = np.clip(lo, np.float32(-65504.0), np.float32(65504.0)).astype(np.float16)
+    elif side.zero_point.dtype == "fp32":
+        q = lo.copy()
+    else:
+        raise ValueError(f"zero point dtype {side.zero_point.dtype} is not a float")
+    return q.astype(np.float32), little_endian_bytes(q)
+
+
+def decode_zero(side: SideSpec, stored: np.ndarray) -> np.ndarray:
+    """Stored float zero-point bytes uint8 ``[..., G * size]`` -> float32 ``[..., G]``."""
+    assert side.zero_point is not None
+    return from_little_endian(stored, ZP_DTYPES[side.zero_point.dtype]).astype(np.float32)
+
+
+def float_zp_scale(side: SideSpec, lo: np.ndarray, hi: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Scale and float zero point of groups with float32 minimum ``lo`` and maximum ``hi`` (any shape ``[..., G]``).
+
+    ``s = (hi - lo) / qmax`` (float32), floor ``max(s, min, tiny)``, rounded to the scale dtype -> ``s_q``; ``m`` =
+    ``lo`` in the zero-point dtype. Returns ``(s_q, m, scale bytes [..., G * scale_bytes], zp bytes [..., G * size])``.
+    """
+    scale = side.scale
+    assert scale is not None and has_float_zp(side)
+    qmax = np.float32(QMAX[side.element])
+    lo = np.asarray(lo, dtype=np.float32)
+    hi = np.asarray(hi, dtype=np.float32)
+    with np.errstate(over="ignore"):
+        s = ((hi - lo).astype(np.float32) / qmax).astype(np.float32)
+    s = np.maximum(np.maximum(s, np.float32(scale.min)), np.float32(SCALE_TINY[scale.dtype])).astype(np.float32)
+    s_q, stored = encode_scale(scale.dtype, s)
+    m, zp_stored = encode_zero(side, lo)
+    return s_q, m, stored, zp_stored
+
+
+def float_zp_values(side: SideSpec, x: np.ndarray, s_q: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """``v = (x - m) / s_q`` or ``(x - m) * (1 / s_q)`` (per ``apply``), float32; ``s_q`` / ``m`` broadcast."""
+    d = (np.asarray(x, dtype=np.float32) - np.asarray(m, dtype=np.float32)).astype(np.float32)
+    return apply_scale(side, d, s_q)
 
 
 def has_global_scale(side: SideSpec) -> bool:
@@ -133,10 +206,11 @@ def scale_field_bytes(side: SideSpec, head_size: int) -> int:
 
 
 def zp_field_bytes(side: SideSpec, head_size: int) -> int:
-    """Bytes of the zero-point field (one uint8 per group, ``beside_scale``) per (slot, head); 0 otherwise."""
+    """Bytes of the zero-point field (``beside_scale``: one uint8, fp16 or fp32 per group) per (slot, head); 0
+    otherwise."""
     if side.zero_point is None or side.zero_point.storage != "beside_scale":
         return 0
-    return groups(side, head_size)[0]
+    return groups(side, head_size)[0] * zp_bytes(side)
 
 
 # --- inputs ---------------------------------------------------------------------------------------------------------
@@ -223,9 +297,10 @@ class SideEncoding:
 
     ``data``: uint8 ``[T, H, ceil(D * bits / 8)]``; ``scale``: the stored scale field, uint8
     ``[T, H, G * scale_bytes]`` (dynamic sides; with ``scale_low_bits`` the zero points are inside), else None;
-    ``zp``: the ``beside_scale`` zero-point field, uint8 ``[T, H, G]``, else None. ``rotated``: the float32 values
-    that were scaled (``x`` itself without rotation); ``s_eff`` / ``zero_point``: float32 per element ``[T, H, D]``
-    (None for an unquantized side / a symmetric one).
+    ``zp``: the ``beside_scale`` zero-point field, uint8 ``[T, H, G * zp bytes]``, else None. ``rotated``: the
+    float32 values that were scaled (``x`` itself without rotation); ``s_eff`` / ``zero_point``: float32 per element
+    ``[T, H, D]`` (None for an unquantized side / a symmetric one); with a float zero point ``zero_point`` is ``m``,
+    the offset in value units (decode ``code * s_eff + m``), else the integer code offset.
     """
 
     data: np.ndarray
@@ -241,8 +316,8 @@ def dynamic_scale(side: SideSpec, xr: np.ndarray, global_scale: StaticScale = No
     """Scales of already-rotated float32 ``xr`` ``[T, H, D]``.
 
     Returns ``(s_eff, zp, scale_field, zp_field)``: float32 ``[T, H, G]``, float32 ``[T, H, G]`` or None (symmetric),
-    the stored scale bytes uint8 ``[T, H, G * scale_bytes]``, the beside_scale zero-point bytes uint8 ``[T, H, G]``
-    or None.
+    the stored scale bytes uint8 ``[T, H, G * scale_bytes]``, the beside_scale zero-point bytes uint8
+    ``[T, H, G * zp bytes]`` or None. With a float zero point, ``zp`` is ``m`` (float32, value units).
     """
     scale = side.scale
     assert scale is not None and is_dynamic(side)
@@ -250,6 +325,9 @@ def dynamic_scale(side: SideSpec, xr: np.ndarray, global_scale: StaticScale = No
     g_count, n = groups(side, d)
     xg = xr.reshape(t, h, g_count, n)
     qmax = np.float32(QMAX[side.element])
+    if has_float_zp(side):  # the group's min is the offset; no 0 in the range
+        s_q, m, stored, zp_stored = float_zp_scale(side, xg.min(axis=-1), xg.max(axis=-1))
+        return s_q, m, stored, zp_stored
     if is_asymmetric(side):
         # the range always includes 0, so 0 is exactly representable and one-signed groups do not clip
         lo = np.minimum(xg.min(axis=-1), np.float32(0))
@@ -300,9 +378,13 @@ def encode_side(side: SideSpec, x: np.ndarray, static_scale: StaticScale = None)
     t, h, d = x.shape
     g_count, n = groups(side, d)
     s_eff, zp, stored, zp_field = dynamic_scale(side, xr, static_scale)
-    v = apply_scale(side, xr.reshape(t, h, g_count, n), s_eff[..., None])
-    if zp is not None:
-        v = (v + zp[..., None]).astype(np.float32)
+    if has_float_zp(side):
+        assert zp is not None
+        v = float_zp_values(side, xr.reshape(t, h, g_count, n), s_eff[..., None], zp[..., None])
+    else:
+        v = apply_scale(side, xr.reshape(t, h, g_count, n), s_eff[..., None])
+        if zp is not None:
+            v = (v + zp[..., None]).astype(np.float32)
     data = encode_codes(side.element, v.reshape(t, h, d), side.rounding, side.packing)
     per_element = np.repeat(s_eff, n, axis=-1)
     zp_element = None if zp is None else np.repeat(zp, n, axis=-1)
@@ -314,7 +396,8 @@ def encode_side(side: SideSpec, x: np.ndarray, static_scale: StaticScale = None)
 
 def stored_scales(side: SideSpec, scale: np.ndarray, zp: Optional[np.ndarray] = None,
                   global_scale: StaticScale = None) -> tuple[np.ndarray, Optional[np.ndarray]]:
-    """Stored fields -> ``(s_eff, zero point)`` float32 ``[..., G]`` (zero point None for a symmetric side)."""
+    """Stored fields -> ``(s_eff, zero point)`` float32 ``[..., G]`` (zero point None for a symmetric side; ``m``
+    in value units for a float zero point)."""
     sc = side.scale
     assert sc is not None and is_dynamic(side)
     s_q = decode_scale(sc.dtype, scale)
@@ -328,7 +411,10 @@ def stored_scales(side: SideSpec, scale: np.ndarray, zp: Optional[np.ndarray] = 
         else:
             if zp is None:
                 raise ValueError("an asymmetric side with beside_scale zero points needs its zero-point bytes")
-            zero = np.asarray(zp, dtype=np.uint8).astype(np.float32)
+            if has_float_zp(side):
+                zero = decode_zero(side, zp)
+            else:
+                zero = np.asarray(zp, dtype=np.uint8).astype(np.float32)
     if sc.global_scale:
         s_q = (s_q * global_scale_value(side, global_scale)).astype(np.float32)
     return s_q, zero
@@ -340,7 +426,7 @@ def decode_side(side: SideSpec, data: np.ndarray, scale: Optional[np.ndarray] = 
     """Decode a side's stored fields to float64 ``[..., H, D]`` values in the input's basis (unrotated).
 
     ``data`` uint8 ``[..., H, data bytes]``; ``scale`` the stored scale field ``[..., H, G * scale_bytes]`` and
-    ``zp`` the beside_scale zero-point field ``[..., H, G]`` of a dynamic side; ``static_scale`` the static scale
+    ``zp`` the beside_scale zero-point field ``[..., H, G * zp bytes]`` of a dynamic side; ``static_scale`` the static scale
     (per_tensor / per_head) or the global scale; ``head_size`` only when sub-byte codes end in a partial byte.
     """
     require_side(side)
@@ -359,6 +445,10 @@ def decode_side(side: SideSpec, data: np.ndarray, scale: Optional[np.ndarray] = 
     g_count, n = groups(side, d)
     s_eff, zero = stored_scales(side, scale, zp, static_scale)
     c = codes.reshape(codes.shape[:-1] + (g_count, n))
+    if has_float_zp(side):  # code * s_q + m
+        assert zero is not None
+        values = (c * s_eff[..., None].astype(np.float64) + zero[..., None].astype(np.float64)).reshape(codes.shape)
+        return unrotate_side(side, values)
     if zero is not None:
         c = c - zero[..., None].astype(np.float64)
     with np.errstate(invalid="ignore"):  # 0 * inf = NaN where an fp16 / bf16 scale overflowed
@@ -378,6 +468,8 @@ def _rotated_bound(side: SideSpec, enc: SideEncoding) -> np.ndarray:
         return np.where(ax >= overflow_threshold(side.element), np.inf, bound)
     assert enc.s_eff is not None
     s = enc.s_eff.astype(np.float64)
+    if has_float_zp(side):
+        return float_zp_bound(side, xr, s, enc.zero_point)
     zp = np.zeros_like(s) if enc.zero_point is None else enc.zero_point.astype(np.float64)
     u = xr / s  # the ideal scaled value, exact in float64 up to 2**-53 relative
     v = u + zp
@@ -390,6 +482,25 @@ def _rotated_bound(side: SideSpec, enc: SideEncoding) -> np.ndarray:
         step = np.full_like(v, 0.5)
     slack = (np.abs(u) + zp + 1.0) * CODE_SLACK
     return s * (step + excess + slack)
+
+
+def float_zp_bound(side: SideSpec, x: np.ndarray, s_q: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Bound on ``|code * s_q + m - x|`` per element (float64, shapes broadcast) for a float zero point.
+
+    ``u = (x - m) / s_q`` is the ideal code value (float64); the code is ``clamp(round(u'), 0, qmax)`` with ``u'``
+    the float32 value (``x - m``, then the division or the reciprocal and the product: at most 3 roundings of
+    2**-24 relative, inside ``CODE_SLACK``). So ``|code - u| <= 0.5 + excess + slack`` with ``excess`` how far ``u``
+    lies outside ``[0, qmax]`` (``m`` rounded above ``lo``, ``s_q`` rounded below ``s``, saturation). The float64
+    decode adds at most ``2**-52 * (|m| + qmax * s_q)``.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    s = np.asarray(s_q, dtype=np.float64)
+    m = np.asarray(m, dtype=np.float64)
+    qmax = float(QMAX[side.element])
+    u = (x - m) / s
+    excess = np.maximum(np.maximum(-u, u - qmax), 0.0)
+    slack = (np.abs(u) + 1.0) * CODE_SLACK
+    return s * (0.5 + excess + slack) + 2.0**-52 * (np.abs(m) + qmax * s)
 
 
 def error_bound(side: SideSpec, x: np.ndarray, static_scale: StaticScale = None) -> np.ndarray:
@@ -422,8 +533,9 @@ def error_bound(side: SideSpec, x: np.ndarray, static_scale: StaticScale = None)
 
 
 __all__ = [
-    "SideEncoding", "StaticScale", "apply_scale", "as_float32", "data_bytes", "decode_side", "dynamic_scale",
-    "encode_side", "error_bound", "global_scale_value", "groups", "has_global_scale", "is_asymmetric", "is_dynamic",
-    "is_static", "require_side", "rotate_side", "scale_field_bytes", "static_scale_array", "stored_scales",
-    "takes_layer_scale", "unrotate_side", "zp_field_bytes",
+    "SideEncoding", "StaticScale", "ZP_DTYPES", "apply_scale", "as_float32", "data_bytes", "decode_side",
+    "decode_zero", "dynamic_scale", "encode_side", "encode_zero", "error_bound", "float_zp_bound", "float_zp_scale",
+    "float_zp_values", "global_scale_value", "groups", "has_float_zp", "has_global_scale", "is_asymmetric",
+    "is_dynamic", "is_static", "require_side", "rotate_side", "scale_field_bytes", "static_scale_array",
+    "stored_scales", "takes_layer_scale", "unrotate_side", "zp_bytes", "zp_field_bytes",
 ]

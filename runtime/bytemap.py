@@ -21,9 +21,11 @@ def page_map(layout, block_size: int, num_kv_heads: int, head_size: int) -> dict
     """tensor -> uint8 array of one page's bytes, each holding the category id of the field it belongs to."""
     lay = layout.page_layout(block_size, num_kv_heads, head_size)
     maps = {t: np.zeros(n, dtype=np.uint8) for t, n in lay["page_bytes"].items()}
+    regions = {name: (tensor, region) for name, tensor, region, *_ in layout.FIELDS}
     for name, f in lay["fields"].items():
         page = maps[f["tensor"]]
-        for cell in range(block_size * num_kv_heads):
+        rows_per = getattr(layout, "ROWS_PER", {}).get(regions[name], 1)  # KIVI key groups: a row per G tokens
+        for cell in range(block_size // rows_per * num_kv_heads):
             start = f["base"] + cell * f["cell"]
             page[start:start + f["bytes"]] = _FIELD_CATEGORY[name]
     return maps

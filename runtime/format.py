@@ -76,6 +76,10 @@ class Format:
         return f"<kvgen format {self.name} from {self.source}>"
 
     # -- layout -----------------------------------------------------------------------------------------------
+    def residual_bytes(self, num_kv_heads: int, head_size: int) -> int:
+        """Bytes of one sequence's full-precision residual window (K and V, one layer); 0 for most formats."""
+        return self.layout.residual_bytes(num_kv_heads, head_size)
+
     def page_bytes(self, block_size: int, num_kv_heads: int, head_size: int) -> int:
         """Bytes one block of one layer takes (all cache tensors; static scales are per layer, not per page)."""
         return self.layout.page_bytes(block_size, num_kv_heads, head_size)
@@ -106,20 +110,36 @@ class Format:
     # -- allocation -------------------------------------------------------------------------------------------
     def allocate(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, *,
                  device: Union[str, torch.device] = "cpu", k_scale: ScaleArg = None,
-                 v_scale: ScaleArg = None) -> KVCache:
+                 v_scale: ScaleArg = None, max_seqs: Optional[int] = None) -> KVCache:
         """A zeroed paged cache; static scales (a float, or one per KV head for per-head formats) belong to it.
 
         A static-scale format given no scale uses 1.0 and warns once; a dynamic format refuses static scales.
+        Formats with a residual window (KIVI) also hold ``k_residual``/``v_residual`` ``[max_seqs, R + G, H, D]``:
+        ``max_seqs`` is required for them (the number of sequences that can be live at once).
         """
         for name, val in (("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads),
                           ("head_size", head_size)):
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {val!r}")
         self._check_head_size(head_size)
+        residual = self.layout.RESIDUAL
+        if residual is not None:
+            if isinstance(max_seqs, bool) or not isinstance(max_seqs, int) or max_seqs < 1:
+                raise ValueError(f"max_seqs: format {self.name} keeps a full-precision window per sequence; pass "
+                                 f"the number of sequences live at once (a positive integer), got {max_seqs!r}")
+            if block_size % residual["group"]:
+                raise ValueError(f"block_size: {block_size} is not a multiple of the key token group "
+                                 f"{residual['group']} of format {self.name}")
+        elif max_seqs is not None:
+            raise ValueError(f"max_seqs: format {self.name} has no residual window; leave max_seqs out")
         shapes = self.layout.tensor_shapes(num_blocks, block_size, num_kv_heads, head_size)
         device = torch.device(device)
         tensors = {name: torch.zeros(shape, dtype=STORAGE_TORCH_DTYPES[self.layout.TENSORS[name]], device=device)
                    for name, shape in shapes.items()}
+        if residual is not None:
+            for name in ("k_residual", "v_residual"):
+                tensors[name] = torch.zeros((max_seqs, residual["ring"], num_kv_heads, head_size),
+                                            dtype=STORAGE_TORCH_DTYPES[residual["dtype"]], device=device)
         missing = []
         for side, arg, key in (("key", k_scale, "k_scale"), ("value", v_scale, "v_scale")):
             gran = self._static(side)
@@ -201,12 +221,22 @@ class Format:
             ptrs[f"{p}_scale_ptr"] = scale
             rot = self.spec.side(side).rotation
             ptrs[f"{p}_signs_ptr"] = rotation_signs(rot.seed, cache.head_size, cache.device) if rot else scale
+            if self.layout.RESIDUAL is not None:
+                ptrs[f"{p}_res_ptr"] = t[f"{p}_residual"].view(torch.uint8)
         return ptrs, consts
 
-    def write(self, cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def write(self, cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, *,
+              seq_ids: Optional[torch.Tensor] = None, query_start_loc: Optional[torch.Tensor] = None,
+              seq_lens: Optional[torch.Tensor] = None, block_table: Optional[torch.Tensor] = None,
+              max_query_len: Optional[int] = None) -> None:
         """Quantize ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` into ``cache`` at ``slot_mapping``.
 
         Slot ``s`` is block ``s // block_size``, offset ``s % block_size``; ``-1`` skips that token.
+
+        Formats with a residual window (KIVI) append to sequences and need the batch's sequence metadata, as for
+        attention: ``query_start_loc`` (int32 ``[num_seqs + 1]``, each sequence's new rows), ``seq_lens`` (int32,
+        lengths after this write), ``block_table`` (int32 ``[num_seqs, max_blocks]``) and ``seq_ids`` (int32
+        ``[num_seqs]``, each sequence's row in the residual buffers). Rows outside every sequence are skipped.
         """
         self._check_cache(cache)
         dev = cache.device
@@ -222,15 +252,57 @@ class Format:
             raise ValueError(f"slot_mapping: has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
         if checks.costly_checks_on(slot_mapping):
             checks.slots_in_range(slot_mapping, cache.num_slots)
+        streaming = self.layout.RESIDUAL is not None
+        meta = dict(seq_ids=seq_ids, query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table)
+        if not streaming:
+            given = [k for k, v in meta.items() if v is not None]
+            if given:
+                raise ValueError(f"{given[0]}: format {self.name} writes by slot only; sequence metadata is for "
+                                 "formats with a residual window")
         if key.shape[0] == 0:
             return
         ptrs, consts = self._kernel_args(cache)
-        self._kernels.write(key, value, slot_mapping.to(torch.int64), ptrs, consts)
+        if not streaming:
+            self._kernels.write(key, value, slot_mapping.to(torch.int64), ptrs, consts)
+            return
+        max_query_len = self._check_sequences(cache, meta, key.shape[0], max_query_len)
+        if meta["seq_lens"].shape[0] == 0:
+            return
+        self._kernels.write_streaming(key, value, meta["query_start_loc"], meta["seq_lens"], meta["block_table"],
+                                      meta["seq_ids"], max_query_len, ptrs, consts, self.layout.RESIDUAL)
+
+    def _check_sequences(self, cache: KVCache, meta: dict, num_tokens: int, max_query_len: Optional[int]) -> int:
+        """Checks of the sequence metadata a residual-window format needs; returns the longest query."""
+        dev = cache.device
+        missing = [k for k, v in meta.items() if v is None]
+        if missing:
+            raise ValueError(f"{missing[0]}: format {self.name} keeps a residual window per sequence; write() and "
+                             "attend() need seq_ids, query_start_loc, seq_lens and block_table")
+        seq_ids = checks.index_tensor("seq_ids", meta["seq_ids"], ndim=1, device=dev, dtypes=(torch.int32,))
+        qsl = checks.index_tensor("query_start_loc", meta["query_start_loc"], ndim=1, device=dev,
+                                  dtypes=(torch.int32,))
+        seq_lens = checks.index_tensor("seq_lens", meta["seq_lens"], ndim=1, device=dev, dtypes=(torch.int32,))
+        bt = checks.index_tensor("block_table", meta["block_table"], ndim=2, device=dev, dtypes=(torch.int32,))
+        n = seq_lens.shape[0]
+        if seq_ids.shape[0] != n or qsl.shape[0] != n + 1 or bt.shape[0] != n:
+            raise ValueError(f"seq_ids / query_start_loc / block_table: need {n}, {n + 1} and {n} rows for "
+                             f"{n} sequences (seq_lens), got {seq_ids.shape[0]}, {qsl.shape[0]}, {bt.shape[0]}")
+        if checks.costly_checks_on(seq_ids, qsl, seq_lens, bt):
+            max_rows = cache.tensors["k_residual"].shape[0]
+            if n and (int(seq_ids.min()) < 0 or int(seq_ids.max()) >= max_rows):
+                raise ValueError(f"seq_ids: must be in [0, {max_rows}) (max_seqs of allocate)")
+            if n and int(qsl[-1]) > num_tokens:
+                raise ValueError(f"query_start_loc: ends at {int(qsl[-1])}, past the {num_tokens} key rows")
+            checks.attention_ranges(bt, seq_lens, qsl, cache.num_blocks, cache.block_size, int(qsl[-1]) if n else 0,
+                                    max_query_len)
+        if max_query_len is None:
+            max_query_len = int((qsl[1:] - qsl[:-1]).max()) if n else 0
+        return max(max_query_len, 1)
 
     def attend(self, query: torch.Tensor, cache: KVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
                query_start_loc: torch.Tensor, *, sm_scale: Optional[float] = None,
                sliding_window: Optional[int] = None, max_query_len: Optional[int] = None,
-               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+               out: Optional[torch.Tensor] = None, seq_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Causal paged attention of variable-length queries over the cache; returns ``[num_tokens, num_q_heads,
         head_size]`` in the query's dtype.
 
@@ -238,7 +310,8 @@ class Format:
         ``block_table`` int32 ``[num_seqs, max_blocks]``; ``seq_lens`` int32 ``[num_seqs]`` (KV tokens including
         the new ones); ``query_start_loc`` int32 ``[num_seqs + 1]``. Query i of a sequence sits at position
         ``seq_len - q_len + i``; ``sliding_window=W`` keeps the W newest positions up to it. ``sm_scale`` defaults
-        to ``1 / sqrt(head_size)``. ``max_query_len`` (optional) saves a device-to-host read.
+        to ``1 / sqrt(head_size)``. ``max_query_len`` (optional) saves a device-to-host read. Formats with a
+        residual window (KIVI) also need ``seq_ids`` (each sequence's row in the residual buffers).
         """
         self._check_cache(cache)
         dev = cache.device
@@ -283,13 +356,27 @@ class Format:
         qk_scale = float(sm_scale)
         if self.spec.key.rotation is not None:
             qk_scale /= 1 << consts["K_LOG_B"]  # rotated keys and query: q'.k' = b * q.k
+        extra = None
+        residual = self.layout.RESIDUAL
+        if residual is not None:
+            if seq_ids is None:
+                raise ValueError(f"seq_ids: format {self.name} keeps a residual window per sequence; attend() needs "
+                                 "each sequence's row in the residual buffers")
+            seq_ids = checks.index_tensor("seq_ids", seq_ids, ndim=1, device=dev, dtypes=(torch.int32,))
+            if seq_ids.shape[0] != num_seqs:
+                raise ValueError(f"seq_ids: has {seq_ids.shape[0]} entries for {num_seqs} sequences")
+            extra = dict(seq_ids_ptr=seq_ids, TOKEN_GROUP=residual["group"], RESIDUAL=residual["tokens"],
+                         RING=residual["ring"])
+        elif seq_ids is not None:
+            raise ValueError(f"seq_ids: format {self.name} has no residual window")
         self._kernels.attend(query, out, block_table, seq_lens, query_start_loc, qk_scale, sliding_window or 0,
-                             max_query_len, ptrs, consts)
+                             max_query_len, ptrs, consts, extra)
         return out
 
     # -- description ------------------------------------------------------------------------------------------
     def describe(self, block_size: int = 16, num_kv_heads: int = 8, head_size: int = 128) -> dict:
         """Bytes per token and head, page bytes and where each scale lives: what `kvgen show` prints."""
+        self._check_head_size(head_size)
         lay = self.layout.page_layout(block_size, num_kv_heads, head_size)
         fields = []
         for name, tensor, region, size, align, what in self.layout.FIELDS:
@@ -298,12 +385,20 @@ class Format:
                                bytes=f["bytes"], what=what))
         k = sum(f["bytes"] for f in fields if f["field"].startswith("k_"))
         v = sum(f["bytes"] for f in fields if f["field"].startswith("v_"))
-        total = sum(sum(cells) for cells in lay["regions"].values())
+        page = self.page_bytes(block_size, num_kv_heads, head_size)
+        per_token = page / (block_size * num_kv_heads)  # amortized over the page (KIVI group metadata included)
+        k = sum(f["bytes"] / (self._rows_per(f) or 1) for f in fields if f["field"].startswith("k_"))
+        v = sum(f["bytes"] / (self._rows_per(f) or 1) for f in fields if f["field"].startswith("v_"))
+        k, v = (int(k) if float(k).is_integer() else k), (int(v) if float(v).is_integer() else v)
+        total = int(per_token) if float(per_token).is_integer() else per_token
         return dict(name=self.name, block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
                     key_bytes=k, value_bytes=v, padding_bytes=total - k - v, bytes_per_token_head=total,
-                    page_bytes=self.page_bytes(block_size, num_kv_heads, head_size),
+                    page_bytes=page, residual_bytes_per_seq=self.residual_bytes(num_kv_heads, head_size),
                     tensors=dict(self.layout.TENSORS), fields=fields,
                     scales={side: self.scale_summary(side) for side in ("key", "value")})
+
+    def _rows_per(self, field: dict) -> int:
+        return self.layout.ROWS_PER.get((field["tensor"], field["region"]), 1)
 
     def scale_summary(self, side: str) -> str:
         s = self.spec.side(side)
@@ -312,12 +407,20 @@ class Format:
             return "none"
         if sc.granularity.is_static:
             return "static fp32 " + ("per layer" if sc.granularity == Granularity.per_tensor else "per KV head")
-        group = f"per {sc.block} elements" if sc.block else "per token and head"
+        if sc.group_tokens:
+            group = f"per channel over {sc.group_tokens} tokens"
+        else:
+            group = f"per {sc.block} elements" if sc.block else "per token and head"
         text = f"{sc.dtype.value} {group}, {sc.placement.value}"
         if sc.global_scale:
             text += " (x fp32 global per layer)"
         if s.zero_point is not None:
-            text += ", zero point " + ("in scale low bits" if s.zero_point.storage == "scale_low_bits" else "uint8")
+            if s.zero_point.dtype != "uint8":
+                text += f", {s.zero_point.dtype} minimum"
+            else:
+                text += ", zero point " + ("in scale low bits" if s.zero_point.storage == "scale_low_bits" else "uint8")
+        if s.residual is not None:
+            text += f"; newest {s.residual.tokens}+ tokens in {s.residual.dtype}"
         return text
 
 

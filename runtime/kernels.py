@@ -78,8 +78,32 @@ class KernelSet:
             **({} if interpreting() else {"enable_fp_fusion": False}),
         )
 
+    def write_streaming(self, key, value, query_start_loc, seq_lens, block_table, seq_ids, max_query_len,
+                        tensors: dict, consts: dict, residual: dict) -> None:
+        """KIVI: quantize the groups that leave the residual window, then store the new residual tokens."""
+        self._check_device(tensors["k_cache_ptr"])
+        group, ring = residual["group"], residual["ring"]
+        num_seqs = seq_lens.shape[0]
+        # groups one sequence can complete in this write: its new tokens span at most this many group boundaries
+        max_groups = max_query_len // group + 1
+        strides = dict(stride_kt=key.stride(0), stride_kh=key.stride(1), stride_vt=value.stride(0),
+                       stride_vh=value.stride(1))
+        fusion = {} if interpreting() else {"enable_fp_fusion": False}
+        self.module.kivi_flush_kernel[(num_seqs, max_groups, consts["NUM_KV_HEADS"])](
+            key, value, **tensors, seq_ids_ptr=seq_ids, query_start_loc_ptr=query_start_loc, seq_lens_ptr=seq_lens,
+            block_table_ptr=block_table, stride_bt=block_table.stride(0), **strides, **consts,
+            BLOCK_T=group, RESIDUAL=residual["tokens"], RING=ring, **fusion,
+        )
+        block_t = min(64 if interpreting() else 16, _next_pow2(max_query_len))
+        num_q_tiles = triton_cdiv(max_query_len, block_t)
+        self.module.kivi_residual_kernel[(num_seqs * num_q_tiles, consts["NUM_KV_HEADS"])](
+            key, value, tensors["k_res_ptr"], tensors["v_res_ptr"], seq_ids, query_start_loc, seq_lens,
+            **strides, num_q_tiles=num_q_tiles, NUM_KV_HEADS=consts["NUM_KV_HEADS"], HEAD_SIZE=consts["HEAD_SIZE"],
+            HEAD_PAD=consts["HEAD_PAD"], TOKEN_GROUP=group, RESIDUAL=residual["tokens"], RING=ring, BLOCK_T=block_t,
+        )
+
     def attend(self, query, out, block_table, seq_lens, query_start_loc, qk_scale, window, max_query_len,
-               tensors: dict, consts: dict) -> None:
+               tensors: dict, consts: dict, extra: dict | None = None) -> None:
         self._check_device(tensors["k_cache_ptr"])
         num_q_heads = query.shape[1]
         group = num_q_heads // consts["NUM_KV_HEADS"]
@@ -94,7 +118,7 @@ class KernelSet:
             qk_scale=qk_scale * LOG2E, window=window, num_q_tiles=num_q_tiles,
             stride_qt=query.stride(0), stride_qh=query.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
             stride_bt=block_table.stride(0), GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
-            **tensors, **consts,
+            **tensors, **consts, **(extra or {}),
         )
 
 

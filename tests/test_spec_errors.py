@@ -384,8 +384,73 @@ def test_duplicate_nested_key(tmp_path):
 # --------------------------------------------------------------------------------------------------------------
 # valid, but not implemented yet
 
+KIVI_VALUE = """\
+value:
+  element: uint2
+  zero_point: {storage: beside_scale, dtype: fp16}
+  scale:
+    granularity: per_block
+    block: 32
+    dtype: fp16
+  residual:
+    tokens: 64
+"""
+
 NOT_YET = {
-    "residual_window": ("""\
+    "residual_with_split_layout": ("""\
+name: kivi_split
+cache:
+  layout: split
+key:
+  element: uint2
+  zero_point: {storage: beside_scale, dtype: fp16}
+  scale:
+    granularity: per_channel_group
+    group_tokens: 32
+    dtype: fp16
+    placement: page_end
+  residual:
+    tokens: 64
+""" + KIVI_VALUE, "cache.layout", "layout: split"),
+    "residual_with_rotation": ("""\
+name: kivi_rot
+key:
+  element: uint2
+  zero_point: {storage: beside_scale, dtype: fp16}
+  scale:
+    granularity: per_channel_group
+    group_tokens: 32
+    dtype: fp16
+    placement: page_end
+  residual:
+    tokens: 64
+  rotation:
+    seed: 3
+""" + KIVI_VALUE, "key.rotation", "rotation:"),
+    "residual_with_static_value": ("""\
+name: kivi_static
+key:
+  element: uint2
+  zero_point: {storage: beside_scale, dtype: fp16}
+  scale:
+    granularity: per_channel_group
+    group_tokens: 32
+    dtype: fp16
+    placement: page_end
+  residual:
+    tokens: 64
+value:
+  element: int8
+  scale:
+    granularity: per_tensor
+  residual:
+    tokens: 64
+""", "value.scale.granularity", "granularity: per_tensor"),
+}
+
+# what used to be "not supported yet" and is now checked by validation: a residual window goes with KIVI keys
+RESIDUAL_RULES = {
+    "residual_without_channel_groups": ("""\
 name: resid
 key:
   element: int8
@@ -394,19 +459,25 @@ key:
   residual:
     tokens: 32
 value:
-  element: bf16
-""", "key.residual", "residual:"),
-    "per_channel_group": ("""\
+  element: int8
+  scale:
+    granularity: per_token_head
+  residual:
+    tokens: 32
+""", "per_channel_group"),
+    "channel_groups_without_residual": ("""\
 name: kivi
 key:
-  element: int8
+  element: uint2
+  zero_point: {storage: beside_scale, dtype: fp16}
   scale:
     granularity: per_channel_group
     group_tokens: 32
+    placement: page_end
 value:
   element: bf16
-""", "key.scale.granularity", "granularity: per_channel_group"),
-    "value_side_residual": ("""\
+""", "residual"),
+    "value_side_residual_only": ("""\
 name: vresid
 key:
   element: bf16
@@ -415,8 +486,17 @@ value:
   residual:
     tokens: 8
     dtype: fp32
-""", "value.residual", "residual:"),
+""", "the same"),
 }
+
+
+@pytest.mark.parametrize("case", sorted(RESIDUAL_RULES))
+def test_residual_rules_are_validation_errors(tmp_path, case):
+    text, words = RESIDUAL_RULES[case]
+    p = write(tmp_path, f"{case}.yaml", text)
+    err = spec_error(p, kvgen.SpecError)
+    assert not isinstance(err, kvgen.NotSupportedYet)
+    assert words in err.message and str(p) in str(err)
 
 
 @pytest.mark.parametrize("case", sorted(NOT_YET))
@@ -465,7 +545,7 @@ BAD_FOR_CLI = {
     "enum.yaml": (ENUM, line_of(ENUM, "int9")),
     "dup.yaml": (DUP_TOP, line_of(DUP_TOP, "name:", 2)),
     "syntax.yaml": ("name: y\nkey:\n  element: bf16: oops\nvalue:\n  element: bf16\n", 3),
-    "notyet.yaml": (NOT_YET["per_channel_group"][0], line_of(NOT_YET["per_channel_group"][0], "granularity:")),
+    "notyet.yaml": (NOT_YET["residual_with_split_layout"][0], line_of(NOT_YET["residual_with_split_layout"][0], "layout:")),
 }
 
 

@@ -121,7 +121,7 @@ def reshape_and_cache_kernel(
     k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
     tl.store((k_srow[:, None] + k_gi[None, :] * 4).to(tl.pointer_type(tl.uint32)), k_scode, mask=k_gmask)
     k_zrow = k_cache_ptr + blk * K_ZP_PAGE + K_ZP_BASE + (off * NUM_KV_HEADS + head) * K_ZP_CELL
-    tl.store(k_zrow[:, None] + k_gi[None, :], k_zcode, mask=k_gmask)
+    tl.store((k_zrow[:, None] + k_gi[None, :] * 1).to(tl.pointer_type(tl.uint8)), k_zcode, mask=k_gmask)
 
     # ---- value ----
     # dynamic scale per group of HEAD_PAD elements: scale = max((max - min) / 255, 1e-06) stored as fp32
@@ -146,7 +146,7 @@ def reshape_and_cache_kernel(
     v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
     tl.store((v_srow[:, None] + v_gi[None, :] * 4).to(tl.pointer_type(tl.uint32)), v_scode, mask=v_gmask)
     v_zrow = v_cache_ptr + blk * V_ZP_PAGE + V_ZP_BASE + (off * NUM_KV_HEADS + head) * V_ZP_CELL
-    tl.store(v_zrow[:, None] + v_gi[None, :], v_zcode, mask=v_gmask)
+    tl.store((v_zrow[:, None] + v_gi[None, :] * 1).to(tl.pointer_type(tl.uint8)), v_zcode, mask=v_gmask)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -206,9 +206,10 @@ def paged_attention_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-        for start in range(lo, hi, BLOCK_N):
+        paged_hi = hi
+        for start in range(lo, paged_hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
-            n_mask = n < hi
+            n_mask = n < paged_hi
             blk = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
             off = n % BLOCK_SIZE
             k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL

@@ -205,9 +205,10 @@ def paged_attention_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-        for start in range(lo, hi, BLOCK_N):
+        paged_hi = hi
+        for start in range(lo, paged_hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
-            n_mask = n < hi
+            n_mask = n < paged_hi
             blk = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
             off = n % BLOCK_SIZE
             k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL

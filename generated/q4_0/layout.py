@@ -16,6 +16,10 @@ FIELDS = (
     ("v_data", "kv_cache", 0, lambda head_size: head_size // 2, 1, "value codes, int4, 2 per byte"),
     ("v_scale", "kv_cache", 0, lambda head_size: head_size // 16, 2, "value scales, fp16, one per 32 elements"),
 )
+# tokens per row of each region that is not one row per slot (KIVI key groups: one row per G tokens)
+ROWS_PER = {}
+# KIVI: full-precision residual window per sequence (None for other formats)
+RESIDUAL = None
 
 
 def _align_up(x, a):
@@ -47,13 +51,23 @@ def page_layout(block_size, num_kv_heads, head_size):
         for i, (cell, (_, align)) in enumerate(zip(regions[tensor], rs)):
             page = _align_up(page, align)
             starts[(tensor, i)] = page
-            page += block_size * num_kv_heads * cell
+            rows_per = ROWS_PER.get((tensor, i), 1)
+            if block_size % rows_per:
+                raise ValueError(f"block_size {block_size} is not a multiple of the token group {rows_per}")
+            page += block_size // rows_per * num_kv_heads * cell
         pages[tensor] = _align_up(page, max(a for _, a in rs))
     fields = {
         name: {"tensor": t, "base": starts[(t, r)] + off, "cell": regions[t][r], "offset": off, "bytes": n}
         for name, (t, r, off, n) in placed.items()
     }
     return {"fields": fields, "regions": regions, "page_bytes": pages}
+
+
+def residual_bytes(num_kv_heads, head_size):
+    """Bytes of the full-precision residual window of one sequence (K and V, one layer); 0 without one."""
+    if RESIDUAL is None:
+        return 0
+    return 2 * RESIDUAL["ring"] * num_kv_heads * head_size * STORAGE_BYTES[RESIDUAL["dtype"]]
 
 
 def page_bytes(block_size, num_kv_heads, head_size):
