@@ -205,7 +205,7 @@ class Report:
     name: str
     examples: int
     failures: dict
-    failing_case: Optional[Case]
+    failing_case: object
 
     @property
     def passed(self) -> bool:
@@ -217,11 +217,15 @@ def check(fmt: Format, examples: int = 20, device: str = "cpu",
     """Run the properties on ``examples`` random cases; a failure is shrunk by hypothesis to a minimal case."""
     seen = {"n": 0, "case": None, "result": None}
 
+    streaming = fmt.spec.streaming
+    strategy = stream_cases(fmt) if streaming else cases(fmt)
+    run = run_stream if streaming else run_case
+
     @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck), print_blob=False)
-    @given(case=cases(fmt))
+    @given(case=strategy)
     def prop(case):
-        result = run_case(fmt, case, device)
+        result = run(fmt, case, device)
         seen["n"] += 1
         if on_example:
             on_example(seen["n"])
@@ -285,3 +289,139 @@ def format_specs(draw) -> dict:
     if draw(st.integers(0, 3)) == 0:
         cache["storage_dtype"] = draw(st.sampled_from(["uint8", "int8", "fp16", "bf16", "fp32"]))
     return {"kvgen_spec": 1, "name": "random_spec", "cache": cache, "key": key, "value": value}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Formats with a residual window (KIVI): a stream of appends, compared with the reference's simulation
+# --------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class StreamCase:
+    head_size: int
+    block_size: int
+    num_kv_heads: int
+    group: int
+    steps: list  # steps[i][s]: tokens sequence s appends at step i (0 = not in that batch)
+    dtype: torch.dtype
+    window: Optional[int]
+    pad_rows: int
+    seed: int
+
+
+@st.composite
+def stream_cases(draw, fmt: Format, max_prefill: Optional[int] = None) -> StreamCase:
+    res = fmt.layout.RESIDUAL
+    g = res["group"]
+    max_prefill = max_prefill or res["tokens"] + 3 * g
+    num_seqs = draw(st.integers(1, 3))
+    steps = [[draw(st.integers(0, max_prefill)) for _ in range(num_seqs)]]
+    for _ in range(draw(st.integers(1, 4))):
+        steps.append([draw(st.sampled_from([0, 1, 1, 1, 2, g - 1, g + 3])) for _ in range(num_seqs)])
+    steps = [s for s in steps if any(s)] or [[1] * num_seqs]
+    blocks = [b for b in (g, 2 * g) if b % g == 0]
+    return StreamCase(
+        head_size=draw(st.sampled_from([h for h in head_sizes_for(fmt) if h >= 32] or head_sizes_for(fmt))),
+        block_size=draw(st.sampled_from(blocks)),
+        num_kv_heads=draw(st.integers(1, 2)),
+        group=draw(st.sampled_from([1, 2, 4])),
+        steps=steps,
+        dtype=draw(st.sampled_from(list(TOLERANCE))),
+        window=draw(st.one_of(st.none(), st.integers(1, 3 * g))),
+        pad_rows=draw(st.integers(0, 3)),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def run_stream(fmt: Format, case: StreamCase, device: str = "cpu") -> dict:
+    """Append the case's steps; after every write compare all stored bytes (pages and residual buffers) with the
+    reference's simulation, then compare attention over the final state for each sequence's last new tokens."""
+    result: dict = {p: None for p in PROPERTIES}
+    rng = np.random.default_rng(case.seed)
+    spec, bs, H, D = fmt.spec, case.block_size, case.num_kv_heads, case.head_size
+    num_seqs = len(case.steps[0])
+    total = [sum(step[s] for step in case.steps) for s in range(num_seqs)]
+    blocks = [(n + bs - 1) // bs for n in total]
+    num_blocks = sum(blocks) + 1
+    perm = rng.permutation(num_blocks)
+    table = np.zeros((num_seqs, max(max(blocks), 1)), dtype=np.int32)
+    used = 0
+    for s, nb in enumerate(blocks):
+        table[s, :nb] = perm[used:used + nb]
+        used += nb
+    seq_ids = rng.permutation(num_seqs + 2)[:num_seqs].astype(np.int32)  # residual rows, not in batch order
+    cache = fmt.allocate(num_blocks, bs, H, D, device=device, max_seqs=num_seqs + 2)
+    expected = R.kivi_new_cache(spec, num_blocks, bs, H, D, num_seqs + 2)
+    page = fmt.page_bytes(bs, H, D)
+    if page != R.kivi_page_bytes(spec, bs, H, D) or cache.nbytes() != page * num_blocks:
+        result["page_bytes"] = f"page_bytes {page}, reference {R.kivi_page_bytes(spec, bs, H, D)}"
+    if fmt.residual_bytes(H, D) != R.kivi_residual_bytes(spec, H, D):
+        result["page_bytes"] = f"residual_bytes {fmt.residual_bytes(H, D)}, reference {R.kivi_residual_bytes(spec, H, D)}"
+
+    res = fmt.layout.RESIDUAL
+    ring_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[res["dtype"]]
+    seen = {"key": [[] for _ in range(num_seqs)], "value": [[] for _ in range(num_seqs)]}  # values as encoded
+    lens = [0] * num_seqs
+    for step in case.steps:
+        batch = [s for s in range(num_seqs) if step[s]]
+        new_lens = [lens[s] + step[s] for s in range(num_seqs)]
+        qsl = np.concatenate([[0], np.cumsum([step[s] for s in batch])]).astype(np.int32)
+        rows = int(qsl[-1])
+        key = (rng.standard_normal((rows + case.pad_rows, H, D)) * (1 + 9 * (rng.random(D) < 0.1))).astype(np.float32)
+        value = rng.standard_normal((rows + case.pad_rows, H, D)).astype(np.float32)
+        slots = np.full(rows + case.pad_rows, -1, dtype=np.int64)  # padding rows at the end: slot -1
+        for i, s in enumerate(batch):
+            pos = np.arange(lens[s], new_lens[s])
+            slots[qsl[i]:qsl[i + 1]] = table[s, pos // bs].astype(np.int64) * bs + pos % bs
+        meta = dict(seq_ids=seq_ids[batch], query_start_loc=qsl,
+                    seq_lens=np.array([new_lens[s] for s in batch], dtype=np.int32), block_table=table[batch])
+        key_t, value_t = torch.from_numpy(key).to(case.dtype), torch.from_numpy(value).to(case.dtype)
+        fmt.write(cache, key_t.to(device), value_t.to(device), torch.from_numpy(slots).to(device),
+                  **{k: torch.from_numpy(np.ascontiguousarray(v)).to(device) for k, v in meta.items()})
+        R.kivi_write(spec, expected, key_t.float().numpy(), value_t.float().numpy(), slots, block_size=bs, **meta)
+        for i, s in enumerate(batch):  # tokens that go through the ring are encoded from their rounded values
+            flushed_now = max(new_lens[s] - res["tokens"], 0) // res["group"] * res["group"]
+            for side, t in (("key", key_t), ("value", value_t)):
+                x = t[qsl[i]:qsl[i + 1]].float()
+                through_ring = torch.arange(lens[s], new_lens[s]) >= flushed_now
+                x[through_ring] = x[through_ring].to(ring_dtype).float()
+                seen[side][s].append(x.numpy())
+        for name, want in expected.items():
+            got = cache.tensors[name].view(torch.uint8).reshape(want.shape[0], -1).cpu().numpy()
+            if not np.array_equal(got, want) and result["bytes"] is None:
+                where = tuple(int(i) for i in np.argwhere(got != want)[0])
+                result["bytes"] = (f"after appending {step}: {name} differs first at {where}: kernel "
+                                   f"{int(got[where]):#04x}, reference {int(want[where]):#04x}")
+        lens = new_lens
+
+    for s in range(num_seqs):  # quantization error of every position within the spec's bound
+        if not lens[s]:
+            continue
+        k_x, v_x = (np.concatenate(seen[side][s]) for side in ("key", "value"))
+        k_b, v_b = R.kivi_error_bound(spec, k_x, v_x)
+        k_d, v_d = R.kivi_read(spec, expected, int(seq_ids[s]), lens[s], table[s], bs, H, D)
+        for side, dec, x, b in (("key", k_d, k_x, k_b), ("value", v_d, v_x, v_b)):
+            err = np.abs(dec - x.astype(np.float64))
+            if not np.all(err <= b) and result["error_bound"] is None:
+                worst = np.unravel_index(np.argmax(err - b), err.shape)
+                result["error_bound"] = (f"sequence {s} {side}: error {err[worst]:.4g} above its bound "
+                                         f"{b[worst]:.4g} at (position, head, dim) {tuple(int(i) for i in worst)}")
+
+    # attention over the final state for the tokens of the last step
+    batch = [s for s in range(num_seqs) if case.steps[-1][s]]
+    qsl = np.concatenate([[0], np.cumsum([case.steps[-1][s] for s in batch])]).astype(np.int32)
+    num_q_heads = H * case.group
+    query = torch.from_numpy(rng.standard_normal((int(qsl[-1]), num_q_heads, D)).astype(np.float32)).to(case.dtype)
+    sm_scale = 1.0 / math.sqrt(D)
+    seq_lens = np.array([lens[s] for s in batch], dtype=np.int32)
+    out = fmt.attend(query.to(device), cache, torch.from_numpy(table[batch]).to(device),
+                     torch.from_numpy(seq_lens).to(device), torch.from_numpy(qsl).to(device), sm_scale=sm_scale,
+                     sliding_window=case.window, seq_ids=torch.from_numpy(seq_ids[batch]).to(device)).cpu()
+    ref = R.kivi_attention(spec, expected, query.double().numpy(), seq_ids[batch], qsl, seq_lens, table[batch],
+                           sm_scale, case.window, bs, num_kv_heads=H)
+    vmax = max(float(np.abs(R.kivi_read(spec, expected, int(seq_ids[s]), lens[s], table[s], bs, H, D)[1]).max())
+               for s in batch)
+    atol, rtol = TOLERANCE[case.dtype]
+    err = np.abs(out.double().numpy() - ref)
+    limit = atol * vmax + rtol * np.abs(ref)
+    if not np.all(err <= limit):
+        result["attention"] = f"error {err.max():.3g} above tolerance (worst ratio {(err / limit).max():.2f})"
+    return result

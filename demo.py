@@ -15,7 +15,9 @@ def run_demo(console, format_name: str, num_seqs: int, context: int, seed: int =
     g = torch.Generator().manual_seed(seed)
     device = "cpu" if interpreting() or not torch.cuda.is_available() else "cuda"
     fmt = load(format_name)
-    num_kv_heads, group, head_size, block_size = 2, 4, 64, 16
+    num_kv_heads, group, head_size = 2, 4, 64
+    residual = fmt.layout.RESIDUAL
+    block_size = residual["group"] if residual else 16  # KIVI pages hold whole token groups
     seq_lens = [max(1, context + 7 * i - 7 * (num_seqs // 2)) for i in range(num_seqs)]
     blocks_per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 2
@@ -42,11 +44,23 @@ def run_demo(console, format_name: str, num_seqs: int, context: int, seed: int =
 
     import warnings
 
+    extra = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the demo has no checkpoint scales; 1.0 is right for unit-scale data
-        cache = fmt.allocate(num_blocks, block_size, num_kv_heads, head_size, device=device)
+        if residual:
+            cache = fmt.allocate(num_blocks, block_size, num_kv_heads, head_size, device=device, max_seqs=num_seqs)
+        else:
+            cache = fmt.allocate(num_blocks, block_size, num_kv_heads, head_size, device=device)
     t0 = time.perf_counter()
-    fmt.write(cache, key.to(device, torch.bfloat16), value.to(device, torch.bfloat16), slot_mapping.to(device))
+    if residual:  # KIVI: each sequence's prompt is appended to it (sequence metadata as for attention)
+        seq_ids = torch.arange(num_seqs, dtype=torch.int32, device=device)
+        prompt_qsl = torch.tensor([0] + list(torch.tensor(seq_lens).cumsum(0)), dtype=torch.int32)
+        fmt.write(cache, key.to(device, torch.bfloat16), value.to(device, torch.bfloat16), slot_mapping.to(device),
+                  seq_ids=seq_ids, query_start_loc=prompt_qsl.to(device),
+                  seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device), block_table=block_table.to(device))
+        extra = {"seq_ids": seq_ids}
+    else:
+        fmt.write(cache, key.to(device, torch.bfloat16), value.to(device, torch.bfloat16), slot_mapping.to(device))
     t_write = time.perf_counter() - t0
 
     # attention: the last 4 tokens of each sequence are queries (a chunked-prefill step)
@@ -55,7 +69,7 @@ def run_demo(console, format_name: str, num_seqs: int, context: int, seed: int =
     query = torch.randn(int(qsl[-1]), num_kv_heads * group, head_size, generator=g)
     t0 = time.perf_counter()
     out = fmt.attend(query.to(device, torch.bfloat16), cache, block_table.to(device),
-                     torch.tensor(seq_lens, dtype=torch.int32, device=device), qsl.to(device))
+                     torch.tensor(seq_lens, dtype=torch.int32, device=device), qsl.to(device), **extra)
     t_attend = time.perf_counter() - t0
 
     # the same attention on the unquantized bf16 inputs, in float64
