@@ -18,8 +18,9 @@ Rules (docs/SEMANTICS.md, "Layout"):
   * Alignment: a field starts at the next multiple of its alignment (data: its element size, at least 1; scale:
     ``align``, default the scale's size; zero point: its size, so 1 for uint8); a cell ends at a multiple of the
     largest alignment of its fields and of its tensor's storage dtype (= the region's alignment). Regions follow
-    each other, each starting at a multiple of its alignment; a page ends at a multiple of the largest region alignment (this padding between
-    regions and at the page end is zero in every format whose region sizes are multiples of the next alignment).
+    each other, each starting at a multiple of its alignment; a page ends at a multiple of the largest region
+    alignment (this padding between regions and at the page end is zero in every format whose region sizes are
+    multiples of the next alignment).
   * Storage dtypes: data tensors ``cache.storage_dtype``; scale tensors fp32 / fp16 / bf16 for those scale dtypes
     without a zero point, else uint8. Shapes in storage elements: one region ``[num_blocks, block_size, H,
     cell / itemsize]``, several ``[num_blocks, page / itemsize]``.

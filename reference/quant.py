@@ -426,8 +426,9 @@ def decode_side(side: SideSpec, data: np.ndarray, scale: Optional[np.ndarray] = 
     """Decode a side's stored fields to float64 ``[..., H, D]`` values in the input's basis (unrotated).
 
     ``data`` uint8 ``[..., H, data bytes]``; ``scale`` the stored scale field ``[..., H, G * scale_bytes]`` and
-    ``zp`` the beside_scale zero-point field ``[..., H, G * zp bytes]`` of a dynamic side; ``static_scale`` the static scale
-    (per_tensor / per_head) or the global scale; ``head_size`` only when sub-byte codes end in a partial byte.
+    ``zp`` the beside_scale zero-point field ``[..., H, G * zp bytes]`` of a dynamic side; ``static_scale`` the
+    static scale (per_tensor / per_head) or the global scale; ``head_size`` only when sub-byte codes end in a
+    partial byte.
     """
     require_side(side)
     _check_layer_scale(side, static_scale)

@@ -74,16 +74,12 @@ def test_mixed_sides_align_each_field() -> None:
 
 
 def test_unsupported_features_raise() -> None:
-    # what the schema can express but SEMANTICS.md does not define
-    kivi = {"element": "uint2", "zero_point": {}, "scale": {"granularity": "per_channel_group", "group_tokens": 32}}
-    residual = {"element": "int8", "scale": {"granularity": "per_token_head"}, "residual": {"tokens": 32}}
-    fp16_zp = {"element": "uint8", "zero_point": {"dtype": "fp16"}, "scale": {"granularity": "per_token_head"}}
-    for side in (kivi, residual, fp16_zp):
-        spec = make_spec(side)
-        with pytest.raises(NotImplementedError, match="reference:"):
-            R.layout(spec, 128)
-        with pytest.raises(NotImplementedError, match="reference:"):
-            R.encode_side(spec.key, np.zeros((1, 1, 128), np.float32))
+    # what the schema can express but SEMANTICS.md does not define: a float zero point under a global scale
+    fp16_zp_global = {"element": "uint8", "zero_point": {"dtype": "fp16"},
+                      "scale": {"granularity": "per_token_head", "global_scale": True}}
+    spec = make_spec(fp16_zp_global)
+    with pytest.raises(NotImplementedError, match="reference:"):
+        R.encode_side(spec.key, np.zeros((1, 1, 128), np.float32), 1.0)
     # several tensors or regions: cell_layout / new_cache_bytes are for one-region kv_cache formats only
     with pytest.raises(ValueError):
         R.cell_layout(make_spec({"element": "bf16"}, layout="split"), 128)
