@@ -208,6 +208,75 @@ def show(name, block_size, num_kv_heads, head_size, png):
         console.print(f"byte map written to {png}", highlight=False)
 
 
+@main.command()
+@click.option("-o", "--out", "out_file", type=click.Path(dir_okay=False), default=None,
+              help="Write the schema to this file instead of standard output.")
+def schema(out_file):
+    """Print the JSON Schema of a spec, for editors that validate and complete YAML as it is typed.
+
+    \b
+    Example:
+      kvgen schema -o kvgen.schema.json
+      # then, first line of a spec (YAML language server, e.g. VS Code's YAML extension):
+      # yaml-language-server: $schema=./kvgen.schema.json
+    """
+    import json
+
+    from .codegen.spec import FormatSpec
+
+    text = json.dumps(FormatSpec.model_json_schema(), indent=2, sort_keys=True) + "\n"
+    if out_file:
+        Path(out_file).write_text(text, encoding="utf-8")
+        console.print(f"schema written to {escape(out_file)}", highlight=False)
+    else:
+        click.echo(text, nl=False)
+
+
+@main.command()
+def doctor():
+    """Report versions and how kernels run here (compiled on a GPU, or the CPU interpreter), then run one.
+
+    \b
+    Example:
+      kvgen doctor
+    """
+    import os
+    import platform
+
+    import numpy
+    import pydantic
+    import torch
+
+    from .codegen.version import KVGEN_VERSION
+    from .runtime.kernels import _choose_mode
+
+    _choose_mode()  # before triton is imported: it decides interpreted or compiled at import
+    import triton
+
+    cuda = torch.cuda.is_available()
+    forced = os.environ.get("TRITON_INTERPRET")
+    interpreted = forced not in (None, "", "0") or not cuda
+    t = Table(title="kvgen doctor", show_header=False)
+    t.add_column("what")
+    t.add_column("value")
+    for k, v in [("kvgen", KVGEN_VERSION), ("python", platform.python_version()), ("torch", torch.__version__),
+                 ("triton", triton.__version__), ("numpy", numpy.__version__), ("pydantic", pydantic.VERSION),
+                 ("CUDA device", torch.cuda.get_device_name() if cuda else "none"),
+                 ("kernels run", "Triton interpreter on the CPU (TRITON_INTERPRET=1)" if interpreted
+                  else "compiled by Triton on the GPU")]:
+        t.add_row(k, escape(str(v)))
+    console.print(t)
+    if interpreted and tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
+        console.print("[yellow]warning:[/] numpy >= 2.4 breaks Triton 3.6's interpreter; install numpy<2.4")
+    from .demo import run_demo
+
+    err = run_demo(console, "int8_per_token_head", 2, 20)
+    ok = err < 0.05
+    console.print(("[green]ok[/]: " if ok else "[red]FAIL[/]: ") + f"a write and an attention ran ({err:.2e} error)")
+    if not ok:
+        sys.exit(1)
+
+
 @main.command("test")
 @click.argument("specs", nargs=-1, required=True)
 @click.option("--examples", default=20, show_default=True, help="Random cases per format.")

@@ -61,6 +61,7 @@ class SideContext:
     sunit_bytes: int
     meta_ptr: str
     rotate: bool
+    nan_as_zero: bool  # integer and fp4 codes have no NaN: NaN inputs are stored as 0.0
     scale_rule: str
     codec_summary: str
     scale_summary: str
@@ -133,6 +134,7 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
         sunit=scodec.unit if scodec else "tl.uint8", sunit_bytes=scodec.unit_bytes if scodec else 1,
         meta_ptr=f"{p}_meta_ptr" if dynamic and sc.placement == Placement.separate else f"{p}_cache_ptr",
         rotate=side.rotation is not None,
+        nan_as_zero=info.kind in ("int", "uint") or side.element.value == "fp4_e2m1",
         scale_rule=f"scale = max({rule.split(' with ')[0]}, {sc.min:g}) stored as {sc.dtype.value}"
         + (f", the {side.zero_point.dtype} minimum as offset" if zp == "float" else "") if dynamic else "",
         codec_summary=codec.summary,

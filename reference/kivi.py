@@ -50,7 +50,7 @@ from .attention import paged_attention
 from .codes import (ELEMENT_BITS, SCALE_BYTES, decode_codes, decode_scale, element_codes, encode_codes, half_ulp,
                     pack)
 from .layout import STORAGE_BYTES, RegionLayout, _align_up, _data_align, _region, _scale_align
-from .quant import (as_float32, data_bytes, decode_side, decode_zero, encode_side, error_bound, float_zp_bound,
+from .quant import (as_float32, data_bytes, decode_side, decode_zero, encode_side, error_bound, finite_range, float_zp_bound, sanitize_nan,
                     float_zp_scale, float_zp_values, has_float_zp, is_dynamic, require_side, scale_field_bytes,
                     zp_bytes, zp_field_bytes)
 
@@ -295,7 +295,8 @@ class KeyGroupEncoding:
 def encode_key_group(side: SideSpec, x: np.ndarray) -> KeyGroupEncoding:
     """Encode float32 ``x`` ``[G, H, D]`` (G consecutive positions) per channel and head."""
     x = as_float32(x)
-    s_q, m, stored, zp_stored = float_zp_scale(side, x.min(axis=0), x.max(axis=0))  # [H, D]
+    x = sanitize_nan(side, x)
+    s_q, m, stored, zp_stored = float_zp_scale(side, *finite_range(x, axis=0))  # [H, D]
     v = float_zp_values(side, x, s_q[None], m[None])
     codes = element_codes(side.element, v, side.rounding)
     data = pack(codes, ELEMENT_BITS[side.element], side.packing)
@@ -307,7 +308,8 @@ def key_group_bound(side: SideSpec, x: np.ndarray) -> np.ndarray:
     quant.float_zp_bound: half a step, plus how far ``m``'s rounding or ``s_q``'s pushes values out of range, plus the
     float32 slack)."""
     x = as_float32(x)
-    s_q, m, _, _ = float_zp_scale(side, x.min(axis=0), x.max(axis=0))
+    x = sanitize_nan(side, x)
+    s_q, m, _, _ = float_zp_scale(side, *finite_range(x, axis=0))
     return float_zp_bound(side, x, s_q[None], m[None])
 
 

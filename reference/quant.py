@@ -62,6 +62,11 @@ INVERSE_SLACK = 2.0**-50
 # --- support checks -------------------------------------------------------------------------------------------------
 
 
+
+# elements without a NaN code: NaN inputs are treated as 0.0
+NAN_AS_ZERO = frozenset({ElementType.int8, ElementType.int4, ElementType.int2, ElementType.uint8, ElementType.uint4,
+                         ElementType.uint2, ElementType.fp4_e2m1})
+
 def require_side(side: SideSpec) -> None:
     """Raise NotImplementedError for side features SEMANTICS.md does not define."""
     if side.residual is not None:
@@ -143,6 +148,24 @@ def decode_zero(side: SideSpec, stored: np.ndarray) -> np.ndarray:
     """Stored float zero-point bytes uint8 ``[..., G * size]`` -> float32 ``[..., G]``."""
     assert side.zero_point is not None
     return from_little_endian(stored, ZP_DTYPES[side.zero_point.dtype]).astype(np.float32)
+
+
+def finite_range(x: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """Min and max over the finite values along ``axis`` (SEMANTICS.md "Non-finite inputs": NaN and +-inf do not
+    set scales); a group with no finite value gets (0, 0)."""
+    x = np.asarray(x, dtype=np.float32)
+    fin = np.isfinite(x)
+    lo = np.min(np.where(fin, x, np.float32(np.inf)), axis=axis)
+    hi = np.max(np.where(fin, x, np.float32(-np.inf)), axis=axis)
+    empty = lo > hi
+    return np.where(empty, np.float32(0), lo).astype(np.float32), np.where(empty, np.float32(0), hi).astype(np.float32)
+
+
+def sanitize_nan(side: SideSpec, x: np.ndarray) -> np.ndarray:
+    """Integer and fp4 codes have no NaN: a NaN input is stored as 0.0 would be (before scaling)."""
+    if side.element in NAN_AS_ZERO:
+        return np.where(np.isnan(x), np.float32(0), x).astype(np.float32)
+    return x
 
 
 def float_zp_scale(side: SideSpec, lo: np.ndarray, hi: np.ndarray
@@ -326,16 +349,17 @@ def dynamic_scale(side: SideSpec, xr: np.ndarray, global_scale: StaticScale = No
     xg = xr.reshape(t, h, g_count, n)
     qmax = np.float32(QMAX[side.element])
     if has_float_zp(side):  # the group's min is the offset; no 0 in the range
-        s_q, m, stored, zp_stored = float_zp_scale(side, xg.min(axis=-1), xg.max(axis=-1))
+        s_q, m, stored, zp_stored = float_zp_scale(side, *finite_range(xg, axis=-1))
         return s_q, m, stored, zp_stored
     if is_asymmetric(side):
         # the range always includes 0, so 0 is exactly representable and one-signed groups do not clip
-        lo = np.minimum(xg.min(axis=-1), np.float32(0))
-        hi = np.maximum(xg.max(axis=-1), np.float32(0))
+        lo, hi = finite_range(xg, axis=-1)
+        lo, hi = np.minimum(lo, np.float32(0)), np.maximum(hi, np.float32(0))
         s = ((hi - lo).astype(np.float32) / qmax).astype(np.float32)
     else:
         lo = None
-        s = (np.max(np.abs(xg), axis=-1) / qmax).astype(np.float32)
+        finite_abs = np.where(np.isfinite(xg), np.abs(xg), np.float32(0))  # non-finite values do not set scales
+        s = (np.max(finite_abs, axis=-1) / qmax).astype(np.float32)
     g = global_scale_value(side, global_scale) if scale.global_scale else None
     if g is not None:
         s = (s / g).astype(np.float32)
@@ -368,7 +392,7 @@ def encode_side(side: SideSpec, x: np.ndarray, static_scale: StaticScale = None)
     if x.ndim != 3:
         raise ValueError(f"x must be [T, H, D], got shape {x.shape}")
     _check_layer_scale(side, static_scale)
-    xr = rotate_side(side, x)
+    xr = sanitize_nan(side, rotate_side(side, x))
     if side.scale is None:
         return SideEncoding(encode_codes(side.element, xr), None, None, xr, None, None)
     if is_static(side):

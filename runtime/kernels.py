@@ -9,6 +9,11 @@ import types
 
 import torch
 
+try:
+    from ..codegen.errors import KvgenError
+except ImportError:
+    from codegen.errors import KvgenError
+
 LOG2E = 1.4426950408889634
 
 
@@ -18,8 +23,16 @@ def interpreting() -> bool:
 
 
 def _choose_mode() -> None:
-    """Without a GPU, kernels can only run interpreted: say so before the first @triton.jit is decorated."""
+    """Without a GPU, kernels can only run interpreted: say so before the first @triton.jit is decorated.
+
+    Triton decides at import time (its own library functions are decorated then), so this must happen before
+    ``import triton``; a process that imported triton first on a machine without a GPU gets a clear error.
+    """
     if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+        if "triton" in sys.modules:
+            raise KvgenError("there is no GPU, so kvgen's kernels must run in Triton's CPU interpreter, but triton "
+                             "was imported before kvgen could select it: set TRITON_INTERPRET=1 in the environment "
+                             "(or import kvgen's kernels before triton)")
         os.environ["TRITON_INTERPRET"] = "1"
 
 

@@ -14,8 +14,10 @@ import triton.language as tl
 
 @triton.jit
 def k_encode(v):
-    # fp32 -> fp16 rounds to nearest even in both the interpreter and compiled code
-    return v.to(tl.float16).to(tl.uint16, bitcast=True)
+    # fp32 -> fp16 rounds to nearest even in both the interpreter and compiled code; NaN -> 0x7E00 with its sign
+    # (the GPU's conversion would give a canonical 0x7FFF)
+    sign = ((v.to(tl.uint32, bitcast=True) >> 16) & 0x8000).to(tl.uint16)
+    return tl.where(v != v, sign | 0x7E00, v.to(tl.float16).to(tl.uint16, bitcast=True))
 
 
 @triton.jit
@@ -25,8 +27,10 @@ def k_decode(code):
 
 @triton.jit
 def v_encode(v):
-    # fp32 -> fp16 rounds to nearest even in both the interpreter and compiled code
-    return v.to(tl.float16).to(tl.uint16, bitcast=True)
+    # fp32 -> fp16 rounds to nearest even in both the interpreter and compiled code; NaN -> 0x7E00 with its sign
+    # (the GPU's conversion would give a canonical 0x7FFF)
+    sign = ((v.to(tl.uint32, bitcast=True) >> 16) & 0x8000).to(tl.uint16)
+    return tl.where(v != v, sign | 0x7E00, v.to(tl.float16).to(tl.uint16, bitcast=True))
 
 
 @triton.jit

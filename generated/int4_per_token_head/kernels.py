@@ -116,9 +116,11 @@ def reshape_and_cache_kernel(
     # ---- key ----
     # rotate: x' = FWHT_b(x * signs), b = 2**K_LOG_B (unnormalized, fixed butterfly order)
     x_key = fwht(x_key * tl.load(k_signs_ptr + d, mask=dmask, other=0.0)[None, :], BLOCK_T, HEAD_PAD, K_LOG_B)
+    x_key = tl.where(x_key == x_key, x_key, 0.0)  # key codes have no NaN: NaN is stored as 0.0 would be
     # dynamic scale per group of HEAD_PAD elements: scale = max((max - min) / 15, 1e-06) stored as fp32
     k_xg = tl.reshape(x_key, [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
-    k_mg = tl.reshape(tl.broadcast_to(dmask[None, :], [BLOCK_T, HEAD_PAD]), [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
+    # only finite values set the range (NaN and +-inf do not)
+    k_mg = tl.reshape(tl.broadcast_to(dmask[None, :], [BLOCK_T, HEAD_PAD]), [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]) & (tl.abs(k_xg) < float("inf"))
     # the range always includes 0: lo = min(min x, 0), hi = max(max x, 0)
     k_lo = tl.minimum(tl.min(tl.where(k_mg, k_xg, float("inf")), axis=2), 0.0)
     k_hi = tl.maximum(tl.max(tl.where(k_mg, k_xg, float("-inf")), axis=2), 0.0)
@@ -148,9 +150,11 @@ def reshape_and_cache_kernel(
     # ---- value ----
     # rotate: x' = FWHT_b(x * signs), b = 2**V_LOG_B (unnormalized, fixed butterfly order)
     x_value = fwht(x_value * tl.load(v_signs_ptr + d, mask=dmask, other=0.0)[None, :], BLOCK_T, HEAD_PAD, V_LOG_B)
+    x_value = tl.where(x_value == x_value, x_value, 0.0)  # value codes have no NaN: NaN is stored as 0.0 would be
     # dynamic scale per group of HEAD_PAD elements: scale = max((max - min) / 15, 1e-06) stored as fp32
     v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
-    v_mg = tl.reshape(tl.broadcast_to(dmask[None, :], [BLOCK_T, HEAD_PAD]), [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
+    # only finite values set the range (NaN and +-inf do not)
+    v_mg = tl.reshape(tl.broadcast_to(dmask[None, :], [BLOCK_T, HEAD_PAD]), [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]) & (tl.abs(v_xg) < float("inf"))
     # the range always includes 0: lo = min(min x, 0), hi = max(max x, 0)
     v_lo = tl.minimum(tl.min(tl.where(v_mg, v_xg, float("inf")), axis=2), 0.0)
     v_hi = tl.maximum(tl.max(tl.where(v_mg, v_xg, float("-inf")), axis=2), 0.0)

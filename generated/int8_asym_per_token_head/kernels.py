@@ -99,9 +99,11 @@ def reshape_and_cache_kernel(
     x_value = tl.load(value_ptr + tok64[:, None] * stride_vt + head * stride_vh + d[None, :], mask=in_mask, other=0.0).to(tl.float32)
 
     # ---- key ----
+    x_key = tl.where(x_key == x_key, x_key, 0.0)  # key codes have no NaN: NaN is stored as 0.0 would be
     # dynamic scale per group of HEAD_PAD elements: scale = max((max - min) / 255, 1e-06) stored as fp32
     k_xg = tl.reshape(x_key, [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
-    k_mg = tl.reshape(tl.broadcast_to(dmask[None, :], [BLOCK_T, HEAD_PAD]), [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
+    # only finite values set the range (NaN and +-inf do not)
+    k_mg = tl.reshape(tl.broadcast_to(dmask[None, :], [BLOCK_T, HEAD_PAD]), [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]) & (tl.abs(k_xg) < float("inf"))
     # the range always includes 0: lo = min(min x, 0), hi = max(max x, 0)
     k_lo = tl.minimum(tl.min(tl.where(k_mg, k_xg, float("inf")), axis=2), 0.0)
     k_hi = tl.maximum(tl.max(tl.where(k_mg, k_xg, float("-inf")), axis=2), 0.0)
@@ -124,9 +126,11 @@ def reshape_and_cache_kernel(
     tl.store((k_zrow[:, None] + k_gi[None, :] * 1).to(tl.pointer_type(tl.uint8)), k_zcode, mask=k_gmask)
 
     # ---- value ----
+    x_value = tl.where(x_value == x_value, x_value, 0.0)  # value codes have no NaN: NaN is stored as 0.0 would be
     # dynamic scale per group of HEAD_PAD elements: scale = max((max - min) / 255, 1e-06) stored as fp32
     v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
-    v_mg = tl.reshape(tl.broadcast_to(dmask[None, :], [BLOCK_T, HEAD_PAD]), [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
+    # only finite values set the range (NaN and +-inf do not)
+    v_mg = tl.reshape(tl.broadcast_to(dmask[None, :], [BLOCK_T, HEAD_PAD]), [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]) & (tl.abs(v_xg) < float("inf"))
     # the range always includes 0: lo = min(min x, 0), hi = max(max x, 0)
     v_lo = tl.minimum(tl.min(tl.where(v_mg, v_xg, float("inf")), axis=2), 0.0)
     v_hi = tl.maximum(tl.max(tl.where(v_mg, v_xg, float("-inf")), axis=2), 0.0)

@@ -102,9 +102,11 @@ def reshape_and_cache_kernel(
     x_value = tl.load(value_ptr + tok64[:, None] * stride_vt + head * stride_vh + d[None, :], mask=in_mask, other=0.0).to(tl.float32)
 
     # ---- key ----
+    x_key = tl.where(x_key == x_key, x_key, 0.0)  # key codes have no NaN: NaN is stored as 0.0 would be
     # dynamic scale per group of HEAD_PAD elements: scale = max(absmax / 127, 1e-06) stored as fp32
     k_xg = tl.reshape(x_key, [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
-    k_s = tl.math.div_rn(tl.max(tl.abs(k_xg), axis=2), 127.0)
+    k_ax = tl.abs(k_xg)
+    k_s = tl.math.div_rn(tl.max(tl.where(k_ax < float("inf"), k_ax, 0.0), axis=2), 127.0)  # finite absmax
     k_s = tl.maximum(k_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     k_scode = k_scale_encode(k_s)
     k_eff_g = k_scale_decode(k_scode)
@@ -119,9 +121,11 @@ def reshape_and_cache_kernel(
     tl.store((k_srow[:, None] + k_gi[None, :] * 4).to(tl.pointer_type(tl.uint32)), k_scode, mask=k_gmask)
 
     # ---- value ----
+    x_value = tl.where(x_value == x_value, x_value, 0.0)  # value codes have no NaN: NaN is stored as 0.0 would be
     # dynamic scale per group of HEAD_PAD elements: scale = max(absmax / 127, 1e-06) stored as fp32
     v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
-    v_s = tl.math.div_rn(tl.max(tl.abs(v_xg), axis=2), 127.0)
+    v_ax = tl.abs(v_xg)
+    v_s = tl.math.div_rn(tl.max(tl.where(v_ax < float("inf"), v_ax, 0.0), axis=2), 127.0)  # finite absmax
     v_s = tl.maximum(v_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     v_scode = v_scale_encode(v_s)
     v_eff_g = v_scale_decode(v_scode)

@@ -29,8 +29,10 @@ def k_decode(code):
 
 @triton.jit
 def k_scale_encode(v):
-    # fp32 -> fp16 rounds to nearest even in both the interpreter and compiled code
-    return v.to(tl.float16).to(tl.uint16, bitcast=True)
+    # fp32 -> fp16 rounds to nearest even in both the interpreter and compiled code; NaN -> 0x7E00 with its sign
+    # (the GPU's conversion would give a canonical 0x7FFF)
+    sign = ((v.to(tl.uint32, bitcast=True) >> 16) & 0x8000).to(tl.uint16)
+    return tl.where(v != v, sign | 0x7E00, v.to(tl.float16).to(tl.uint16, bitcast=True))
 
 
 @triton.jit
@@ -40,8 +42,10 @@ def k_scale_decode(code):
 
 @triton.jit
 def k_zp_encode(v):
-    # fp32 -> fp16 rounds to nearest even in both the interpreter and compiled code
-    return v.to(tl.float16).to(tl.uint16, bitcast=True)
+    # fp32 -> fp16 rounds to nearest even in both the interpreter and compiled code; NaN -> 0x7E00 with its sign
+    # (the GPU's conversion would give a canonical 0x7FFF)
+    sign = ((v.to(tl.uint32, bitcast=True) >> 16) & 0x8000).to(tl.uint16)
+    return tl.where(v != v, sign | 0x7E00, v.to(tl.float16).to(tl.uint16, bitcast=True))
 
 
 @triton.jit
@@ -64,8 +68,10 @@ def v_decode(code):
 
 @triton.jit
 def v_scale_encode(v):
-    # fp32 -> fp16 rounds to nearest even in both the interpreter and compiled code
-    return v.to(tl.float16).to(tl.uint16, bitcast=True)
+    # fp32 -> fp16 rounds to nearest even in both the interpreter and compiled code; NaN -> 0x7E00 with its sign
+    # (the GPU's conversion would give a canonical 0x7FFF)
+    sign = ((v.to(tl.uint32, bitcast=True) >> 16) & 0x8000).to(tl.uint16)
+    return tl.where(v != v, sign | 0x7E00, v.to(tl.float16).to(tl.uint16, bitcast=True))
 
 
 @triton.jit
@@ -75,8 +81,10 @@ def v_scale_decode(code):
 
 @triton.jit
 def v_zp_encode(v):
-    # fp32 -> fp16 rounds to nearest even in both the interpreter and compiled code
-    return v.to(tl.float16).to(tl.uint16, bitcast=True)
+    # fp32 -> fp16 rounds to nearest even in both the interpreter and compiled code; NaN -> 0x7E00 with its sign
+    # (the GPU's conversion would give a canonical 0x7FFF)
+    sign = ((v.to(tl.uint32, bitcast=True) >> 16) & 0x8000).to(tl.uint16)
+    return tl.where(v != v, sign | 0x7E00, v.to(tl.float16).to(tl.uint16, bitcast=True))
 
 
 @triton.jit
@@ -146,8 +154,11 @@ def kivi_flush_kernel(
                            r_decode(tl.load((v_res_ptr + ring[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=ring_mask, other=0)))
 
         # ---- key: one scale and minimum per channel over the group's 32 tokens ----
-        k_lo = tl.min(x_key, axis=0)
-        k_hi = tl.max(x_key, axis=0)
+        x_key = tl.where(x_key == x_key, x_key, 0.0)  # key codes have no NaN: NaN is stored as 0.0 would be
+        k_fin = tl.abs(x_key) < float("inf")  # only finite values set the range
+        k_lo = tl.min(tl.where(k_fin, x_key, float("inf")), axis=0)
+        k_hi = tl.max(tl.where(k_fin, x_key, float("-inf")), axis=0)
+        k_lo, k_hi = tl.where(k_lo > k_hi, 0.0, k_lo), tl.where(k_lo > k_hi, 0.0, k_hi)
         k_s = tl.maximum(tl.math.div_rn(k_hi - k_lo, 15.0), 1e-06)
         k_s = tl.minimum(k_s, 65504.0)
         k_scode = k_scale_encode(k_s)
@@ -169,12 +180,17 @@ def kivi_flush_kernel(
         k_zrow = k_cache_ptr + k_gblk * K_ZP_PAGE + K_ZP_BASE + (k_grow * NUM_KV_HEADS + head) * K_ZP_CELL
         tl.store((k_zrow + d * 2).to(tl.pointer_type(tl.uint16)), k_zcode, mask=dmask)
         # ---- value ----
+        x_value = tl.where(x_value == x_value, x_value, 0.0)  # value codes have no NaN: NaN is stored as 0.0 would be
         # dynamic scale per group of 32 elements: scale = max((max - min) / 15, 1e-06) stored as fp16, the fp16 minimum as offset
         v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // 32, 32])
-        v_mg = tl.reshape(tl.broadcast_to(dmask[None, :], [BLOCK_T, HEAD_PAD]), [BLOCK_T, HEAD_PAD // 32, 32])
+        # only finite values set the range (NaN and +-inf do not)
+        v_mg = tl.reshape(tl.broadcast_to(dmask[None, :], [BLOCK_T, HEAD_PAD]), [BLOCK_T, HEAD_PAD // 32, 32]) & (tl.abs(v_xg) < float("inf"))
         # float zero point: the group's minimum is the offset
         v_lo = tl.min(tl.where(v_mg, v_xg, float("inf")), axis=2)
         v_hi = tl.max(tl.where(v_mg, v_xg, float("-inf")), axis=2)
+        v_none = v_lo > v_hi  # no finite value in the group
+        v_lo = tl.where(v_none, 0.0, v_lo)
+        v_hi = tl.where(v_none, 0.0, v_hi)
         v_s = tl.math.div_rn(v_hi - v_lo, 15.0)
         v_s = tl.maximum(v_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
         v_s = tl.minimum(v_s, 65504.0)  # saturate at the scale dtype's largest finite value

@@ -179,9 +179,11 @@ def reshape_and_cache_kernel(
     x_value = tl.load(value_ptr + tok64[:, None] * stride_vt + head * stride_vh + d[None, :], mask=in_mask, other=0.0).to(tl.float32)
 
     # ---- key ----
+    x_key = tl.where(x_key == x_key, x_key, 0.0)  # key codes have no NaN: NaN is stored as 0.0 would be
     # dynamic scale per group of 16 elements: scale = max(absmax / 6 / global, 1e-06) stored as fp8_e4m3
     k_xg = tl.reshape(x_key, [BLOCK_T, HEAD_PAD // 16, 16])
-    k_s = tl.math.div_rn(tl.max(tl.abs(k_xg), axis=2), 6.0)
+    k_ax = tl.abs(k_xg)
+    k_s = tl.math.div_rn(tl.max(tl.where(k_ax < float("inf"), k_ax, 0.0), axis=2), 6.0)  # finite absmax
     k_g = tl.load(k_scale_ptr)  # second-level fp32 scale of the layer
     k_s = tl.math.div_rn(k_s, k_g)
     k_s = tl.maximum(k_s, 0.001953125)  # the spec's min, or the scale dtype's smallest value
@@ -203,9 +205,11 @@ def reshape_and_cache_kernel(
     tl.store((k_srow[:, None] + k_gi[None, :] * 1).to(tl.pointer_type(tl.uint8)), k_scode, mask=k_gmask)
 
     # ---- value ----
+    x_value = tl.where(x_value == x_value, x_value, 0.0)  # value codes have no NaN: NaN is stored as 0.0 would be
     # dynamic scale per group of 16 elements: scale = max(absmax / 6 / global, 1e-06) stored as fp8_e4m3
     v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // 16, 16])
-    v_s = tl.math.div_rn(tl.max(tl.abs(v_xg), axis=2), 6.0)
+    v_ax = tl.abs(v_xg)
+    v_s = tl.math.div_rn(tl.max(tl.where(v_ax < float("inf"), v_ax, 0.0), axis=2), 6.0)  # finite absmax
     v_g = tl.load(v_scale_ptr)  # second-level fp32 scale of the layer
     v_s = tl.math.div_rn(v_s, v_g)
     v_s = tl.maximum(v_s, 0.001953125)  # the spec's min, or the scale dtype's smallest value

@@ -31,8 +31,10 @@ def k_decode(code):
 
 @triton.jit
 def k_scale_encode(v):
-    # fp32 -> fp16 rounds to nearest even in both the interpreter and compiled code
-    return v.to(tl.float16).to(tl.uint16, bitcast=True)
+    # fp32 -> fp16 rounds to nearest even in both the interpreter and compiled code; NaN -> 0x7E00 with its sign
+    # (the GPU's conversion would give a canonical 0x7FFF)
+    sign = ((v.to(tl.uint32, bitcast=True) >> 16) & 0x8000).to(tl.uint16)
+    return tl.where(v != v, sign | 0x7E00, v.to(tl.float16).to(tl.uint16, bitcast=True))
 
 
 @triton.jit
@@ -57,8 +59,10 @@ def v_decode(code):
 
 @triton.jit
 def v_scale_encode(v):
-    # fp32 -> fp16 rounds to nearest even in both the interpreter and compiled code
-    return v.to(tl.float16).to(tl.uint16, bitcast=True)
+    # fp32 -> fp16 rounds to nearest even in both the interpreter and compiled code; NaN -> 0x7E00 with its sign
+    # (the GPU's conversion would give a canonical 0x7FFF)
+    sign = ((v.to(tl.uint32, bitcast=True) >> 16) & 0x8000).to(tl.uint16)
+    return tl.where(v != v, sign | 0x7E00, v.to(tl.float16).to(tl.uint16, bitcast=True))
 
 
 @triton.jit
@@ -105,9 +109,11 @@ def reshape_and_cache_kernel(
     x_value = tl.load(value_ptr + tok64[:, None] * stride_vt + head * stride_vh + d[None, :], mask=in_mask, other=0.0).to(tl.float32)
 
     # ---- key ----
+    x_key = tl.where(x_key == x_key, x_key, 0.0)  # key codes have no NaN: NaN is stored as 0.0 would be
     # dynamic scale per group of 32 elements: scale = max(absmax / 127, 1e-06) stored as fp16
     k_xg = tl.reshape(x_key, [BLOCK_T, HEAD_PAD // 32, 32])
-    k_s = tl.math.div_rn(tl.max(tl.abs(k_xg), axis=2), 127.0)
+    k_ax = tl.abs(k_xg)
+    k_s = tl.math.div_rn(tl.max(tl.where(k_ax < float("inf"), k_ax, 0.0), axis=2), 127.0)  # finite absmax
     k_s = tl.maximum(k_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     k_s = tl.minimum(k_s, 65504.0)  # saturate at the scale dtype's largest finite value
     k_scode = k_scale_encode(k_s)
@@ -123,9 +129,11 @@ def reshape_and_cache_kernel(
     tl.store((k_srow[:, None] + k_gi[None, :] * 2).to(tl.pointer_type(tl.uint16)), k_scode, mask=k_gmask)
 
     # ---- value ----
+    x_value = tl.where(x_value == x_value, x_value, 0.0)  # value codes have no NaN: NaN is stored as 0.0 would be
     # dynamic scale per group of 32 elements: scale = max(absmax / 127, 1e-06) stored as fp16
     v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // 32, 32])
-    v_s = tl.math.div_rn(tl.max(tl.abs(v_xg), axis=2), 127.0)
+    v_ax = tl.abs(v_xg)
+    v_s = tl.math.div_rn(tl.max(tl.where(v_ax < float("inf"), v_ax, 0.0), axis=2), 127.0)  # finite absmax
     v_s = tl.maximum(v_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     v_s = tl.minimum(v_s, 65504.0)  # saturate at the scale dtype's largest finite value
     v_scode = v_scale_encode(v_s)
