@@ -87,6 +87,18 @@ def cases(draw, fmt: Format, max_len: int = 45) -> Case:
     )
 
 
+def small_case(fmt: Format, seed: int = 0):
+    """One fixed small case (no hypothesis): a prefill and a decode step with GQA, for quick smoke checks."""
+    head = max(head_sizes_for(fmt) or [64])
+    if fmt.spec.streaming:
+        res = fmt.layout.RESIDUAL
+        return StreamCase(head_size=head, block_size=res["group"], num_kv_heads=2, group=2,
+                          steps=[[res["tokens"] + 2 * res["group"] + 3, 5], [1, 1]], dtype=torch.float32,
+                          window=None, pad_rows=1, seed=seed)
+    return Case(head_size=head, block_size=4, num_kv_heads=2, group=2, seq_lens=[13, 6], q_lens=[1, 6],
+                dtype=torch.float32, window=None, holes=1, seed=seed, k_scale=0.5, v_scale=2.0, magnitude=1.0)
+
+
 def kv_data(rng: np.random.Generator, shape: tuple, magnitude: float) -> np.ndarray:
     """Normal data with an outlier channel, exact zeros, an all-zero token and large negative values."""
     x = rng.standard_normal(shape).astype(np.float32) * magnitude

@@ -272,6 +272,9 @@ class SideSpec(_Strict):
                                  f"{self.scale.group_tokens}")
             if self.scale.placement != Placement.page_end:
                 raise ValueError("per_channel_group scales are stored per page (placement: page_end)")
+            if self.zero_point is None or self.zero_point.dtype == "uint8":
+                raise ValueError("per_channel_group (KIVI keys) is asymmetric with the group minimum as offset: it "
+                                 "needs an unsigned element and zero_point with dtype fp16 or fp32")
         if self.packing != "lsb_first" and info.bits >= 8:
             raise ValueError(f"'packing' applies to sub-byte elements, not {self.element.value}")
         return self

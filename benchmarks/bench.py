@@ -1,0 +1,202 @@
+"""Decode attention and reshape-and-cache speed of every shipped format on one GPU, against its copy bandwidth.
+
+    python benchmarks/bench.py                      # every shipped format, the shapes of issue 5
+    python benchmarks/bench.py --formats bf16 int8_per_token_head --out results
+
+For each format: decode attention at 64 x 8192, 4 x 65536 and 256 x 1024 (32 query heads, 8 KV heads, head size
+128, block size 16; KIVI formats need block 32), reshape-and-cache of 32768 and 256 tokens. Reported: median time
+(triton.testing.do_bench), bytes moved (pages read, scales included; or input read + pages written), effective
+bandwidth, its fraction of the device-to-device copy bandwidth measured in the same run, and the ratio to the bf16
+format. A dense bf16 torch scaled_dot_product_attention is the reference line. Writes RESULTS.md-style markdown,
+JSON, and a PNG of decode time against context length per format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+
+import kvgen  # noqa: E402
+
+DECODE_SHAPES = [(64, 8192), (4, 65536), (256, 1024)]
+SWEEP = [1024, 4096, 16384, 65536]  # context lengths of the chart (4 sequences)
+HQ, HKV, D = 32, 8, 128
+
+
+def bench(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3  # seconds
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a device-to-device copy of 2 GiB (read + write counted)."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = bench(lambda: dst.copy_(src))
+    return 2 * src.numel() / t
+
+
+def fill_random(cache) -> None:
+    """Random bytes in the pages (content does not change the time); static scales stay at their value."""
+    for name, t in cache.tensors.items():
+        if name.endswith("_cache") or name.endswith("_residual"):
+            t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8,
+                                                    device=t.device))
+
+
+def decode_case(fmt, num_seqs: int, ctx: int, block_size: int):
+    """A cache holding num_seqs sequences of ctx tokens, and the arguments of one decode step."""
+    blocks_per_seq = math.ceil(ctx / block_size)
+    num_blocks = num_seqs * blocks_per_seq
+    extra = {"max_seqs": num_seqs} if fmt.spec.streaming else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache = fmt.allocate(num_blocks, block_size, HKV, D, device="cuda", **extra)
+    fill_random(cache)
+    table = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).reshape(num_seqs, blocks_per_seq)
+    seq_lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda")
+    q = torch.randn(num_seqs, HQ, D, dtype=torch.bfloat16, device="cuda")
+    kwargs = dict(max_query_len=1)
+    if fmt.spec.streaming:
+        kwargs["seq_ids"] = torch.arange(num_seqs, dtype=torch.int32, device="cuda")
+    bytes_read = num_blocks * fmt.page_bytes(block_size, HKV, D)
+    if fmt.spec.streaming:  # the residual rows read: positions >= Q(L)
+        res = fmt.layout.RESIDUAL
+        quantized = max(ctx - res["tokens"], 0) // res["group"] * res["group"]
+        bytes_read = (num_seqs * (quantized // block_size) * fmt.page_bytes(block_size, HKV, D)
+                      + num_seqs * (ctx - quantized) * HKV * D * 2 * cache.tensors["k_residual"].element_size())
+    return (lambda: fmt.attend(q, cache, table, seq_lens, qsl, **kwargs)), bytes_read
+
+
+def write_case(fmt, num_tokens: int, block_size: int):
+    """reshape_and_cache of num_tokens tokens (KIVI: one prefill of that many tokens, or that many decode steps)."""
+    num_blocks = math.ceil(num_tokens / block_size) + 1
+    extra = {"max_seqs": max(num_tokens if num_tokens <= 256 else 1, 1)} if fmt.spec.streaming else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache = fmt.allocate(num_blocks, block_size, HKV, D, device="cuda", **extra)
+    key = torch.randn(num_tokens, HKV, D, dtype=torch.bfloat16, device="cuda")
+    value = torch.randn_like(key)
+    slots = torch.randperm(num_blocks * block_size, device="cuda")[:num_tokens].to(torch.int64)
+    cell = fmt.page_bytes(block_size, HKV, D) / block_size
+    moved = 2 * key.numel() * key.element_size() + num_tokens * cell
+    if not fmt.spec.streaming:
+        return (lambda: fmt.write(cache, key, value, slots)), moved
+    if num_tokens > 256:  # one sequence's prefill
+        seqs, q_len = 1, num_tokens
+    else:  # a decode step of num_tokens sequences
+        seqs, q_len = num_tokens, 1
+    per_seq = math.ceil(q_len / block_size) + 1
+    table = torch.arange(seqs * per_seq, dtype=torch.int32, device="cuda").remainder(num_blocks).reshape(seqs, per_seq)
+    meta = dict(seq_ids=torch.arange(seqs, dtype=torch.int32, device="cuda"),
+                query_start_loc=torch.arange(seqs + 1, dtype=torch.int32, device="cuda") * q_len,
+                seq_lens=torch.full((seqs,), q_len, dtype=torch.int32, device="cuda"), block_table=table,
+                max_query_len=q_len)
+    return (lambda: fmt.write(cache, key, value, slots, **meta)), moved
+
+
+def sdpa_case(num_seqs: int, ctx: int):
+    k = torch.randn(num_seqs, HKV, ctx, D, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    q = torch.randn(num_seqs, HQ, 1, D, dtype=torch.bfloat16, device="cuda")
+    fn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+    return fn, 2 * k.numel() * k.element_size()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--formats", nargs="*", default=None)
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent))
+    parser.add_argument("--no-sweep", action="store_true")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = args.formats or kvgen.shipped_names()
+    copy_bw = copy_bandwidth()
+    print(f"copy bandwidth: {copy_bw / 1e9:.0f} GB/s", flush=True)
+    rows = []
+    for num_seqs, ctx in DECODE_SHAPES:
+        fn, moved = sdpa_case(num_seqs, ctx)
+        t = bench(fn)
+        rows.append(dict(format="torch SDPA (dense bf16)", kind="decode", shape=f"{num_seqs}x{ctx}", time_us=t * 1e6,
+                         bytes=moved, gbps=moved / t / 1e9, frac=moved / t / copy_bw))
+        print(rows[-1], flush=True)
+        del fn
+    sweep = {}
+    for name in names:
+        fmt = kvgen.load(name)
+        bs = fmt.layout.RESIDUAL["group"] if fmt.spec.streaming else 16
+        for num_seqs, ctx in DECODE_SHAPES:
+            fn, moved = decode_case(fmt, num_seqs, ctx, bs)
+            t = bench(fn)
+            rows.append(dict(format=name, kind="decode", shape=f"{num_seqs}x{ctx}", time_us=t * 1e6, bytes=moved,
+                             gbps=moved / t / 1e9, frac=moved / t / copy_bw))
+            print(rows[-1], flush=True)
+            del fn
+            torch.cuda.empty_cache()
+        for tokens in (32768, 256):
+            fn, moved = write_case(fmt, tokens, bs)
+            t = bench(fn)
+            rows.append(dict(format=name, kind="write", shape=f"{tokens} tokens", time_us=t * 1e6, bytes=moved,
+                             gbps=moved / t / 1e9, frac=moved / t / copy_bw))
+            print(rows[-1], flush=True)
+        if not args.no_sweep:
+            sweep[name] = []
+            for ctx in SWEEP:
+                fn, _ = decode_case(fmt, 4, ctx, bs)
+                sweep[name].append(bench(fn) * 1e6)
+                del fn
+            torch.cuda.empty_cache()
+    base = {(r["kind"], r["shape"]): r["time_us"] for r in rows if r["format"] == "bf16"}
+    for r in rows:
+        b = base.get((r["kind"], r["shape"]))
+        r["vs_bf16"] = r["time_us"] / b if b else None
+    meta = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=__import__("triton").__version__, python=platform.python_version(),
+                copy_gbps=copy_bw / 1e9, command="python benchmarks/bench.py " + " ".join(sys.argv[1:]))
+    (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows, sweep=sweep, sweep_ctx=SWEEP), indent=1))
+    lines = [f"Measured {meta['date']} on {meta['gpu']} (torch {meta['torch']}, triton {meta['triton']}, Python "
+             f"{meta['python']}); copy bandwidth {meta['copy_gbps']:.0f} GB/s (read + write, 2 GiB). Command: "
+             f"`{meta['command']}`.", "",
+             "| format | kind | shape | median us | MB moved | GB/s | of copy bw | vs bf16 |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        vs = f"{r['vs_bf16']:.2f}" if r["vs_bf16"] else "-"
+        lines.append(f"| {r['format']} | {r['kind']} | {r['shape']} | {r['time_us']:.0f} | {r['bytes'] / 1e6:.0f} | "
+                     f"{r['gbps']:.0f} | {100 * r['frac']:.0f}% | {vs} |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    if sweep:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(9, 6))
+        for name, times in sweep.items():
+            ax.plot(SWEEP, times, marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context length (tokens), 4 sequences, 32 q heads / 8 KV heads, head size 128")
+        ax.set_ylabel("decode attention time (us)")
+        ax.set_title(f"kvgen decode attention on {meta['gpu']} ({meta['date']})")
+        ax.legend(fontsize=7, ncol=2)
+        ax.grid(True, which="both", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / "decode_vs_context.png", dpi=110)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
