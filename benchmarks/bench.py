@@ -31,6 +31,7 @@ import kvgen  # noqa: E402
 DECODE_SHAPES = [(64, 8192), (4, 65536), (256, 1024)]
 SWEEP = [1024, 4096, 16384, 65536]  # context lengths of the chart (4 sequences)
 HQ, HKV, D = 32, 8, 128
+DOT = "ieee"  # --dot-precision
 
 
 def bench(fn) -> float:
@@ -68,7 +69,7 @@ def decode_case(fmt, num_seqs: int, ctx: int, block_size: int):
     seq_lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
     qsl = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda")
     q = torch.randn(num_seqs, HQ, D, dtype=torch.bfloat16, device="cuda")
-    kwargs = dict(max_query_len=1)
+    kwargs = dict(max_query_len=1, dot_precision=DOT)
     if fmt.spec.streaming:
         kwargs["seq_ids"] = torch.arange(num_seqs, dtype=torch.int32, device="cuda")
     bytes_read = num_blocks * fmt.page_bytes(block_size, HKV, D)
@@ -120,7 +121,11 @@ def main() -> int:
     parser.add_argument("--formats", nargs="*", default=None)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent))
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--dot-precision", choices=["ieee", "bf16"], default="ieee",
+                        help="attention dots: exact fp32 (default) or bf16 tensor cores")
     args = parser.parse_args()
+    global DOT
+    DOT = args.dot_precision
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     names = args.formats or kvgen.shipped_names()
@@ -165,7 +170,7 @@ def main() -> int:
         r["vs_bf16"] = r["time_us"] / b if b else None
     meta = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=__import__("triton").__version__, python=platform.python_version(),
-                copy_gbps=copy_bw / 1e9, command="python benchmarks/bench.py " + " ".join(sys.argv[1:]))
+                copy_gbps=copy_bw / 1e9, command="python benchmarks/bench.py " + " ".join(sys.argv[1:]), dot_precision=DOT)
     (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows, sweep=sweep, sweep_ctx=SWEEP), indent=1))
     lines = [f"Measured {meta['date']} on {meta['gpu']} (torch {meta['torch']}, triton {meta['triton']}, Python "
              f"{meta['python']}); copy bandwidth {meta['copy_gbps']:.0f} GB/s (read + write, 2 GiB). Command: "

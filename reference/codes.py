@@ -4,7 +4,7 @@ Rules (the oracle's definition, from docs/SEMANTICS.md, independent of any kerne
   * bf16 / fp16 / fp32 (unquantized): round to nearest, ties to even, into the type (IEEE: a value at or beyond
     ``max + ulp(max) / 2`` becomes +-inf). Stored little-endian.
   * fp8_e4m3 (OCP e4m3fn, max 448, no inf) / fp8_e5m2 (max finite 57344): first clip to [-max, max], then round to
-    nearest, ties to even. NaN -> 0x7F (e4m3) / 0x7E (e5m2) with the input's sign bit.
+    nearest, ties to even. NaN -> 0x7F (e4m3) / 0x7E (e5m2), positive (a scaled NaN has no defined sign).
   * fp4_e2m1 (1 sign | 2 exponent, bias 1 | 1 mantissa; values 0, 0.5, 1, 1.5, 2, 3, 4, 6): clip to [-6, 6], round
     to nearest with ties to the even code (= even mantissa bit). The sign bit is kept, so -0.2 -> -0 = code 0x8.
     NaN has no fp4 code: the reference stores 0 (kernels are not required to match).
@@ -208,10 +208,9 @@ def unpack(data: np.ndarray, bits: int, count: int, packing: str = "lsb_first") 
 def _fp8_codes(element: ElementType, v: np.ndarray) -> np.ndarray:
     lo, hi = (np.float32(b) for b in CODE_RANGE[element])
     codes = np.clip(v, lo, hi).astype(FP8_DTYPES[element]).view(np.uint8).copy()
-    nan = np.isnan(v)
-    if nan.any():
-        sign = np.where(np.signbit(v), np.uint8(0x80), np.uint8(0))
-        codes[nan] = (sign | np.uint8(0x7F if element == ElementType.fp8_e4m3 else 0x7E))[nan]
+    # NaN -> the positive NaN code: the sign of a NaN that went through scaling arithmetic is not defined by IEEE
+    # (the GPU's division returns a canonical positive NaN)
+    codes[np.isnan(v)] = np.uint8(0x7F if element == ElementType.fp8_e4m3 else 0x7E)
     return codes
 
 

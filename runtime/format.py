@@ -302,7 +302,8 @@ class Format:
     def attend(self, query: torch.Tensor, cache: KVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
                query_start_loc: torch.Tensor, *, sm_scale: Optional[float] = None,
                sliding_window: Optional[int] = None, max_query_len: Optional[int] = None,
-               out: Optional[torch.Tensor] = None, seq_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+               out: Optional[torch.Tensor] = None, seq_ids: Optional[torch.Tensor] = None,
+               dot_precision: str = "ieee") -> torch.Tensor:
         """Causal paged attention of variable-length queries over the cache; returns ``[num_tokens, num_q_heads,
         head_size]`` in the query's dtype.
 
@@ -334,6 +335,11 @@ class Format:
             raise ValueError(f"query_start_loc: needs num_seqs + 1 = {num_seqs + 1} entries, got "
                              f"{query_start_loc.shape[0]}")
         sliding_window = checks.optional_positive_int("sliding_window", sliding_window)
+        if dot_precision not in ("ieee", "bf16"):
+            raise ValueError(f"dot_precision: expected 'ieee' or 'bf16', got {dot_precision!r}")
+        if dot_precision == "bf16" and dev.type != "cuda":
+            raise ValueError("dot_precision: 'bf16' needs compiled kernels on a GPU (the CPU interpreter's bf16 dots "
+                             "are not exact enough to test); use 'ieee'")
         max_query_len = checks.optional_positive_int("max_query_len", max_query_len)
         if sm_scale is None:
             sm_scale = 1.0 / math.sqrt(head_size)
@@ -370,7 +376,7 @@ class Format:
         elif seq_ids is not None:
             raise ValueError(f"seq_ids: format {self.name} has no residual window")
         self._kernels.attend(query, out, block_table, seq_lens, query_start_loc, qk_scale, sliding_window or 0,
-                             max_query_len, ptrs, consts, extra)
+                             max_query_len, ptrs, consts, extra, dot_bf16=dot_precision == "bf16")
         return out
 
     # -- description ------------------------------------------------------------------------------------------

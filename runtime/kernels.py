@@ -116,7 +116,7 @@ class KernelSet:
         )
 
     def attend(self, query, out, block_table, seq_lens, query_start_loc, qk_scale, window, max_query_len,
-               tensors: dict, consts: dict, extra: dict | None = None) -> None:
+               tensors: dict, consts: dict, extra: dict | None = None, dot_bf16: bool = False) -> None:
         self._check_device(tensors["k_cache_ptr"])
         num_q_heads = query.shape[1]
         group = num_q_heads // consts["NUM_KV_HEADS"]
@@ -131,6 +131,7 @@ class KernelSet:
             qk_scale=qk_scale * LOG2E, window=window, num_q_tiles=num_q_tiles,
             stride_qt=query.stride(0), stride_qh=query.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
             stride_bt=block_table.stride(0), GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
+            DOT_BF16=dot_bf16,  # bf16 tensor-core dots (opt-in), else exact fp32 dots
             **tensors, **consts, **(extra or {}),
         )
 

@@ -113,7 +113,7 @@ def paged_attention_kernel(
     V_DATA_PAGE: tl.constexpr, V_DATA_BASE: tl.constexpr, V_DATA_CELL: tl.constexpr,
     V_SCALE_PAGE: tl.constexpr, V_SCALE_BASE: tl.constexpr, V_SCALE_CELL: tl.constexpr,
     V_ZP_PAGE: tl.constexpr, V_ZP_BASE: tl.constexpr, V_ZP_CELL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_BF16: tl.constexpr,
 ):
     seq = tl.program_id(0) // num_q_tiles
     tile = tl.program_id(0) % num_q_tiles
@@ -153,7 +153,10 @@ def paged_attention_kernel(
             k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
             k_code = tl.load((k_row[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=n_mask[:, None] & dmask[None, :], other=0)
             k_tile = k_decode(k_code)
-            scores = tl.dot(q, tl.trans(k_tile), input_precision="ieee") * qk_scale
+            if DOT_BF16:  # bf16 queries on a GPU: tensor-core dots, fp32 accumulation
+                scores = tl.dot(q.to(tl.bfloat16), tl.trans(k_tile.to(tl.bfloat16))) * qk_scale
+            else:  # exact fp32 products (fp32 / fp16 queries, and the CPU interpreter)
+                scores = tl.dot(q, tl.trans(k_tile), input_precision="ieee") * qk_scale
             visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
             visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
             scores = tl.where(visible, scores, float("-inf"))
@@ -164,7 +167,10 @@ def paged_attention_kernel(
             v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
             v_code = tl.load((v_row[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=n_mask[:, None] & dmask[None, :], other=0)
             v_tile = v_decode(v_code)
-            acc = acc * alpha[:, None] + tl.dot(p, v_tile, input_precision="ieee")
+            if DOT_BF16:
+                acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v_tile.to(tl.bfloat16))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p, v_tile, input_precision="ieee")
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
 

@@ -167,7 +167,7 @@ def paged_attention_kernel(
     V_DATA_PAGE: tl.constexpr, V_DATA_BASE: tl.constexpr, V_DATA_CELL: tl.constexpr,
     V_SCALE_PAGE: tl.constexpr, V_SCALE_BASE: tl.constexpr, V_SCALE_CELL: tl.constexpr,
     V_ZP_PAGE: tl.constexpr, V_ZP_BASE: tl.constexpr, V_ZP_CELL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_BF16: tl.constexpr,
 ):
     seq = tl.program_id(0) // num_q_tiles
     tile = tl.program_id(0) % num_q_tiles
@@ -211,7 +211,10 @@ def paged_attention_kernel(
             k_sidx = d // HEAD_PAD  # the scale of each element's group
             k_scode = tl.load((k_srow[:, None] + k_sidx[None, :] * 4).to(tl.pointer_type(tl.uint32)), mask=n_mask[:, None] & dmask[None, :], other=0)
             k_tile = k_tile * (k_scale_decode(k_scode))
-            scores = tl.dot(q, tl.trans(k_tile), input_precision="ieee") * qk_scale
+            if DOT_BF16:  # bf16 queries on a GPU: tensor-core dots, fp32 accumulation
+                scores = tl.dot(q.to(tl.bfloat16), tl.trans(k_tile.to(tl.bfloat16))) * qk_scale
+            else:  # exact fp32 products (fp32 / fp16 queries, and the CPU interpreter)
+                scores = tl.dot(q, tl.trans(k_tile), input_precision="ieee") * qk_scale
             visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
             visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
             scores = tl.where(visible, scores, float("-inf"))
@@ -226,7 +229,10 @@ def paged_attention_kernel(
             v_sidx = d // HEAD_PAD  # the scale of each element's group
             v_scode = tl.load((v_srow[:, None] + v_sidx[None, :] * 4).to(tl.pointer_type(tl.uint32)), mask=n_mask[:, None] & dmask[None, :], other=0)
             v_tile = v_tile * (v_scale_decode(v_scode))
-            acc = acc * alpha[:, None] + tl.dot(p, v_tile, input_precision="ieee")
+            if DOT_BF16:
+                acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v_tile.to(tl.bfloat16))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p, v_tile, input_precision="ieee")
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
 

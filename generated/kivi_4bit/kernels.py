@@ -276,7 +276,7 @@ def paged_attention_kernel(
     V_DATA_PAGE: tl.constexpr, V_DATA_BASE: tl.constexpr, V_DATA_CELL: tl.constexpr,
     V_SCALE_PAGE: tl.constexpr, V_SCALE_BASE: tl.constexpr, V_SCALE_CELL: tl.constexpr,
     V_ZP_PAGE: tl.constexpr, V_ZP_BASE: tl.constexpr, V_ZP_CELL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_BF16: tl.constexpr,
     TOKEN_GROUP: tl.constexpr, RESIDUAL: tl.constexpr, RING: tl.constexpr,
 ):
     seq = tl.program_id(0) // num_q_tiles
@@ -329,7 +329,10 @@ def paged_attention_kernel(
             k_gs = k_scale_decode(tl.load((k_srow[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=k_gmask, other=0))
             k_gm = k_zp_decode(tl.load((k_zrow[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=k_gmask, other=0))
             k_tile = k_tile * k_gs + k_gm
-            scores = tl.dot(q, tl.trans(k_tile), input_precision="ieee") * qk_scale
+            if DOT_BF16:  # bf16 queries on a GPU: tensor-core dots, fp32 accumulation
+                scores = tl.dot(q.to(tl.bfloat16), tl.trans(k_tile.to(tl.bfloat16))) * qk_scale
+            else:  # exact fp32 products (fp32 / fp16 queries, and the CPU interpreter)
+                scores = tl.dot(q, tl.trans(k_tile), input_precision="ieee") * qk_scale
             visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
             visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
             scores = tl.where(visible, scores, float("-inf"))
@@ -348,14 +351,20 @@ def paged_attention_kernel(
             v_min = v_zp_decode(tl.load((v_zrow[:, None] + v_sidx[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=n_mask[:, None] & dmask[None, :], other=0))
             v_tile = v_tile * (v_scale_decode(v_scode))
             v_tile = v_tile + v_min
-            acc = acc * alpha[:, None] + tl.dot(p, v_tile, input_precision="ieee")
+            if DOT_BF16:
+                acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v_tile.to(tl.bfloat16))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p, v_tile, input_precision="ieee")
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
         for start in range(tl.maximum(lo, quantized), hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_mask = n < hi
             k_tile = r_decode(tl.load((k_res_ptr + ((sid * RING + n % RING) * NUM_KV_HEADS + head).to(tl.int64)[:, None] * (HEAD_SIZE * 2) + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=n_mask[:, None] & dmask[None, :], other=0))
-            scores = tl.dot(q, tl.trans(k_tile), input_precision="ieee") * qk_scale
+            if DOT_BF16:  # bf16 queries on a GPU: tensor-core dots, fp32 accumulation
+                scores = tl.dot(q.to(tl.bfloat16), tl.trans(k_tile.to(tl.bfloat16))) * qk_scale
+            else:  # exact fp32 products (fp32 / fp16 queries, and the CPU interpreter)
+                scores = tl.dot(q, tl.trans(k_tile), input_precision="ieee") * qk_scale
             visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
             visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
             scores = tl.where(visible, scores, float("-inf"))
@@ -365,7 +374,10 @@ def paged_attention_kernel(
             alpha = tl.exp2(m_i - m_safe)
 
             v_tile = r_decode(tl.load((v_res_ptr + ((sid * RING + n % RING) * NUM_KV_HEADS + head).to(tl.int64)[:, None] * (HEAD_SIZE * 2) + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=n_mask[:, None] & dmask[None, :], other=0))
-            acc = acc * alpha[:, None] + tl.dot(p, v_tile, input_precision="ieee")
+            if DOT_BF16:
+                acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v_tile.to(tl.bfloat16))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p, v_tile, input_precision="ieee")
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
 

@@ -58,8 +58,8 @@ def k_scale_encode(v):
     step_inv = ((127 + 3 - e) << 23).to(tl.float32, bitcast=True)  # 2**(mant - e), exact
     m = (a * step_inv + 12582912.0) - 12582912.0
     code = ((e - (-6)) * 8 + m.to(tl.int32)).to(tl.uint32)
-    code = tl.where(v != v, 127, code)
-    return (code | sign).to(tl.uint8)
+    # NaN -> the positive NaN code: a NaN that went through scaling arithmetic has no defined sign
+    return tl.where(v != v, 127, code | sign).to(tl.uint8)
 
 
 @triton.jit
@@ -121,8 +121,8 @@ def v_scale_encode(v):
     step_inv = ((127 + 3 - e) << 23).to(tl.float32, bitcast=True)  # 2**(mant - e), exact
     m = (a * step_inv + 12582912.0) - 12582912.0
     code = ((e - (-6)) * 8 + m.to(tl.int32)).to(tl.uint32)
-    code = tl.where(v != v, 127, code)
-    return (code | sign).to(tl.uint8)
+    # NaN -> the positive NaN code: a NaN that went through scaling arithmetic has no defined sign
+    return tl.where(v != v, 127, code | sign).to(tl.uint8)
 
 
 @triton.jit
@@ -257,7 +257,7 @@ def paged_attention_kernel(
     V_DATA_PAGE: tl.constexpr, V_DATA_BASE: tl.constexpr, V_DATA_CELL: tl.constexpr,
     V_SCALE_PAGE: tl.constexpr, V_SCALE_BASE: tl.constexpr, V_SCALE_CELL: tl.constexpr,
     V_ZP_PAGE: tl.constexpr, V_ZP_BASE: tl.constexpr, V_ZP_CELL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_BF16: tl.constexpr,
 ):
     seq = tl.program_id(0) // num_q_tiles
     tile = tl.program_id(0) % num_q_tiles
@@ -303,7 +303,10 @@ def paged_attention_kernel(
             k_sidx = d // 16  # the scale of each element's group
             k_scode = tl.load((k_srow[:, None] + k_sidx[None, :] * 1).to(tl.pointer_type(tl.uint8)), mask=n_mask[:, None] & dmask[None, :], other=0)
             k_tile = k_tile * (k_scale_decode(k_scode) * k_g)
-            scores = tl.dot(q, tl.trans(k_tile), input_precision="ieee") * qk_scale
+            if DOT_BF16:  # bf16 queries on a GPU: tensor-core dots, fp32 accumulation
+                scores = tl.dot(q.to(tl.bfloat16), tl.trans(k_tile.to(tl.bfloat16))) * qk_scale
+            else:  # exact fp32 products (fp32 / fp16 queries, and the CPU interpreter)
+                scores = tl.dot(q, tl.trans(k_tile), input_precision="ieee") * qk_scale
             visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
             visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
             scores = tl.where(visible, scores, float("-inf"))
@@ -319,7 +322,10 @@ def paged_attention_kernel(
             v_sidx = d // 16  # the scale of each element's group
             v_scode = tl.load((v_srow[:, None] + v_sidx[None, :] * 1).to(tl.pointer_type(tl.uint8)), mask=n_mask[:, None] & dmask[None, :], other=0)
             v_tile = v_tile * (v_scale_decode(v_scode) * v_g)
-            acc = acc * alpha[:, None] + tl.dot(p, v_tile, input_precision="ieee")
+            if DOT_BF16:
+                acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v_tile.to(tl.bfloat16))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p, v_tile, input_precision="ieee")
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
 
