@@ -16,6 +16,7 @@ from .codegen.spec import FormatSpec
 from .codegen.version import KVGEN_VERSION as __version__
 from .runtime.format import Format, KVCache
 from .runtime.loader import load, shipped_names
+from .runtime.model_cache import ModelKVCache, model_cache
 
 
 def __getattr__(name):
@@ -29,5 +30,5 @@ def __getattr__(name):
 
 __all__ = [
     "BuildError", "Format", "FormatSpec", "KVCache", "KvgenError", "NotSupportedYet", "SpecError", "StaleError",
-    "__version__", "load", "load_spec", "shipped_names",
+    "ModelKVCache", "__version__", "load", "load_spec", "model_cache", "shipped_names",
 ]

@@ -1,0 +1,109 @@
+"""A model's whole KV cache: one format per layer (skip layers in the model dtype), one block table for all layers.
+
+Every layer has the same number of blocks, so one block table (and one block allocator) serves all of them: block b
+is page b of every layer. Layers of different formats have pages of different sizes; ``padded_page_bytes`` is the
+largest, the size an engine that carves every layer's pages from one pool gives each page (vLLM pads mixed pages
+the same way), and ``padding_bytes`` what that costs per block.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Iterable, Optional, Union
+
+import torch
+
+from .format import Format, KVCache
+from .loader import load
+
+ScalePair = tuple  # (k_scale, v_scale): floats or per-head sequences
+
+
+def _ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 3, 7] -> '0-3, 7'."""
+    out, start = [], None
+    for i, n in enumerate(layers):
+        if start is None:
+            start = n
+        if i + 1 == len(layers) or layers[i + 1] != n + 1:
+            out.append(str(start) if start == n else f"{start}-{n}")
+            start = None
+    return ", ".join(out)
+
+
+class ModelKVCache:
+    """Per-layer caches of one model sharing block ids. Build it with :func:`model_cache`."""
+
+    def __init__(self, layer_formats: list[Format], num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_size: int, *, device: Union[str, torch.device] = "cpu",
+                 scales: Optional[dict[int, ScalePair]] = None, max_seqs: Optional[int] = None):
+        if not layer_formats:
+            raise ValueError("layer_formats: a model needs at least one layer")
+        self.formats = list(layer_formats)
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.num_kv_heads, self.head_size = num_kv_heads, head_size
+        scales = scales or {}
+        missing = []
+        self.layers: list[KVCache] = []
+        for i, fmt in enumerate(self.formats):
+            static = any(fmt._static(side) is not None for side in ("key", "value"))
+            kwargs = {}
+            if static:
+                if i in scales:
+                    kwargs["k_scale"], kwargs["v_scale"] = scales[i]
+                else:
+                    missing.append(i)
+            if fmt.spec.streaming:
+                kwargs["max_seqs"] = max_seqs
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # one warning for the whole model, below
+                self.layers.append(fmt.allocate(num_blocks, block_size, num_kv_heads, head_size, device=device,
+                                                **kwargs))
+        if missing:
+            warnings.warn(f"kvgen: no K/V scales for layers {_ranges(missing)}; using 1.0 there. Load them from the "
+                          "checkpoint (kvgen.scales.load_scales) or calibrate them (kvgen calibrate).", stacklevel=3)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def page_bytes(self, layer: int) -> int:
+        return self.formats[layer].page_bytes(self.block_size, self.num_kv_heads, self.head_size)
+
+    @property
+    def padded_page_bytes(self) -> int:
+        """The page size that makes blocks interchangeable across layers: the largest layer page."""
+        return max(self.page_bytes(i) for i in range(len(self)))
+
+    @property
+    def padding_bytes(self) -> int:
+        """Bytes per block lost to padding every layer's page to ``padded_page_bytes``."""
+        return sum(self.padded_page_bytes - self.page_bytes(i) for i in range(len(self)))
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, **kwargs) -> None:
+        self.formats[layer].write(self.layers[layer], key, value, slot_mapping, **kwargs)
+
+    def attend(self, layer: int, query: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+               query_start_loc: torch.Tensor, **kwargs) -> torch.Tensor:
+        return self.formats[layer].attend(query, self.layers[layer], block_table, seq_lens, query_start_loc, **kwargs)
+
+
+def model_cache(fmt: Union[str, Format], num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                head_size: int, *, skip_layers: Iterable[int] = (), model_dtype: str = "bf16",
+                device: Union[str, torch.device] = "cpu", scales: Optional[dict[int, ScalePair]] = None,
+                max_seqs: Optional[int] = None) -> ModelKVCache:
+    """A model cache with ``fmt`` on every layer except ``skip_layers``, which keep the model dtype (bf16 / fp16).
+
+    ``scales``: per-layer static scales, e.g. from :func:`kvgen.scales.load_scales`; layers without them use 1.0
+    and one warning names them.
+    """
+    if model_dtype not in ("bf16", "fp16"):
+        raise ValueError(f"model_dtype: expected 'bf16' or 'fp16', got {model_dtype!r}")
+    fmt = load(fmt) if not isinstance(fmt, Format) else fmt
+    skip = set(skip_layers)
+    bad = [i for i in skip if not isinstance(i, int) or not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"skip_layers: {bad} are not layer indices in [0, {num_layers})")
+    plain = load(model_dtype)
+    formats = [plain if i in skip else fmt for i in range(num_layers)]
+    return ModelKVCache(formats, num_blocks, block_size, num_kv_heads, head_size, device=device, scales=scales,
+                        max_seqs=max_seqs)

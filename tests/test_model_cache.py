@@ -1,0 +1,61 @@
+"""The model-level cache: one format per layer, skip layers in the model dtype, one block table for all layers."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import kvgen
+from kvgen import reference as R
+
+H, D, BS, BLOCKS = 2, 32, 4, 6
+
+
+def test_skip_layers_padding_and_shared_block_table():
+    m = kvgen.model_cache("int8_per_token_head", 4, BLOCKS, BS, H, D, skip_layers=[0, 3])
+    assert [f.name for f in m.formats] == ["bf16", "int8_per_token_head", "int8_per_token_head", "bf16"]
+    # by hand: bf16 cell 2 * 2 * 32 = 128 B, page 4 * 2 * 128 = 1024; int8 cell 32 + 4 + 32 + 4 = 72, page 576
+    assert [m.page_bytes(i) for i in range(4)] == [1024, 576, 576, 1024]
+    assert m.padded_page_bytes == 1024 and m.padding_bytes == 2 * (1024 - 576)
+    # one block table for all layers: every layer writes and reads the same blocks
+    rng = np.random.default_rng(0)
+    table = torch.tensor([[4, 1, 5]], dtype=torch.int32)
+    pos = np.arange(10)
+    slots = torch.from_numpy(table[0].numpy()[pos // BS].astype(np.int64) * BS + pos % BS)
+    q = torch.from_numpy(rng.standard_normal((1, 2 * H, D)).astype(np.float32))
+    for layer in range(4):
+        k = torch.from_numpy(rng.standard_normal((10, H, D)).astype(np.float32))
+        v = torch.from_numpy(rng.standard_normal((10, H, D)).astype(np.float32))
+        m.write(layer, k, v, slots)
+        out = m.attend(layer, q, table, torch.tensor([10], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32))
+        spec = m.formats[layer].spec
+        expected = R.new_cache(spec, BLOCKS, BS, H, D)
+        R.write(spec, expected, k.numpy(), v.numpy(), slots.numpy())
+        kd, vd = R.read(spec, expected, head_size=D, block_size=BS, num_kv_heads=H)
+        ref = R.paged_attention(q.double().numpy(), kd, vd, table.numpy(), np.array([10]), np.array([0, 1]),
+                                1 / np.sqrt(D))
+        assert np.abs(out.double().numpy() - ref).max() < 1e-4
+
+
+def test_scales_per_layer_and_one_warning_naming_missing_layers():
+    scales = {1: (0.5, 0.25), 2: (2.0, 4.0)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = kvgen.model_cache("fp8_e4m3", 6, BLOCKS, BS, H, D, skip_layers=[5], scales=scales)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "layers 0, 3-4" in messages[0]
+    assert float(m.layers[1].tensors["k_scale"]) == 0.5 and float(m.layers[2].tensors["v_scale"]) == 4.0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kvgen.model_cache("fp8_e4m3", 2, BLOCKS, BS, H, D, scales={0: (1.0, 1.0), 1: (1.0, 1.0)})
+    assert not caught
+
+
+def test_bad_arguments_name_them():
+    with pytest.raises(ValueError, match="skip_layers"):
+        kvgen.model_cache("fp8_e4m3", 2, BLOCKS, BS, H, D, skip_layers=[2])
+    with pytest.raises(ValueError, match="model_dtype"):
+        kvgen.model_cache("fp8_e4m3", 2, BLOCKS, BS, H, D, model_dtype="fp32")
