@@ -353,5 +353,9 @@ def demo(format_name, seqs, context):
     console.print(_formats_table(shipped_names(), 16, 8, 128))
 
 
+from .plan_cli import plan  # noqa: E402  (commands that live in their own modules)
+
+main.add_command(plan)
+
 if __name__ == "__main__":
     main()
