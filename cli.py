@@ -354,8 +354,11 @@ def demo(format_name, seqs, context):
 
 
 from .plan_cli import plan  # noqa: E402  (commands that live in their own modules)
+from .scales_cli import calibrate, import_scheme  # noqa: E402
 
 main.add_command(plan)
+main.add_command(import_scheme)
+main.add_command(calibrate)
 
 if __name__ == "__main__":
     main()

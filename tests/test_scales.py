@@ -1,0 +1,335 @@
+"""Static scale loading (every checkpoint name form, the SGLang JSON) and `kvgen import-scheme`."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from safetensors.numpy import save_file
+
+import kvgen
+from kvgen.codegen.spec import ElementType, Granularity
+from kvgen.scales import (MissingScalesWarning, ScaleError, checkpoint_name, format_layers, load_scales,
+                          scales_for_layer)
+from kvgen.scales_cli import import_scheme
+
+F32 = np.float32
+
+
+def _write(path, tensors):
+    save_file({k: np.ascontiguousarray(np.asarray(v, dtype=F32)) for k, v in tensors.items()}, str(path))
+    return path
+
+
+def _load_quiet(path, n, **kw):
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out = load_scales(path, n, **kw)
+    assert not [x for x in w if issubclass(x.category, MissingScalesWarning)], [str(x.message) for x in w]
+    return out
+
+
+# --- checkpoint names -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(), (1,)])
+def test_canonical_per_tensor(tmp_path, shape):
+    t = {}
+    for i in range(3):
+        t[f"model.layers.{i}.self_attn.k_scale"] = np.full(shape, 0.01 * (i + 1))
+        t[f"model.layers.{i}.self_attn.v_scale"] = np.full(shape, 0.02 * (i + 1))
+        t[f"model.layers.{i}.self_attn.q_proj.weight"] = np.ones((4, 4))  # other tensors are ignored
+    s = _load_quiet(_write(tmp_path / "m.safetensors", t), 3)
+    for i in range(3):
+        k, v = s[i]
+        assert isinstance(k, float) and isinstance(v, float)
+        assert k == pytest.approx(0.01 * (i + 1)) and v == pytest.approx(0.02 * (i + 1))
+
+
+def test_per_head_shape(tmp_path):
+    h = 4
+    kh = np.arange(1, h + 1, dtype=F32).reshape(h, 1, 1) * 0.01
+    t = {"model.layers.0.self_attn.k_scale": kh, "model.layers.0.self_attn.v_scale": kh * 2}
+    s = _load_quiet(_write(tmp_path / "m.safetensors", t), 1, num_kv_heads=h)
+    k, v = s[0]
+    assert k.shape == (h,) and k.dtype == F32
+    np.testing.assert_allclose(k, kh.reshape(-1))
+    np.testing.assert_allclose(v, 2 * kh.reshape(-1))
+    # the per-head scales go straight into a per-head format's cache
+    fmt = kvgen.load("fp8_e4m3_per_head")
+    fmt.allocate(2, 16, h, 64, **scales_for_layer(s, 0))
+
+
+def test_per_head_wrong_head_count(tmp_path):
+    t = {"model.layers.0.self_attn.k_scale": np.ones((4, 1, 1)), "model.layers.0.self_attn.v_scale": np.ones((4, 1, 1))}
+    with pytest.raises(ScaleError, match=r"m\.safetensors: model\.layers\.0\.self_attn\.k_scale: 4 per-head"):
+        load_scales(_write(tmp_path / "m.safetensors", t), 1, num_kv_heads=8)
+
+
+@pytest.mark.parametrize("kname,vname", [
+    ("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale"),  # legacy
+    ("self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale"),  # ModelOpt
+])
+def test_other_name_forms(tmp_path, kname, vname):
+    t = {}
+    for i in range(2):
+        t[f"model.layers.{i}.{kname}"] = [0.5 + i]
+        t[f"model.layers.{i}.{vname}"] = [0.25 + i]
+    s = _load_quiet(_write(tmp_path / "m.safetensors", t), 2)
+    assert s == {0: (0.5, 0.25), 1: (1.5, 1.25)}
+
+
+def test_deprecated_kv_scale_used_for_both(tmp_path):
+    t = {f"model.layers.{i}.self_attn.kv_scale": np.float32(0.125 * (i + 1)) for i in range(2)}
+    s = _load_quiet(_write(tmp_path / "m.safetensors", t), 2)
+    assert s == {0: (0.125, 0.125), 1: (0.25, 0.25)}
+
+
+def test_canonical_wins_over_deprecated(tmp_path):
+    t = {"model.layers.0.self_attn.kv_scale": [9.0], "model.layers.0.self_attn.k_scale": [0.5],
+         "model.layers.0.self_attn.v_scale": [0.75]}
+    assert _load_quiet(_write(tmp_path / "m.safetensors", t), 1) == {0: (0.5, 0.75)}
+
+
+def test_other_prefix_and_bf16(tmp_path):
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file as save_pt
+
+    save_pt({"model.language_model.layers.0.self_attn.k_scale": torch.tensor([0.5], dtype=torch.bfloat16),
+             "model.language_model.layers.0.self_attn.v_scale": torch.tensor(0.25, dtype=torch.bfloat16)},
+            str(tmp_path / "m.safetensors"))
+    assert _load_quiet(tmp_path / "m.safetensors", 1) == {0: (0.5, 0.25)}
+
+
+def test_directory_of_shards(tmp_path):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    _write(d / "model-00001-of-00002.safetensors",
+           {"model.layers.0.self_attn.k_scale": [0.1], "model.layers.0.self_attn.v_scale": [0.2]})
+    _write(d / "model-00002-of-00002.safetensors",
+           {"model.layers.1.self_attn.k_scale": [0.3], "model.layers.1.self_attn.v_scale": [0.4]})
+    s = _load_quiet(d, 2)
+    assert s[0] == pytest.approx((0.1, 0.2)) and s[1] == pytest.approx((0.3, 0.4))
+
+
+# --- missing layers ---------------------------------------------------------------------------------------------
+
+
+def test_missing_layers_one_warning(tmp_path):
+    t = {}
+    for i in (4, 5, 6, 8, 9):
+        t[f"model.layers.{i}.self_attn.k_scale"] = [0.5]
+        t[f"model.layers.{i}.self_attn.v_scale"] = [0.5]
+    t["model.layers.12.self_attn.k_scale"] = [0.5]  # beyond num_layers (e.g. an MTP layer): ignored
+    path = _write(tmp_path / "m.safetensors", t)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        s = load_scales(path, 10)
+    mine = [x for x in w if issubclass(x.category, MissingScalesWarning)]
+    assert len(mine) == 1, [str(x.message) for x in w]
+    msg = str(mine[0].message)
+    assert "layers 0-3, 7" in msg and "1.0" in msg
+    assert s[0] == (1.0, 1.0) and s[7] == (1.0, 1.0) and s[4] == (0.5, 0.5)
+    assert sorted(s) == list(range(10))
+
+
+def test_missing_one_side(tmp_path):
+    t = {"model.layers.0.self_attn.k_scale": [0.5], "model.layers.0.self_attn.v_scale": [0.5],
+         "model.layers.1.self_attn.k_scale": [0.5]}
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        s = load_scales(_write(tmp_path / "m.safetensors", t), 2)
+    mine = [str(x.message) for x in w if issubclass(x.category, MissingScalesWarning)]
+    assert len(mine) == 1 and "no v_scale for layer 1" in mine[0]
+    assert s[1] == (0.5, 1.0)
+
+
+def test_format_layers():
+    assert format_layers([7, 0, 1, 2, 3]) == "0-3, 7"
+    assert format_layers([5]) == "5"
+    assert format_layers([1, 3, 4, 10, 11, 12]) == "1, 3-4, 10-12"
+
+
+# --- bad values -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value,match", [
+    ([0.0], "must be > 0"),
+    ([-1.0], "must be > 0"),
+    ([np.nan], "not finite"),
+    ([np.inf], "not finite"),
+    (np.ones((2, 3)), "shape"),
+    (np.ones((4, 2, 1)), "shape"),
+    (np.ones((0,)), "empty"),
+])
+def test_bad_values(tmp_path, value, match):
+    t = {"model.layers.0.self_attn.k_scale": [0.5], "model.layers.0.self_attn.v_scale": value}
+    with pytest.raises(ScaleError, match=match) as e:
+        load_scales(_write(tmp_path / "bad.safetensors", t), 1)
+    assert "bad.safetensors" in str(e.value) and "model.layers.0.self_attn.v_scale" in str(e.value)
+    assert isinstance(e.value, kvgen.KvgenError)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ScaleError, match="no such file"):
+        load_scales(tmp_path / "nope.safetensors", 1)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ScaleError, match="no \\*.safetensors"):
+        load_scales(tmp_path / "empty", 1)
+
+
+# --- SGLang JSON ------------------------------------------------------------------------------------------------
+
+
+def _json(path, data):
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_json_tp_ranks(tmp_path):
+    data = {"model_type": "llama", "kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {
+        "0": {"0": 0.5, "1": 0.25}, "1": {"0": 2.0, "1": 4}}}}
+    p = _json(tmp_path / "kv.json", data)
+    assert _load_quiet(p, 2) == {0: (0.5, 0.5), 1: (0.25, 0.25)}
+    assert _load_quiet(p, 2, tp_rank=1) == {0: (2.0, 2.0), 1: (4.0, 4.0)}
+    with pytest.raises(ScaleError, match="no entry for tp rank 2"):
+        load_scales(p, 2, tp_rank=2)
+
+
+def test_json_missing_layers_warns_once(tmp_path):
+    p = _json(tmp_path / "kv.json", {"kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {"0": {"2": 0.5}}}})
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        s = load_scales(p, 4)
+    mine = [str(x.message) for x in w if issubclass(x.category, MissingScalesWarning)]
+    assert len(mine) == 1 and "layers 0-1, 3" in mine[0]
+    assert s[2] == (0.5, 0.5) and s[3] == (1.0, 1.0)
+
+
+@pytest.mark.parametrize("data,match", [
+    ({"kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {"0": {"0": -1.0}}}}, r"scaling_factor\.0\.0: .*> 0"),
+    ({"kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {"0": {"0": "x"}}}}, r"scaling_factor\.0\.0: not a"),
+    ({"kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {"0": {"a": 1.0}}}}, "not an integer"),
+    ({"kv_cache": {"dtype": "float8_e4m3fn"}}, "scaling_factor"),
+    ({"other": 1}, "kv_cache"),
+])
+def test_json_errors(tmp_path, data, match):
+    with pytest.raises(ScaleError, match=match) as e:
+        load_scales(_json(tmp_path / "kv.json", data), 1)
+    assert "kv.json" in str(e.value)
+
+
+def test_json_infinity(tmp_path):
+    p = tmp_path / "kv.json"
+    p.write_text('{"kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {"0": {"0": Infinity}}}}')
+    with pytest.raises(ScaleError, match="not finite"):
+        load_scales(p, 1)
+
+
+def test_checkpoint_name():
+    assert checkpoint_name(3, "k") == "model.layers.3.self_attn.k_scale"
+    assert checkpoint_name(0, "v") == "model.layers.0.self_attn.v_scale"
+
+
+# --- import-scheme ----------------------------------------------------------------------------------------------
+
+
+def _config(tmp_path, scheme, name="config.json"):
+    cfg = {"architectures": ["LlamaForCausalLM"], "num_key_value_heads": 8, "quantization_config": {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {},
+        "kv_cache_scheme": scheme}}
+    return _json(tmp_path / name, cfg)
+
+
+SCHEMES = [
+    # llm-compressor FP8 KV cache (per tensor)
+    ({"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True, "group_size": None,
+      "observer": "minmax", "actorder": None, "block_structure": None},
+     ElementType.fp8_e4m3, Granularity.per_tensor, None, False),
+    # per attention head
+    ({"num_bits": 8, "type": "float", "strategy": "attn_head", "dynamic": False, "symmetric": True,
+      "observer": "minmax"},
+     ElementType.fp8_e4m3, Granularity.per_head, None, False),
+    # dynamic fp8 per token
+    ({"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True},
+     ElementType.fp8_e4m3, Granularity.per_token_head, None, False),
+    # dynamic int8 per token, symmetric and asymmetric
+    ({"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": True},
+     ElementType.int8, Granularity.per_token_head, None, False),
+    ({"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": False, "zp_dtype": "int8"},
+     ElementType.uint8, Granularity.per_token_head, None, True),
+    # dynamic int4 per group of 32, asymmetric; symmetric per group of 64 with fp16 scales
+    ({"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "dynamic": True, "symmetric": False},
+     ElementType.uint4, Granularity.per_block, 32, True),
+    ({"num_bits": 4, "type": "int", "strategy": "group", "group_size": 64, "dynamic": True, "symmetric": True,
+      "scale_dtype": "float16"},
+     ElementType.int4, Granularity.per_block, 64, False),
+    # NVFP4
+    ({"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "dynamic": "local",
+      "symmetric": True, "scale_dtype": "float8_e4m3fn"},
+     ElementType.fp4_e2m1, Granularity.per_block, 16, False),
+]
+
+
+@pytest.mark.parametrize("scheme,element,gran,block,zp", SCHEMES,
+                         ids=[f"{s[1].value}-{s[2].value}{s[3] or ''}" for s in SCHEMES])
+def test_import_scheme(tmp_path, scheme, element, gran, block, zp):
+    cfg = _config(tmp_path, scheme)
+    out = tmp_path / "spec.yaml"
+    r = CliRunner().invoke(import_scheme, [str(cfg), "-o", str(out), "--name", "imported_kv"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    text = out.read_text()
+    assert text.startswith("# Imported by `kvgen import-scheme` from") and "config.json" in text.splitlines()[0]
+    spec = kvgen.load_spec(out)  # validates, and is buildable
+    assert spec.name == "imported_kv"
+    for side in (spec.key, spec.value):
+        assert side.element == element
+        assert side.scale.granularity == gran
+        assert side.scale.block == block
+        assert (side.zero_point is not None) == zp
+
+
+def test_import_scheme_stdout_and_default_name(tmp_path):
+    cfg = _config(tmp_path, SCHEMES[0][0])
+    r = CliRunner().invoke(import_scheme, [str(cfg)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert "name: ct_fp8_e4m3_per_tensor" in r.output
+    from kvgen.codegen.loader import load_spec_text
+
+    assert load_spec_text(r.output).key.scale.granularity == Granularity.per_tensor
+
+
+@pytest.mark.parametrize("scheme,field", [
+    ({"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": False, "symmetric": False}, "symmetric"),
+    ({"num_bits": 8, "type": "float", "strategy": "channel", "dynamic": False}, "strategy"),
+    ({"num_bits": 8, "type": "int", "strategy": "group", "group_size": 32, "dynamic": False}, "dynamic"),
+    ({"num_bits": 8, "type": "int", "strategy": "group", "group_size": 24, "dynamic": True}, "group_size"),
+    ({"num_bits": 6, "type": "int", "strategy": "token", "dynamic": True}, "num_bits"),
+    ({"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": True}, "dynamic"),
+    ({"num_bits": 8, "type": "mx", "strategy": "tensor"}, "type"),
+    ({"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": False, "zp_dtype": "float16"},
+     "zp_dtype"),
+])
+def test_import_scheme_unsupported(tmp_path, scheme, field):
+    cfg = _config(tmp_path, scheme)
+    r = CliRunner().invoke(import_scheme, [str(cfg)])
+    assert isinstance(r.exception, kvgen.KvgenError), (r.output, r.exception)
+    msg = str(r.exception)
+    assert f"quantization_config.kv_cache_scheme.{field}:" in msg and "config.json" in msg
+
+
+def test_import_scheme_no_kv_scheme(tmp_path):
+    cfg = _config(tmp_path, None)
+    r = CliRunner().invoke(import_scheme, [str(cfg)])
+    assert isinstance(r.exception, kvgen.KvgenError) and "not quantized" in str(r.exception)
+    p = _json(tmp_path / "plain.json", {"architectures": ["LlamaForCausalLM"]})
+    r = CliRunner().invoke(import_scheme, [str(p)])
+    assert isinstance(r.exception, kvgen.KvgenError) and "no quantization_config.kv_cache_scheme" in str(r.exception)
+
+
+def test_import_scheme_help():
+    r = CliRunner().invoke(import_scheme, ["--help"])
+    assert r.exit_code == 0 and "Example:" in r.output
