@@ -135,7 +135,7 @@ def static_scales(fmt: Format, case: Case) -> dict:
     """The static scales a case gives the cache: per layer (or global) a float, per head one value per head."""
     out = {"k_scale": None, "v_scale": None}
     for side, name, val in (("key", "k_scale", case.k_scale), ("value", "v_scale", case.v_scale)):
-        kind = fmt._static(side)
+        kind = fmt.static_scale_kind(side)
         if kind is None:
             continue
         if kind.value == "per_head":

@@ -84,10 +84,11 @@ class Format:
         """Bytes one block of one layer takes (all cache tensors; static scales are per layer, not per page)."""
         return self.layout.page_bytes(block_size, num_kv_heads, head_size)
 
-    def cell_layout(self, head_size: int) -> dict:
-        return self.layout.cell_layout(head_size)
+    def page_layout(self, block_size: int, num_kv_heads: int, head_size: int) -> dict:
+        """Where every field lives (tensor, byte base in the page, cell size, offset, bytes): the generated layout."""
+        return self.layout.page_layout(block_size, num_kv_heads, head_size)
 
-    def _static(self, side: str) -> Optional[Granularity]:
+    def static_scale_kind(self, side: str) -> Optional[Granularity]:
         """The granularity of a side's static scale (a global scale is one per layer), or None."""
         sc = self.spec.side(side).scale
         if sc is None:
@@ -142,7 +143,7 @@ class Format:
                                             dtype=STORAGE_TORCH_DTYPES[residual["dtype"]], device=device)
         missing = []
         for side, arg, key in (("key", k_scale, "k_scale"), ("value", v_scale, "v_scale")):
-            gran = self._static(side)
+            gran = self.static_scale_kind(side)
             if gran is None:
                 if arg is not None:
                     raise ValueError(f"{key}: format {self.name} computes its {side} scales on write; "

@@ -46,7 +46,7 @@ class ModelKVCache:
         missing = []
         self.layers: list[KVCache] = []
         for i, fmt in enumerate(self.formats):
-            static = any(fmt._static(side) is not None for side in ("key", "value"))
+            static = any(fmt.static_scale_kind(side) is not None for side in ("key", "value"))
             kwargs = {}
             if static:
                 if i in scales:

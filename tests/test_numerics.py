@@ -42,7 +42,7 @@ def test_edge_values_bytes_and_behaviour(name):
     slots = np.arange(8, dtype=np.int64)
     scales = {}
     for side, key in (("key", "k_scale"), ("value", "v_scale")):
-        if fmt._static(side) is not None:
+        if fmt.static_scale_kind(side) is not None:
             scales[key] = 0.5
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
