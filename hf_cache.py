@@ -1,0 +1,125 @@
+"""A Hugging Face transformers Cache backed by a kvgen format: generate() with a quantized paged KV cache.
+
+    from kvgen.hf_cache import KvgenCache
+    cache = KvgenCache("int8_per_token_head", model.config, max_tokens=4096)
+    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
+
+Every layer keeps its keys and values in a kvgen paged cache: new tokens are written by the format's generated
+reshape-and-cache kernel through a slot mapping (each batch row owns its blocks). The model's own attention then
+runs on the dequantized cache: the bytes the kernel stored, decoded by the spec's NumPy reference
+(``kvgen.reference``), so what the model sees is exactly what the cache holds. (kvgen's paged-attention kernel is not
+plugged into transformers' attention here; that is the engine's job. Decoding on the host is slow and meant for
+accuracy runs and tests, not for speed.) Formats with a residual window (KIVI) are not supported by this cache yet.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Optional, Union
+
+import numpy as np
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from . import reference as R
+from .runtime.format import Format
+from .runtime.loader import load
+
+
+class KvgenLayer(DynamicLayer):
+    """One layer: writes go to the kvgen cache; ``keys``/``values`` hold the dequantized cache for attention."""
+
+    def __init__(self, fmt: Format, block_size: int, max_tokens: int, k_scale=None, v_scale=None):
+        super().__init__()
+        self.fmt, self.block_size, self.max_tokens = fmt, block_size, max_tokens
+        self.k_scale, self.v_scale = k_scale, v_scale
+        self.cache = None
+        self.length = 0
+
+    def _allocate(self, batch: int, heads: int, head_size: int, device) -> None:
+        blocks_per_row = math.ceil(self.max_tokens / self.block_size)
+        kwargs = {}
+        for side, arg, val in (("key", "k_scale", self.k_scale), ("value", "v_scale", self.v_scale)):
+            if self.fmt.static_scale_kind(side) is not None:
+                kwargs[arg] = 1.0 if val is None else val
+        self.cache = self.fmt.allocate(batch * blocks_per_row, self.block_size, heads, head_size, device="cpu",
+                                       **kwargs)
+        self.blocks_per_row = blocks_per_row
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        batch, heads, new, head_size = key_states.shape
+        if self.cache is None:
+            self._allocate(batch, heads, head_size, key_states.device)
+        if self.length + new > self.max_tokens:
+            raise ValueError(f"max_tokens: the cache holds {self.max_tokens} tokens per row; {self.length + new} "
+                             "are needed")
+        pos = torch.arange(self.length, self.length + new)
+        rows = torch.arange(batch)
+        # row r owns blocks [r * blocks_per_row, (r + 1) * blocks_per_row): slot of (r, p)
+        slots = ((rows[:, None] * self.blocks_per_row + pos[None, :] // self.block_size) * self.block_size
+                 + pos[None, :] % self.block_size).reshape(-1)
+        k = key_states.detach().to("cpu").transpose(1, 2).reshape(batch * new, heads, head_size).contiguous()
+        v = value_states.detach().to("cpu").transpose(1, 2).reshape(batch * new, heads, head_size).contiguous()
+        if k.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            k, v = k.float(), v.float()
+        self.fmt.write(self.cache, k, v, slots)
+        k_deq, v_deq = self._decode(slots, batch, new, heads, head_size)
+        dtype, device = key_states.dtype, key_states.device
+        k_deq = k_deq.to(device=device, dtype=dtype)
+        v_deq = v_deq.to(device=device, dtype=dtype)
+        self.keys = torch.cat([self.keys, k_deq], dim=-2)
+        self.values = torch.cat([self.values, v_deq], dim=-2)
+        self.length += new
+        return self.keys, self.values
+
+    def _decode(self, slots, batch, new, heads, head_size):
+        """The dequantized values of the slots just written, decoded from the stored bytes by the reference."""
+        spec = self.fmt.spec
+        blocks = sorted({int(s) // self.block_size for s in slots})
+        cache_bytes = {name: t.view(torch.uint8).reshape(t.shape[0], -1)[blocks].numpy()
+                       for name, t in self.cache.tensors.items() if name.endswith("_cache")}
+        scales = {}
+        for n in ("k_scale", "v_scale"):
+            t = self.cache.tensors.get(n)
+            scales[n] = None if t is None else (float(t) if t.numel() == 1 else t.numpy())
+        k_all, v_all = R.read(spec, cache_bytes, scales["k_scale"], scales["v_scale"], head_size=head_size,
+                              block_size=self.block_size, num_kv_heads=heads)
+        index = {b: i for i, b in enumerate(blocks)}
+        s = slots.numpy()
+        bi = np.array([index[int(x) // self.block_size] for x in s])
+        off = s % self.block_size
+        k = torch.from_numpy(k_all[bi, off]).reshape(batch, new, heads, head_size).transpose(1, 2)
+        v = torch.from_numpy(v_all[bi, off]).reshape(batch, new, heads, head_size).transpose(1, 2)
+        return k, v
+
+
+class KvgenCache(Cache):
+    """A transformers Cache whose layers store K/V in a kvgen format (``skip_layers`` keep plain model-dtype
+    DynamicLayers). ``scales``: per-layer static scales, e.g. from :func:`kvgen.scales.load_scales`."""
+
+    def __init__(self, fmt: Union[str, Format], config, *, max_tokens: int = 4096, block_size: int = 16,
+                 skip_layers=(), scales: Optional[dict] = None):
+        fmt = load(fmt) if not isinstance(fmt, Format) else fmt
+        if fmt.spec.streaming:
+            raise ValueError(f"fmt: {fmt.name} keeps a residual window (KIVI); the transformers cache does not "
+                             "support it yet")
+        text = getattr(config, "get_text_config", lambda: config)()
+        num_layers = text.num_hidden_layers
+        scales = scales or {}
+        skip = set(skip_layers)
+        layers = []
+        for i in range(num_layers):
+            if i in skip:
+                layers.append(DynamicLayer())
+            else:
+                k, v = scales.get(i, (None, None))
+                layers.append(KvgenLayer(fmt, block_size, max_tokens, k, v))
+        if any(fmt.static_scale_kind(s) is not None for s in ("key", "value")):
+            missing = [i for i in range(num_layers) if i not in skip and i not in scales]
+            if missing:
+                warnings.warn(f"kvgen: no K/V scales for {len(missing)} layer(s); using 1.0 there", stacklevel=2)
+        super().__init__(layers=layers)
+        self.format = fmt

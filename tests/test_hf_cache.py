@@ -1,0 +1,69 @@
+"""transformers integration: a tiny randomly initialised Llama-style model generates with a kvgen paged cache."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from kvgen.hf_cache import KvgenCache  # noqa: E402
+
+CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256)
+
+
+def tiny_model(dtype):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG)).to(dtype).eval()
+    return model
+
+
+def generate(model, cache=None, new=12):
+    ids = torch.tensor([[5, 17, 42, 99, 3, 7, 11, 250, 1, 64, 33]])
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=new, do_sample=False, past_key_values=cache, pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def scores(model, cache=None, new=8):
+    ids = torch.tensor([[5, 17, 42, 99, 3, 7, 11, 250, 1, 64, 33]])
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=new, do_sample=False, past_key_values=cache, pad_token_id=0,
+                             output_scores=True, return_dict_in_generate=True)
+    return torch.stack(out.scores)
+
+
+def test_bf16_cache_generates_exactly_what_dynamic_cache_does():
+    model = tiny_model(torch.bfloat16)
+    expected = generate(model)  # transformers' default DynamicCache
+    got = generate(model, KvgenCache("bf16", model.config, max_tokens=64, block_size=4))
+    assert got == expected
+    # stronger than the tokens: every logit of every step is bit-identical (the cache holds the same bf16 values)
+    assert torch.equal(scores(model, KvgenCache("bf16", model.config, max_tokens=64, block_size=4)), scores(model))
+    # and a quantized cache does change them (the comparison can fail)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fp8 = scores(model, KvgenCache("fp8_e4m3", model.config, max_tokens=64, block_size=4))
+    assert not torch.equal(fp8, scores(model))
+
+
+@pytest.mark.parametrize("name", ["int8_per_token_head", "fp8_e4m3", "nvfp4", "int4_per_token_head"])
+def test_quantized_formats_generate(name):
+    model = tiny_model(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache = KvgenCache(name, model.config, max_tokens=64, block_size=4)
+    tokens = generate(model, cache)
+    assert len(tokens) == 12 and all(0 <= t < CONFIG["vocab_size"] for t in tokens)
+    # the cache really holds the sequence: 11 prompt tokens + 11 generated ones fed back
+    assert cache.layers[0].length == 11 + 11
+
+
+def test_kivi_is_refused_clearly():
+    model = tiny_model(torch.bfloat16)
+    with pytest.raises(ValueError, match="residual window"):
+        KvgenCache("kivi_2bit", model.config)
