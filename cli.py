@@ -355,10 +355,12 @@ def demo(format_name, seqs, context):
 
 from .plan_cli import plan  # noqa: E402  (commands that live in their own modules)
 from .scales_cli import calibrate, import_scheme  # noqa: E402
+from .eval_cli import eval_cmd  # noqa: E402
 
 main.add_command(plan)
 main.add_command(import_scheme)
 main.add_command(calibrate)
+main.add_command(eval_cmd)
 
 if __name__ == "__main__":
     main()

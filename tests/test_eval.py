@@ -1,0 +1,110 @@
+"""kvgen eval (kvgen.evaluate, kvgen.eval_cli): metrics on a tiny case, the CLI's JSON, PNG and errors."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from kvgen import evaluate as E
+from kvgen.eval_cli import eval_cmd
+
+SPECS = Path(E.__file__).resolve().parent / "specs"
+CTX = 256
+
+
+@pytest.fixture(scope="module")
+def rows():
+    r = E.evaluate(["bf16", "fp8_e4m3", "int8_per_token_head", "int4_per_token_head", "kivi_4bit"], [CTX], 1)
+    return {x["format"]: x for x in r}
+
+
+def test_synthetic_data_shapes_and_peaked_attention():
+    q, k, v = E.synthetic_kv(CTX, 0)
+    assert q.shape == (32, 4, 128) and k.shape == v.shape == (CTX, 8, 128) and k.dtype == np.float32
+    # outlier channels: the largest channel RMS of a head is well above the median channel RMS
+    rms = np.sqrt((k.astype(np.float64) ** 2).mean(axis=0))  # [H, D]
+    assert np.all(rms.max(axis=1) > 5 * np.median(rms, axis=1))
+    # peaked attention: the top-8 positions hold much more than 8 / CTX of the weight
+    logits = q[0] @ k[:, 0, :].astype(np.float64).T / np.sqrt(128)
+    w = np.exp(logits - logits.max(1, keepdims=True))
+    w /= w.sum(1, keepdims=True)
+    assert np.sort(w, axis=1)[:, -8:].sum(1).mean() > 0.3
+
+
+def test_rope_preserves_pair_norms():
+    x = np.random.default_rng(1).standard_normal((5, 2, 8)).astype(np.float32)
+    y = E.rope(x, np.arange(5))
+    np.testing.assert_allclose(np.hypot(y[..., 0::2], y[..., 1::2]), np.hypot(x[..., 0::2], x[..., 1::2]),
+                               rtol=1e-5)
+    np.testing.assert_allclose(y[0], x[0], rtol=1e-6)  # position 0: no rotation
+
+
+def test_unquantized_reference_matches_itself():
+    q, k, v = E.synthetic_kv(64, 3)
+    out, top = E.attention(q, k, v)
+    m = E.attention_metrics(out, top, out, top)
+    assert m == {"attn_rel_l2": 0.0, "cosine": pytest.approx(1.0), "topk": 1.0}
+
+
+def test_metric_ordering(rows):
+    bf16, fp8, int8, int4 = (rows[n] for n in ("bf16", "fp8_e4m3", "int8_per_token_head", "int4_per_token_head"))
+    # bf16: K and V error ~ bf16 rounding (relative half-ulp 2^-9, RMS ~ 2^-9 / sqrt(3))
+    assert 5e-4 < bf16["key_rel"] < 2.5e-3 and 5e-4 < bf16["value_rel"] < 2.5e-3
+    assert bf16["attn_rel_l2"] < 0.02 and bf16["cosine"] > 0.9999 and bf16["topk"] >= 0.97
+    assert fp8["attn_rel_l2"] > bf16["attn_rel_l2"] and fp8["key_rel"] > bf16["key_rel"]
+    assert int4["attn_rel_l2"] > int8["attn_rel_l2"] and int4["value_rel"] > int8["value_rel"]
+    assert int4["topk"] <= int8["topk"] <= 1.0
+    for r in rows.values():
+        assert 0.0 <= r["topk"] <= 1.0 and -1.0 <= r["cosine"] <= 1.0 + 1e-12
+        assert len(r["per_seed"]["attn_rel_l2"]) == 1
+
+
+def test_bytes_and_kivi(rows):
+    assert rows["bf16"]["bytes_per_token_head"] == 512
+    assert rows["int4_per_token_head"]["bytes_per_token_head"] == 136
+    kivi = rows["kivi_4bit"]
+    # at 256 tokens with R = 128, G = 32: Q(256) = 128 positions quantized, the rest in bf16
+    assert kivi["quantized_fraction"] == pytest.approx(0.5)
+    assert kivi["key_rel"] > rows["bf16"]["key_rel"]
+
+
+def test_static_scale_is_calibrated():
+    spec = E.resolve_format("fp8_e4m3").spec
+    x = np.full((4, 2, 16), 3.0, np.float32)
+    assert E.calibrated_scale(spec, "key", x) == pytest.approx(3.0 / 448.0)
+    assert E.calibrated_scale(E.resolve_format("int8_per_token_head").spec, "key", x) is None
+
+
+def test_cli_json_and_png(tmp_path):
+    png = tmp_path / "acc.png"
+    res = CliRunner().invoke(eval_cmd, ["bf16", "int8_per_token_head", "--context", "128", "--seeds", "1",
+                                        "--json", "--png", str(png)])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert [r["format"] for r in data["results"]] == ["int8_per_token_head", "bf16"]  # sorted by bytes
+    assert data["contexts"] == [128] and data["seeds"] == 1
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_table_and_spec_path(tmp_path):
+    text = (SPECS / "int4_per_token_head.yaml").read_text()
+    text = re.sub(r"^name: int4_per_token_head$", "name: int4_norot", text, flags=re.M)
+    text = re.sub(r"  rotation:\n    kind: hadamard\n    seed: 0\n", "", text)
+    spec = tmp_path / "int4_norot.yaml"
+    spec.write_text(text)
+    res = CliRunner().invoke(eval_cmd, [str(spec), "--context", "64", "--seeds", "1"])
+    assert res.exit_code == 0, res.output
+    assert E.resolve_format(str(spec)).spec.key.rotation is None
+    assert "int4_norot" in res.stdout and "136" in res.stdout
+
+
+def test_cli_unknown_format_is_one_line():
+    res = CliRunner().invoke(eval_cmd, ["no_such_format", "--seeds", "1"])
+    assert res.exit_code == 1
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "no_such_format" in lines[0] and "error" in lines[0]
