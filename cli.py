@@ -160,7 +160,8 @@ def list_formats(block_size, num_kv_heads, head_size):
 
 @main.command()
 @click.argument("name")
-@click.option("--block-size", default=16, show_default=True, type=click.IntRange(min=1))
+@click.option("--block-size", default=None, type=click.IntRange(min=1),
+              help="Slots per page  [default: 16; KIVI formats: their token group]")
 @click.option("--num-kv-heads", default=8, show_default=True, type=click.IntRange(min=1))
 @click.option("--head-size", default=128, show_default=True, type=click.IntRange(min=16))
 @click.option("--png", "png", type=click.Path(dir_okay=False), default=None,
@@ -179,7 +180,12 @@ def show(name, block_size, num_kv_heads, head_size, png):
     from .runtime.loader import load
 
     fmt = load(name)
-    d = fmt.describe(block_size, num_kv_heads, head_size)
+    if block_size is None:
+        block_size = fmt.layout.RESIDUAL["group"] if fmt.layout.RESIDUAL else 16
+    try:
+        d = fmt.describe(block_size, num_kv_heads, head_size)
+    except ValueError as exc:  # a shape this format does not take
+        raise KvgenError(f"{fmt.name} at block size {block_size}, head size {head_size}: {exc}") from None
     console.print(f"[bold]{d['name']}[/]  {escape(fmt.spec.description)}", highlight=False)
     if fmt.spec.origin:
         console.print(f"origin: {escape(fmt.spec.origin)}", highlight=False)
