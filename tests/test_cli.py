@@ -38,7 +38,11 @@ def run_kvgen(*args, columns=200, **env):
     return r
 
 
-@pytest.mark.parametrize("args", [[], ["build"], ["validate"], ["list"], ["show"], ["demo"]],
+ALL = ["build", "validate", "list", "show", "demo", "test", "schema", "doctor", "plan", "import-scheme", "calibrate",
+       "eval"]
+
+
+@pytest.mark.parametrize("args", [[]] + [[c] for c in ALL],
                          ids=lambda a: a[0] if a else "kvgen")
 def test_help(args):
     r = CliRunner().invoke(cli_main, args + ["--help"])
@@ -49,7 +53,7 @@ def test_help(args):
 
 def test_subcommands_are_listed_in_main_help():
     r = CliRunner().invoke(cli_main, ["--help"])
-    for sub in ("build", "validate", "list", "show", "demo"):
+    for sub in ALL:
         assert re.search(rf"^\s+{sub}\s", r.output, re.M), r.output
 
 
@@ -186,3 +190,21 @@ def test_demo_unknown_format_is_one_line_error():
     assert isinstance(r.exception, SystemExit)
     assert "no_such_format_xyz" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_schema_is_the_spec_json_schema(tmp_path):
+    out = tmp_path / "kvgen.schema.json"
+    r = CliRunner().invoke(cli_main, ["schema", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    import json
+
+    schema = json.loads(out.read_text())
+    assert schema["additionalProperties"] is False  # unknown keys are errors in editors too
+    assert {"name", "key", "value"} <= set(schema["required"])
+    assert "fp8_e4m3" in json.dumps(schema["$defs"]["ElementType"])
+
+
+def test_doctor_reports_the_interpreter_and_runs():
+    r = CliRunner().invoke(cli_main, ["doctor"])
+    assert r.exit_code == 0, r.output
+    assert "interpreter" in r.output and "ok" in r.output
