@@ -201,7 +201,7 @@ def show(name, block_size, num_kv_heads, head_size, png):
                       f"{d['residual_bytes_per_seq']:,} B", highlight=False)
     for side, where in d["scales"].items():
         console.print(f"{side} scale: {where}", highlight=False)
-    t = Table(title=f"fields of one (slot, KV head): offset in its region's cell; region start in the page")
+    t = Table(title="fields of one (slot, KV head): offset in its region's cell; region start in the page")
     for col in ("tensor", "region", "offset", "bytes", "field", "holds"):
         t.add_column(col, justify="right" if col in ("region", "offset", "bytes") else "left")
     for f in d["fields"]:

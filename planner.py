@@ -39,7 +39,6 @@ Gain over bf16 = ``max_tokens / max_tokens(bf16 on every layer, same block size 
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path

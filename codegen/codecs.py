@@ -13,8 +13,6 @@ identically (../shared/TRITON_NOTES.md): no fp8, fp4 or bf16 casts, no fp32 divi
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
-
 from .spec import ELEMENTS, ElementType, Rounding, ScaleDType, SideSpec
 
 # 1.5 * 2**23: adding and subtracting it rounds an fp32 |x| < 2**22 to the nearest integer, ties to even.
@@ -110,6 +108,3 @@ _SUPPORTED_ELEMENTS = set(ElementType)
 def has_codec(element: ElementType) -> bool:
     return element in _SUPPORTED_ELEMENTS
 
-
-def summary(codec: Optional[Codec]) -> str:
-    return codec.summary if codec else "none"

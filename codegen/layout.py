@@ -15,10 +15,7 @@ from __future__ import annotations
 import dataclasses
 from fractions import Fraction
 
-from .spec import SCALE_BYTES, STORAGE_BYTES, CacheLayout, FormatSpec, Granularity, Placement, ScaleDType, SideSpec, SIDES
-
-FIELD_KINDS = ("data", "scale", "zp")
-
+from .spec import CacheLayout, FormatSpec, Granularity, Placement, ScaleDType, SideSpec, SIDES
 
 @dataclasses.dataclass(frozen=True)
 class FieldPlan:
@@ -157,6 +154,3 @@ def tensor_storage(spec: FormatSpec) -> dict[str, str]:
             out[f.tensor] = spec.cache.storage_dtype.value
     return out
 
-
-STORAGE_SIZES = {dt.value: n for dt, n in STORAGE_BYTES.items()}
-SCALE_SIZES = {dt.value: n for dt, n in SCALE_BYTES.items()}

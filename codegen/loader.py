@@ -37,6 +37,10 @@ def _compose_with_positions(text: str, path: str) -> tuple[Any, dict[tuple, Posi
 
     def walk(n: yaml.Node, loc: tuple) -> Any:
         positions.setdefault(loc, (n.start_mark.line + 1, n.start_mark.column + 1))
+        default_tag = {yaml.MappingNode: "tag:yaml.org,2002:map", yaml.SequenceNode: "tag:yaml.org,2002:seq"}
+        if type(n) in default_tag and n.tag != default_tag[type(n)]:
+            raise SpecError(f"YAML tag {n.tag!r} is not supported in a spec", path=path, line=n.start_mark.line + 1,
+                            column=n.start_mark.column + 1, field=".".join(map(str, loc)) or None)
         if isinstance(n, yaml.MappingNode):
             out: dict[Any, Any] = {}
             for key_node, value_node in n.value:
@@ -55,7 +59,12 @@ def _compose_with_positions(text: str, path: str) -> tuple[Any, dict[tuple, Posi
             return out
         if isinstance(n, yaml.SequenceNode):
             return [walk(item, loc + (i,)) for i, item in enumerate(n.value)]
-        return yaml.SafeLoader("").construct_object(n, deep=True)
+        try:
+            return yaml.SafeLoader("").construct_object(n, deep=True)
+        except yaml.YAMLError as exc:  # e.g. an unknown tag (!foo) or YAML's '=' value key
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise SpecError(f"not a plain YAML value: {problem}", path=path, line=n.start_mark.line + 1,
+                            column=n.start_mark.column + 1, field=".".join(map(str, loc)) or None) from None
 
     return walk(node, ()), positions
 

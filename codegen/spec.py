@@ -17,7 +17,7 @@ import enum
 import hashlib
 import json
 import re
-from typing import Any, Literal, Optional
+from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -317,6 +317,16 @@ class FormatSpec(_Strict):
             )
         return v
 
+    @field_validator("description", "origin")
+    @classmethod
+    def _text(cls, v: str) -> str:
+        # free text ends up in comments of generated code: no control characters (tab and newlines are folded)
+        bad = sorted({f"U+{ord(c):04X}" for c in v if (ord(c) < 32 and c not in "\t\n\r") or 127 <= ord(c) < 160
+                      or c in "\u2028\u2029"})
+        if bad:
+            raise ValueError(f"control characters are not allowed in free text: {', '.join(bad)}")
+        return v
+
     @model_validator(mode="after")
     def _residual(self) -> "FormatSpec":
         k, v = self.key.residual, self.value.residual
@@ -368,6 +378,3 @@ def _default_storage(key: SideSpec, value: SideSpec) -> StorageDType:
 
 SIDES = ("key", "value")
 
-
-def spec_from_dict(data: Any) -> FormatSpec:
-    return FormatSpec.model_validate(data)

@@ -613,3 +613,19 @@ def test_cli_validate_directory_without_specs(tmp_path):
     assert isinstance(r.exception, SystemExit)
     assert r.exit_code != 0
     assert "empty" in r.stderr
+
+
+def test_control_characters_in_free_text_are_rejected(tmp_path):
+    # found by the fuzzer: a NUL in the description reached the generated file's header comment
+    p = write(tmp_path, "nul.yaml", 'name: x\ndescription: "a\\0b"\nkey: {element: bf16}\nvalue: {element: bf16}\n')
+    err = spec_error(p, kvgen.SpecError)
+    assert_field(err, "description")
+    assert "U+0000" in err.message
+
+
+@pytest.mark.parametrize("text", ["=\n", "!D\n", "name: x\nkey: !foo {element: bf16}\nvalue: {element: bf16}\n"])
+def test_yaml_tags_are_spec_errors(tmp_path, text):
+    # found by the fuzzer: YAML's '=' value key and unknown tags escaped as a yaml ConstructorError
+    p = write(tmp_path, "tag.yaml", text)
+    err = spec_error(p, kvgen.SpecError)
+    assert str(p) in str(err) and err.line is not None
