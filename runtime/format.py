@@ -71,6 +71,8 @@ class Format:
         self._kernels = KernelSet(package)
         self._consts: dict = {}
         self._tensor_of: dict = {}
+        self.spec_hash = spec.spec_hash()  # computed once: write() and attend() compare it on every call
+        self._shapes: dict = {}
 
     def __repr__(self) -> str:
         return f"<kvgen format {self.name} from {self.source}>"
@@ -156,7 +158,7 @@ class Format:
         if missing:
             warnings.warn(f"kvgen format {self.name}: no {' / '.join(missing)} given; using 1.0. Load the scales "
                           "from the checkpoint, or pass k_scale= / v_scale= to allocate().", stacklevel=2)
-        return KVCache(self.name, self.spec.spec_hash(), num_blocks, block_size, num_kv_heads, head_size, tensors)
+        return KVCache(self.name, self.spec_hash, num_blocks, block_size, num_kv_heads, head_size, tensors)
 
     @staticmethod
     def _scale_tensor(name: str, arg: ScaleArg, gran: Granularity, num_kv_heads: int,
@@ -176,10 +178,13 @@ class Format:
     def _check_cache(self, cache: KVCache) -> None:
         if not isinstance(cache, KVCache):
             raise ValueError(f"cache: expected a KVCache from {self.name}.allocate(), got {type(cache).__name__}")
-        if cache.format_name != self.name or cache.spec_hash != self.spec.spec_hash():
+        if cache.format_name != self.name or cache.spec_hash != self.spec_hash:
             raise ValueError(f"cache: it was allocated by format {cache.format_name} (spec hash {cache.spec_hash}), "
-                             f"not by {self.name} (spec hash {self.spec.spec_hash()})")
-        shapes = self.layout.tensor_shapes(cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_size)
+                             f"not by {self.name} (spec hash {self.spec_hash})")
+        geometry = (cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_size)
+        shapes = self._shapes.get(geometry)
+        if shapes is None:
+            shapes = self._shapes[geometry] = self.layout.tensor_shapes(*geometry)
         for name, shape in shapes.items():
             t = cache.tensors.get(name)
             want = STORAGE_TORCH_DTYPES[self.layout.TENSORS[name]]

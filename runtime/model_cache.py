@@ -16,19 +16,12 @@ import torch
 from .format import Format, KVCache
 from .loader import load
 
+try:
+    from ..scales import format_layers
+except ImportError:
+    from scales import format_layers
+
 ScalePair = tuple  # (k_scale, v_scale): floats or per-head sequences
-
-
-def _ranges(layers: list[int]) -> str:
-    """[0, 1, 2, 3, 7] -> '0-3, 7'."""
-    out, start = [], None
-    for i, n in enumerate(layers):
-        if start is None:
-            start = n
-        if i + 1 == len(layers) or layers[i + 1] != n + 1:
-            out.append(str(start) if start == n else f"{start}-{n}")
-            start = None
-    return ", ".join(out)
 
 
 class ModelKVCache:
@@ -60,7 +53,7 @@ class ModelKVCache:
                 self.layers.append(fmt.allocate(num_blocks, block_size, num_kv_heads, head_size, device=device,
                                                 **kwargs))
         if missing:
-            warnings.warn(f"kvgen: no K/V scales for layers {_ranges(missing)}; using 1.0 there. Load them from the "
+            warnings.warn(f"kvgen: no K/V scales for layers {format_layers(missing)}; using 1.0 there. Load them from the "
                           "checkpoint (kvgen.scales.load_scales) or calibrate them (kvgen calibrate).", stacklevel=3)
 
     def __len__(self) -> int:
