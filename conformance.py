@@ -50,6 +50,7 @@ class Case:
     k_scale: float
     v_scale: float
     magnitude: float
+    splits: int = 1  # programs per sequence and KV head along the KV positions (flash decoding)
 
 
 def head_sizes_for(fmt: Format) -> list:
@@ -84,6 +85,7 @@ def cases(draw, fmt: Format, max_len: int = 45) -> Case:
         k_scale=draw(st.sampled_from([1.0, 0.037, 2.5])),
         v_scale=draw(st.sampled_from([1.0, 0.5, 7.25])),
         magnitude=draw(st.sampled_from([1.0, 30.0, 1e-3])),
+        splits=draw(st.sampled_from([1, 1, 2, 3])),
     )
 
 
@@ -199,7 +201,7 @@ def run_case(fmt: Format, case: Case, device: str = "cpu") -> dict:
     sm_scale = 1.0 / math.sqrt(case.head_size)
     out = fmt.attend(query.to(device), cache, torch.from_numpy(block_table).to(device),
                      torch.tensor(case.seq_lens, dtype=torch.int32, device=device), torch.from_numpy(qsl).to(device),
-                     sm_scale=sm_scale, sliding_window=case.window).cpu()
+                     sm_scale=sm_scale, sliding_window=case.window, num_splits=case.splits).cpu()
     ref = R.paged_attention(query.double().numpy(), k_deq, v_deq, block_table, np.array(case.seq_lens), qsl,
                             sm_scale, case.window)
     atol, rtol = TOLERANCE[case.dtype]
@@ -317,6 +319,7 @@ class StreamCase:
     window: Optional[int]
     pad_rows: int
     seed: int
+    splits: int = 1
 
 
 @st.composite
@@ -340,6 +343,7 @@ def stream_cases(draw, fmt: Format, max_prefill: Optional[int] = None) -> Stream
         window=draw(st.one_of(st.none(), st.integers(1, 3 * g))),
         pad_rows=draw(st.integers(0, 3)),
         seed=draw(st.integers(0, 2**31 - 1)),
+        splits=draw(st.sampled_from([1, 1, 2, 3])),
     )
 
 
@@ -426,7 +430,8 @@ def run_stream(fmt: Format, case: StreamCase, device: str = "cpu") -> dict:
     seq_lens = np.array([lens[s] for s in batch], dtype=np.int32)
     out = fmt.attend(query.to(device), cache, torch.from_numpy(table[batch]).to(device),
                      torch.from_numpy(seq_lens).to(device), torch.from_numpy(qsl).to(device), sm_scale=sm_scale,
-                     sliding_window=case.window, seq_ids=torch.from_numpy(seq_ids[batch]).to(device)).cpu()
+                     sliding_window=case.window, seq_ids=torch.from_numpy(seq_ids[batch]).to(device),
+                     num_splits=case.splits).cpu()
     ref = R.kivi_attention(spec, expected, query.double().numpy(), seq_ids[batch], qsl, seq_lens, table[batch],
                            sm_scale, case.window, bs, num_kv_heads=H)
     vmax = max(float(np.abs(R.kivi_read(spec, expected, int(seq_ids[s]), lens[s], table[s], bs, H, D)[1]).max())

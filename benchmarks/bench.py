@@ -4,7 +4,9 @@
     python benchmarks/bench.py --formats bf16 int8_per_token_head --out results
 
 For each format: decode attention at 64 x 8192, 4 x 65536 and 256 x 1024 (32 query heads, 8 KV heads, head size
-128, block size 16; KIVI formats need block 32), reshape-and-cache of 32768 and 256 tokens. Reported: median time
+128, block size 16; KIVI formats need block 32), at 64 x 8192 also with head size 64 and with block size 64,
+chunked prefill (a chunk of 2048 new tokens on each of 4 sequences of 8192, 8192 query tokens in all), and
+reshape-and-cache of 32768 and 256 tokens. Reported: median time
 (triton.testing.do_bench), bytes moved (pages read, scales included; or input read + pages written), effective
 bandwidth, its fraction of the device-to-device copy bandwidth measured in the same run, and the ratio to the bf16
 format. A dense bf16 torch scaled_dot_product_attention is the reference line. Writes RESULTS.md-style markdown,
@@ -29,9 +31,12 @@ import torch
 import kvgen  # noqa: E402
 
 DECODE_SHAPES = [(64, 8192), (4, 65536), (256, 1024)]
+# (label, sequences, context, head size, block size or None for the format's default)
+EXTRA_DECODE = [("64x8192 hs64", 64, 8192, 64, None), ("64x8192 bs64", 64, 8192, 128, 64)]
+PREFILL = (4, 8192, 2048)  # sequences, context, new tokens per sequence
 SWEEP = [1024, 4096, 16384, 65536]  # context lengths of the chart (4 sequences)
 HQ, HKV, D = 32, 8, 128
-DOT = "ieee"  # --dot-precision
+DOT = "auto"  # --dot-precision
 
 
 def bench(fn) -> float:
@@ -56,28 +61,29 @@ def fill_random(cache) -> None:
                                                     device=t.device))
 
 
-def decode_case(fmt, num_seqs: int, ctx: int, block_size: int):
-    """A cache holding num_seqs sequences of ctx tokens, and the arguments of one decode step."""
+def decode_case(fmt, num_seqs: int, ctx: int, block_size: int, head_size: int = D, q_len: int = 1):
+    """A cache holding num_seqs sequences of ctx tokens, and the arguments of one attention step with q_len new
+    tokens per sequence (1: decode)."""
     blocks_per_seq = math.ceil(ctx / block_size)
     num_blocks = num_seqs * blocks_per_seq
     extra = {"max_seqs": num_seqs} if fmt.spec.streaming else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cache = fmt.allocate(num_blocks, block_size, HKV, D, device="cuda", **extra)
+        cache = fmt.allocate(num_blocks, block_size, HKV, head_size, device="cuda", **extra)
     fill_random(cache)
     table = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).reshape(num_seqs, blocks_per_seq)
     seq_lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
-    qsl = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda")
-    q = torch.randn(num_seqs, HQ, D, dtype=torch.bfloat16, device="cuda")
-    kwargs = dict(max_query_len=1, dot_precision=DOT)
+    qsl = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda") * q_len
+    q = torch.randn(num_seqs * q_len, HQ, head_size, dtype=torch.bfloat16, device="cuda")
+    kwargs = dict(max_query_len=q_len, dot_precision=DOT)
     if fmt.spec.streaming:
         kwargs["seq_ids"] = torch.arange(num_seqs, dtype=torch.int32, device="cuda")
-    bytes_read = num_blocks * fmt.page_bytes(block_size, HKV, D)
+    bytes_read = num_blocks * fmt.page_bytes(block_size, HKV, head_size)
     if fmt.spec.streaming:  # the residual rows read: positions >= Q(L)
         res = fmt.layout.RESIDUAL
         quantized = max(ctx - res["tokens"], 0) // res["group"] * res["group"]
-        bytes_read = (num_seqs * (quantized // block_size) * fmt.page_bytes(block_size, HKV, D)
-                      + num_seqs * (ctx - quantized) * HKV * D * 2 * cache.tensors["k_residual"].element_size())
+        bytes_read = (num_seqs * (quantized // block_size) * fmt.page_bytes(block_size, HKV, head_size)
+                      + num_seqs * (ctx - quantized) * HKV * head_size * 2 * cache.tensors["k_residual"].element_size())
     return (lambda: fmt.attend(q, cache, table, seq_lens, qsl, **kwargs)), bytes_read
 
 
@@ -108,11 +114,14 @@ def write_case(fmt, num_tokens: int, block_size: int):
     return (lambda: fmt.write(cache, key, value, slots, **meta)), moved
 
 
-def sdpa_case(num_seqs: int, ctx: int):
-    k = torch.randn(num_seqs, HKV, ctx, D, dtype=torch.bfloat16, device="cuda")
+def sdpa_case(num_seqs: int, ctx: int, head_size: int = D, q_len: int = 1):
+    k = torch.randn(num_seqs, HKV, ctx, head_size, dtype=torch.bfloat16, device="cuda")
     v = torch.randn_like(k)
-    q = torch.randn(num_seqs, HQ, 1, D, dtype=torch.bfloat16, device="cuda")
-    fn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+    q = torch.randn(num_seqs, HQ, q_len, head_size, dtype=torch.bfloat16, device="cuda")
+    # the q_len queries are the last positions: causal with an offset, as a boolean mask
+    mask = None if q_len == 1 else (torch.arange(ctx, device="cuda")[None, :]
+                                    <= torch.arange(ctx - q_len, ctx, device="cuda")[:, None])
+    fn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # noqa: E731
     return fn, 2 * k.numel() * k.element_size()
 
 
@@ -121,8 +130,8 @@ def main() -> int:
     parser.add_argument("--formats", nargs="*", default=None)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent))
     parser.add_argument("--no-sweep", action="store_true")
-    parser.add_argument("--dot-precision", choices=["ieee", "bf16"], default="ieee",
-                        help="attention dots: exact fp32 (default) or bf16 tensor cores")
+    parser.add_argument("--dot-precision", choices=["auto", "ieee"], default="auto",
+                        help="attention dots: tensor cores where products stay exact (default), or exact fp32")
     args = parser.parse_args()
     global DOT
     DOT = args.dot_precision
@@ -132,10 +141,16 @@ def main() -> int:
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth: {copy_bw / 1e9:.0f} GB/s", flush=True)
     rows = []
-    for num_seqs, ctx in DECODE_SHAPES:
-        fn, moved = sdpa_case(num_seqs, ctx)
+    shapes = ([("decode", f"{n}x{c}", n, c, D, None, 1) for n, c in DECODE_SHAPES]
+              + [("decode", label, n, c, hs, bs, 1) for label, n, c, hs, bs in EXTRA_DECODE]
+              + [("prefill", f"{PREFILL[0]}x{PREFILL[2]} new on {PREFILL[1]}", PREFILL[0], PREFILL[1], D, None,
+                  PREFILL[2])])
+    for kind, label, num_seqs, ctx, hs, _, q_len in shapes:
+        if "bs64" in label:
+            continue  # the same dense computation as the block-16 shape
+        fn, moved = sdpa_case(num_seqs, ctx, hs, q_len)
         t = bench(fn)
-        rows.append(dict(format="torch SDPA (dense bf16)", kind="decode", shape=f"{num_seqs}x{ctx}", time_us=t * 1e6,
+        rows.append(dict(format="torch SDPA (dense bf16)", kind=kind, shape=label, time_us=t * 1e6,
                          bytes=moved, gbps=moved / t / 1e9, frac=moved / t / copy_bw))
         print(rows[-1], flush=True)
         del fn
@@ -143,10 +158,10 @@ def main() -> int:
     for name in names:
         fmt = kvgen.load(name)
         bs = fmt.layout.RESIDUAL["group"] if fmt.spec.streaming else 16
-        for num_seqs, ctx in DECODE_SHAPES:
-            fn, moved = decode_case(fmt, num_seqs, ctx, bs)
+        for kind, label, num_seqs, ctx, hs, block, q_len in shapes:
+            fn, moved = decode_case(fmt, num_seqs, ctx, block or bs, hs, q_len)
             t = bench(fn)
-            rows.append(dict(format=name, kind="decode", shape=f"{num_seqs}x{ctx}", time_us=t * 1e6, bytes=moved,
+            rows.append(dict(format=name, kind=kind, shape=label, time_us=t * 1e6, bytes=moved,
                              gbps=moved / t / 1e9, frac=moved / t / copy_bw))
             print(rows[-1], flush=True)
             del fn

@@ -38,11 +38,13 @@ class Codec:
         return max(self.bits // 8, 1)
 
 
-# exponent bias, mantissa bits, exponent bits, largest finite value, NaN code, special values
+# exponent bias, mantissa bits, exponent bits, largest finite value, NaN code, special values, Triton's own type
 _MINIFLOATS = {
-    "fp8_e4m3": dict(nbits=8, bias=7, mant=3, ebits=4, max_finite=448.0, nan_code=0x7F, special="fn"),
-    "fp8_e5m2": dict(nbits=8, bias=15, mant=2, ebits=5, max_finite=57344.0, nan_code=0x7E, special="ieee"),
-    "fp4_e2m1": dict(nbits=4, bias=1, mant=1, ebits=2, max_finite=6.0, nan_code=None, special="none"),
+    "fp8_e4m3": dict(nbits=8, bias=7, mant=3, ebits=4, max_finite=448.0, nan_code=0x7F, special="fn",
+                     native="tl.float8e4nv"),
+    "fp8_e5m2": dict(nbits=8, bias=15, mant=2, ebits=5, max_finite=57344.0, nan_code=0x7E, special="ieee",
+                     native="tl.float8e5"),
+    "fp4_e2m1": dict(nbits=4, bias=1, mant=1, ebits=2, max_finite=6.0, nan_code=None, special="none", native=""),
 }
 
 

@@ -65,6 +65,9 @@ class SideContext:
     scale_rule: str
     codec_summary: str
     scale_summary: str
+    dot: str  # tensor-core type whose values hold the attention operand exactly ("" = exact fp32 dots only)
+    op_terms: int  # how many values of that type sum to one operand element (hi + lo)
+    tok: str  # how the scale leaves the dot: none / const (one scalar) / token (one per row) / block
 
     def shift_expr(self, i: str) -> str:
         """Bit position of sub-byte element ``i`` inside its byte."""
@@ -78,20 +81,46 @@ def _float_literal(x: float) -> str:
     return repr(float(x))
 
 
-def render_codec(codec: Codec, prefix: str) -> str:
+def render_codec(codec: Codec, prefix: str, dot: bool = False) -> str:
+    """``dot``: also render ``{prefix}decode_dot`` (code -> the attention dot operand: fp16 or bf16, exactly)."""
     template = _ENV.get_template(f"codecs/{codec.template}")
-    return template.render(prefix=prefix, element=codec.name, bits=codec.bits, **codec.params).strip()
+    return template.render(prefix=prefix, element=codec.name, bits=codec.bits, dot=dot, **codec.params).strip()
 
 
 def _float_codec_for(dtype: str) -> Codec:
     return scale_codec(ScaleDType(dtype))
 
 
+def dot_operand(side: SideSpec, scale: str, zp: str, block: bool) -> tuple[str, int, str]:
+    """How attention can feed this side to tensor-core dots without rounding it: (type, terms, scale factoring).
+
+    The dot operand is the stored code minus its integer zero point, times (block scales only) the ratio of the
+    block's scale to a power of two per token; the rest of the scale multiplies the scores per token (keys) or the
+    probabilities per token (values). Such an operand has at most code bits + ratio bits significant bits, so it is a
+    sum of one or two fp16 values exactly (hi + lo). Float zero points and KIVI's per-channel groups do not factor
+    this way, nor do fp32 elements: those sides keep exact fp32 dots ("").
+    """
+    info = side.info
+    if scale == "channel_group" or zp == "float" or side.element.value == "fp32":
+        return "", 0, "none"
+    tok = {"none": "none", "per_tensor": "const", "per_head": "const"}.get(scale, "block" if block else "token")
+    if info.kind == "float":  # bf16 / fp16 elements: their own type, unless a block scale must enter the operand
+        return ("", 0, "none") if tok == "block" else (side.element.value, 1, tok)
+    code_bits = side.bits if info.kind in ("int", "uint") else _MINIFLOAT_SIGNIFICAND[side.element.value]
+    ratio_bits = _SCALE_SIGNIFICAND[side.scale.dtype.value] if tok == "block" else 0
+    terms = -(-(code_bits + ratio_bits) // 11)  # fp16 carries 11 significant bits
+    return ("fp16", terms, tok) if terms <= 2 else ("", 0, "none")
+
+
+# significant bits of a code value and of a scale dtype (the product of two values needs at most the sum)
+_MINIFLOAT_SIGNIFICAND = {"fp8_e4m3": 4, "fp8_e5m2": 3, "fp4_e2m1": 2}
+_SCALE_SIGNIFICAND = {"e8m0": 0, "fp8_e4m3": 4, "bf16": 8, "fp16": 11, "fp32": 24}
+
+
 def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
     """The render context of a side and the codec sources it needs."""
     p = name[0]
     codec = element_codec(side)
-    sources = [render_codec(codec, f"{p}_")]
     sc = side.scale
     info = side.info
     if sc is None:
@@ -104,6 +133,9 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
         scale = "dynamic"
     dynamic = scale in ("dynamic", "channel_group")
     scodec = scale_codec(sc.dtype) if dynamic else None
+    dot = dot_operand(side, scale, "float" if side.zero_point is not None and side.zero_point.dtype != "uint8" else "",
+                      bool(dynamic and sc.block))
+    sources = [render_codec(codec, f"{p}_", dot=bool(dot[0]))]
     if scodec is not None:
         sources.append(render_codec(scodec, f"{p}_scale_"))
     asym = side.zero_point is not None
@@ -138,6 +170,7 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
         scale_rule=f"scale = max({rule.split(' with ')[0]}, {sc.min:g}) stored as {sc.dtype.value}"
         + (f", the {side.zero_point.dtype} minimum as offset" if zp == "float" else "") if dynamic else "",
         codec_summary=codec.summary,
+        **dict(zip(("dot", "op_terms", "tok"), dot)),
         scale_summary=(f"{sc.dtype.value} per " + (f"{sc.block} elements" if sc.block else (
             f"channel over {sc.group_tokens} tokens" if sc.group_tokens else "token and head"))
             + f", {sc.placement.value}") if dynamic else "",

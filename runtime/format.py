@@ -309,7 +309,8 @@ class Format:
                query_start_loc: torch.Tensor, *, sm_scale: Optional[float] = None,
                sliding_window: Optional[int] = None, max_query_len: Optional[int] = None,
                out: Optional[torch.Tensor] = None, seq_ids: Optional[torch.Tensor] = None,
-               dot_precision: str = "ieee") -> torch.Tensor:
+               dot_precision: str = "auto", max_seq_len: Optional[int] = None,
+               num_splits: Optional[int] = None) -> torch.Tensor:
         """Causal paged attention of variable-length queries over the cache; returns ``[num_tokens, num_q_heads,
         head_size]`` in the query's dtype.
 
@@ -319,6 +320,12 @@ class Format:
         ``seq_len - q_len + i``; ``sliding_window=W`` keeps the W newest positions up to it. ``sm_scale`` defaults
         to ``1 / sqrt(head_size)``. ``max_query_len`` (optional) saves a device-to-host read. Formats with a
         residual window (KIVI) also need ``seq_ids`` (each sequence's row in the residual buffers).
+
+        ``dot_precision``: ``"auto"`` (default) uses tensor-core dots wherever the format's operands make every
+        product exact (fp16 or bf16 values, scales applied to the scores and probabilities per row), else exact fp32
+        dots; ``"ieee"`` always exact fp32 dots (slow on a GPU). ``max_seq_len`` (optional) bounds the KV length
+        for splitting long sequences across programs (default: what the block table can address); ``num_splits``
+        overrides that split (1 = none).
         """
         self._check_cache(cache)
         dev = cache.device
@@ -341,11 +348,10 @@ class Format:
             raise ValueError(f"query_start_loc: needs num_seqs + 1 = {num_seqs + 1} entries, got "
                              f"{query_start_loc.shape[0]}")
         sliding_window = checks.optional_positive_int("sliding_window", sliding_window)
-        if dot_precision not in ("ieee", "bf16"):
-            raise ValueError(f"dot_precision: expected 'ieee' or 'bf16', got {dot_precision!r}")
-        if dot_precision == "bf16" and dev.type != "cuda":
-            raise ValueError("dot_precision: 'bf16' needs compiled kernels on a GPU (the CPU interpreter's bf16 dots "
-                             "are not exact enough to test); use 'ieee'")
+        if dot_precision not in ("auto", "ieee"):
+            raise ValueError(f"dot_precision: expected 'auto' or 'ieee', got {dot_precision!r}")
+        max_seq_len = checks.optional_positive_int("max_seq_len", max_seq_len)
+        num_splits = checks.optional_positive_int("num_splits", num_splits)
         max_query_len = checks.optional_positive_int("max_query_len", max_query_len)
         if sm_scale is None:
             sm_scale = 1.0 / math.sqrt(head_size)
@@ -382,7 +388,9 @@ class Format:
         elif seq_ids is not None:
             raise ValueError(f"seq_ids: format {self.name} has no residual window")
         self._kernels.attend(query, out, block_table, seq_lens, query_start_loc, qk_scale, sliding_window or 0,
-                             max_query_len, ptrs, consts, extra, dot_bf16=dot_precision == "bf16")
+                             max_query_len, ptrs, consts, extra, dot_precision=dot_precision,
+                             rotated_keys=self.spec.key.rotation is not None, max_seq_len=max_seq_len,
+                             num_splits=num_splits)
         return out
 
     # -- description ------------------------------------------------------------------------------------------

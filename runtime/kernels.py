@@ -36,6 +36,13 @@ def _choose_mode() -> None:
         os.environ["TRITON_INTERPRET"] = "1"
 
 
+# KV positions per attention step and the launch's warps and pipeline stages on a GPU, by the widest stored element
+# of the format (measured on the H200 with benchmarks/tune_tiles.py: benchmarks/RESULTS.md); the interpreter takes
+# 128 positions per step.
+ATTENTION_TILES = {8: {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2},
+                   None: {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}}
+
+
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
@@ -116,24 +123,79 @@ class KernelSet:
         )
 
     def attend(self, query, out, block_table, seq_lens, query_start_loc, qk_scale, window, max_query_len,
-               tensors: dict, consts: dict, extra: dict | None = None, dot_bf16: bool = False) -> None:
+               tensors: dict, consts: dict, extra: dict | None = None, dot_precision: str = "auto",
+               rotated_keys: bool = False, max_seq_len: int | None = None, num_splits: int | None = None) -> None:
         self._check_device(tensors["k_cache_ptr"])
-        num_q_heads = query.shape[1]
+        num_tokens, num_q_heads, _ = query.shape
         group = num_q_heads // consts["NUM_KV_HEADS"]
         max_rows = 128 if interpreting() else 64
         block_m = max(16, _next_pow2(group * min(max_query_len, max(1, max_rows // group))))
         block_q = max(1, block_m // group)
-        block_n = 128 if interpreting() else 64
+        bits = max(self.module.CODE_BITS.values())
+        tiles = dict(ATTENTION_TILES.get(bits, ATTENTION_TILES[None])) if not interpreting() else {"BLOCK_N": 128}
+        block_n = tiles.pop("BLOCK_N")
         num_q_tiles = triton_cdiv(max_query_len, block_q)
-        grid = (seq_lens.shape[0] * num_q_tiles, consts["NUM_KV_HEADS"])
-        self.module.paged_attention_kernel[grid](
-            query, out, block_table_ptr=block_table, seq_lens_ptr=seq_lens, query_start_loc_ptr=query_start_loc,
-            qk_scale=qk_scale * LOG2E, window=window, num_q_tiles=num_q_tiles,
-            stride_qt=query.stride(0), stride_qh=query.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
-            stride_bt=block_table.stride(0), GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
-            DOT_BF16=dot_bf16,  # bf16 tensor-core dots (opt-in), else exact fp32 dots
-            **tensors, **consts, **(extra or {}),
+        num_seqs = seq_lens.shape[0]
+        # an upper bound of the KV length without reading seq_lens back: what the block table can address
+        max_kv = block_table.shape[1] * consts["BLOCK_SIZE"] if max_seq_len is None else max_seq_len
+        if num_splits is None:
+            num_splits = self._splits(num_seqs * num_q_tiles * consts["NUM_KV_HEADS"], max_kv, num_tokens,
+                                      num_q_heads, consts["HEAD_PAD"], query.device)
+        chunk = triton_cdiv(triton_cdiv(max(max_kv, 1), num_splits), block_n) * block_n
+        dots = self.dot_modes(query.dtype, dot_precision, rotated_keys, consts["HEAD_PAD"])
+        if num_splits > 1:
+            part = torch.empty((num_tokens, num_q_heads, num_splits, consts["HEAD_PAD"]), dtype=torch.float32,
+                               device=query.device)
+            ml = torch.empty((num_tokens, num_q_heads, num_splits, 2), dtype=torch.float32, device=query.device)
+        else:
+            part = ml = out  # not read
+        self.module.paged_attention_kernel[(num_seqs * num_q_tiles, consts["NUM_KV_HEADS"], num_splits)](
+            query, out, part, ml, block_table_ptr=block_table, seq_lens_ptr=seq_lens,
+            query_start_loc_ptr=query_start_loc, qk_scale=qk_scale * LOG2E, window=window, num_q_tiles=num_q_tiles,
+            chunk=chunk, stride_qt=query.stride(0), stride_qh=query.stride(1), stride_ot=out.stride(0),
+            stride_oh=out.stride(1), stride_bt=block_table.stride(0), GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q,
+            BLOCK_N=block_n, NUM_SPLITS=num_splits, **dots, **tensors, **consts, **(extra or {}), **tiles,
         )
+        if num_splits > 1:
+            self.module.reduce_splits_kernel[(num_tokens, num_q_heads)](
+                part, ml, out, out.stride(0), out.stride(1), num_q_heads, NUM_SPLITS=num_splits,
+                SPLITS_PAD=_next_pow2(num_splits), HEAD_SIZE=consts["HEAD_SIZE"], HEAD_PAD=consts["HEAD_PAD"],
+            )
+
+    def dot_modes(self, query_dtype: torch.dtype, dot_precision: str, rotated_keys: bool, head_pad: int = 128) -> dict:
+        """The attention kernel's dot constexprs: tensor-core dots wherever their products stay exact.
+
+        Each operand must be a sum of at most two values of the dot type: the cache side's operand (the generated
+        DOT_OPERANDS), the query (bf16 8 significant bits, fp16 11, fp32 or rotated in fp32 about 22 kept) and the
+        probabilities (rounded to what the query dtype's tolerance allows: 8, 11 or 22 bits). Otherwise, under
+        ``dot_precision="ieee"``, and for bf16 dots in the interpreter (which cannot compute them), exact fp32 dots.
+        """
+        q_bits = 22 if rotated_keys or query_dtype == torch.float32 else (8 if query_dtype == torch.bfloat16 else 11)
+        p_bits = {torch.float32: 22, torch.float16: 11}.get(query_dtype, 8)
+        modes = {"NATIVE_CASTS": not interpreting()}
+        for side, (x, bits) in (("K", ("Q", q_bits)), ("V", ("P", p_bits))):
+            dtype, terms, min_head_pad = self.module.DOT_OPERANDS[side.lower()]
+            x_terms = -(-bits // {"fp16": 11, "bf16": 8}.get(dtype, 1))
+            exact = (dot_precision == "ieee" or not dtype or x_terms > 2 or head_pad < min_head_pad
+                     or (dtype == "bf16" and interpreting()))
+            modes.update({f"DOT_{side}": 0 if exact else {"fp16": 1, "bf16": 2}[dtype],
+                          f"{x}_TERMS": 1 if exact else x_terms, f"{side}_TERMS": 1 if exact else terms})
+        return modes
+
+    _SMS: dict = {}
+
+    def _splits(self, programs: int, max_kv: int, num_tokens: int, num_q_heads: int, head_pad: int,
+                device: torch.device) -> int:
+        """KV splits per program so that the grid fills the GPU (flash decoding): about four programs per SM,
+        each split at least 512 positions, partial results at most 64 MiB. 1 in the interpreter."""
+        if interpreting():
+            return 1
+        sms = self._SMS.get(device.index)
+        if sms is None:
+            sms = self._SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+        splits = min(triton_cdiv(4 * sms, programs), max(1, max_kv // 512))
+        splits = min(splits, max(1, (64 << 20) // (num_tokens * num_q_heads * head_pad * 4)))
+        return max(1, splits)
 
 
 def triton_cdiv(a: int, b: int) -> int:

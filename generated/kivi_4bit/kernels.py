@@ -8,6 +8,12 @@
 import triton
 import triton.language as tl
 
+# Attention operands per side: the tensor-core type that holds them exactly, in how many terms ("", 0: exact fp32
+# dots only), and the smallest padded head size they are used at (sub-byte codes: 32; at 16 the H200 build of
+# Triton 3.6 computed wrong fp16 dots from the unpacked codes). The runtime picks the dot mode from these.
+CODE_BITS = {"k": 4, "v": 4}  # bits per stored element: the runtime's tile choice
+DOT_OPERANDS = {"k": ("", 0, 32), "v": ("", 0, 32)}
+
 # ---------------------------------------------------------------------------------------------------------------
 # Codecs. key: uint4, round half even, clamp to [0, 15]
 #         value: uint4, round half even, clamp to [0, 15]; scales fp16 per 32 elements, inline
@@ -211,9 +217,9 @@ def kivi_flush_kernel(
         v_gi = tl.arange(0, HEAD_PAD // 32)
         v_gmask = valid[:, None] & (v_gi < HEAD_SIZE // 32)[None, :]
         v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
-        tl.store((v_srow[:, None] + v_gi[None, :] * 2).to(tl.pointer_type(tl.uint16)), v_scode, mask=v_gmask)
+        tl.store(v_srow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], v_scode, mask=v_gmask)
         v_zrow = v_cache_ptr + blk * V_ZP_PAGE + V_ZP_BASE + (off * NUM_KV_HEADS + head) * V_ZP_CELL
-        tl.store((v_zrow[:, None] + v_gi[None, :] * 2).to(tl.pointer_type(tl.uint16)), v_zcode, mask=v_gmask)
+        tl.store(v_zrow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], v_zcode, mask=v_gmask)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -249,15 +255,56 @@ def kivi_residual_kernel(
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# paged_attention: one program per (sequence, tile of BLOCK_Q query tokens, KV head). Its BLOCK_M rows are
+# Attention helpers
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def mma(a, b, DOT: tl.constexpr, A_TERMS: tl.constexpr, B_TERMS: tl.constexpr):
+    # a @ b in fp32. DOT 0: exact fp32 products without tensor cores. DOT 1 / 2: tensor-core dots in fp16 / bf16 of
+    # a = a_hi + a_lo (A_TERMS 2) and b = b_hi + b_lo (B_TERMS 2), the lo * lo term dropped. The callers pass
+    # operands the type holds exactly in that many terms, so every product is exact and only the fp32 sums round.
+    if DOT == 0:
+        r = tl.dot(a, b, input_precision="ieee")
+    else:
+        if DOT == 1:
+            a_hi = a.to(tl.float16)
+            b_hi = b.to(tl.float16)
+        else:
+            a_hi = a.to(tl.bfloat16)
+            b_hi = b.to(tl.bfloat16)
+        r = tl.dot(a_hi, b_hi, out_dtype=tl.float32)
+        if A_TERMS == 2:
+            r = tl.dot((a - a_hi.to(tl.float32)).to(a_hi.dtype), b_hi, acc=r, out_dtype=tl.float32)
+        if B_TERMS == 2:
+            r = tl.dot(a_hi, (b - b_hi.to(tl.float32)).to(b_hi.dtype), acc=r, out_dtype=tl.float32)
+    return r
+
+
+@triton.jit
+def pow2_floor(x):
+    # the largest power of two <= x for positive normal x (its exponent bits); 1.0 for 0, subnormals, inf and NaN
+    e = x.to(tl.uint32, bitcast=True) & 0x7F800000
+    return tl.where((e != 0) & (e != 0x7F800000), e.to(tl.float32, bitcast=True), 1.0)
+
+
+@triton.jit
+def pow2_inv(x):
+    # 1 / x, exactly, for x a power of two in [2**-126, 2**126]
+    e = (x.to(tl.uint32, bitcast=True) >> 23) & 0xFF
+    return ((254 - tl.minimum(e, 253)) << 23).to(tl.float32, bitcast=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# paged_attention: one program per (sequence, tile of BLOCK_Q query tokens, KV head, split). Its BLOCK_M rows are
 # (query token, query head) pairs: row r is query token tile * BLOCK_Q + r // GROUP and query head
 # head * GROUP + r % GROUP, so every K/V byte is read once for all query heads that share it (GQA/MQA).
 # Query i of a sequence with q_len queries and seq_len KV tokens sits at position seq_len - q_len + i and sees
-# positions j <= it (causal), and only the `window` newest (j > pos - window) when window > 0.
+# positions j <= it (causal), and only the `window` newest (j > pos - window) when window > 0. Split s reads only
+# positions [s * chunk, (s + 1) * chunk).
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
 def paged_attention_kernel(
     q_ptr, out_ptr,  # [num_tokens, NUM_KV_HEADS * GROUP, HEAD_SIZE]
+    part_ptr, ml_ptr,  # NUM_SPLITS > 1: fp32 [num_tokens, num_q_heads, NUM_SPLITS, HEAD_PAD] and [..., NUM_SPLITS, 2]
     k_cache_ptr, v_cache_ptr, k_meta_ptr, v_meta_ptr, k_scale_ptr, v_scale_ptr, k_signs_ptr, v_signs_ptr,
     k_res_ptr, v_res_ptr,  # uint8 views of the residual rings [max_seqs, RING, NUM_KV_HEADS, HEAD_SIZE]
     seq_ids_ptr,  # int32 [num_seqs]: each sequence's row in the residual rings
@@ -267,6 +314,7 @@ def paged_attention_kernel(
     qk_scale,  # sm_scale * log2(e) (/ b when keys are rotated): scores are computed in base 2
     window,  # sliding window in tokens, 0 for none
     num_q_tiles,  # query tiles per sequence in the grid
+    chunk,  # KV positions per split
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, K_LOG_B: tl.constexpr, V_LOG_B: tl.constexpr,
@@ -276,12 +324,15 @@ def paged_attention_kernel(
     V_DATA_PAGE: tl.constexpr, V_DATA_BASE: tl.constexpr, V_DATA_CELL: tl.constexpr,
     V_SCALE_PAGE: tl.constexpr, V_SCALE_BASE: tl.constexpr, V_SCALE_CELL: tl.constexpr,
     V_ZP_PAGE: tl.constexpr, V_ZP_BASE: tl.constexpr, V_ZP_CELL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DOT_K: tl.constexpr, Q_TERMS: tl.constexpr, K_TERMS: tl.constexpr,
+    DOT_V: tl.constexpr, P_TERMS: tl.constexpr, V_TERMS: tl.constexpr, NATIVE_CASTS: tl.constexpr,
     TOKEN_GROUP: tl.constexpr, RESIDUAL: tl.constexpr, RING: tl.constexpr,
 ):
     seq = tl.program_id(0) // num_q_tiles
     tile = tl.program_id(0) % num_q_tiles
     head = tl.program_id(1)
+    split = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if tile * BLOCK_Q < q_len:
@@ -299,11 +350,19 @@ def paged_attention_kernel(
         q = tl.load(q_ptr + q_rows[:, None] * stride_qt + q_head[:, None] * stride_qh + d[None, :],
                     mask=row_mask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
 
-        # KV positions this tile can see: [lo, hi)
+
+        # scores = (q / 2**e) . k_op * (2**e * qk_scale): a power of two per row keeps q in the dot type's range
+        q_norm = pow2_floor(tl.max(tl.abs(q), axis=1))
+        q = q * pow2_inv(q_norm)[:, None]
+        row_scale = q_norm * qk_scale
+
+        # KV positions this program reads: [lo, hi), the tile's causal and window range within the split's chunk
         last_q = tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1
         hi = context + last_q + 1
+        if split < NUM_SPLITS - 1:  # the last split takes the rest
+            hi = tl.minimum(hi, (split + 1) * chunk)
         lo = tl.where(window > 0, tl.maximum(context + tile * BLOCK_Q - window + 1, 0), 0)
-
+        lo = tl.maximum(lo, split * chunk)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -318,8 +377,12 @@ def paged_attention_kernel(
             blk = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
             off = n % BLOCK_SIZE
             k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
-            k_byte = tl.load(k_row[:, None] + (d // 2)[None, :], mask=n_mask[:, None] & dmask[None, :], other=0)
-            k_code = (k_byte.to(tl.uint32) >> ((d % 2) * 4)[None, :]) & 15
+            # 2 codes per byte: load the bytes, split them and interleave the codes back in element order
+            k_db = tl.arange(0, HEAD_PAD // 2)
+            k_byte = tl.load(k_row[:, None] + k_db[None, :], mask=n_mask[:, None] & (k_db < HEAD_SIZE // 2)[None, :], other=0).to(tl.uint32)
+            k_c0 = (k_byte >> 0) & 15
+            k_c1 = (k_byte >> 4) & 15
+            k_code = tl.reshape(tl.join(k_c0, k_c1), [BLOCK_N, HEAD_PAD])
             k_tile = k_decode(k_code)
             # one scale and minimum per channel for the group of 32 tokens each row belongs to (same page)
             k_grow = off // 32
@@ -329,10 +392,8 @@ def paged_attention_kernel(
             k_gs = k_scale_decode(tl.load((k_srow[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=k_gmask, other=0))
             k_gm = k_zp_decode(tl.load((k_zrow[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=k_gmask, other=0))
             k_tile = k_tile * k_gs + k_gm
-            if DOT_BF16:  # bf16 queries on a GPU: tensor-core dots, fp32 accumulation
-                scores = tl.dot(q.to(tl.bfloat16), tl.trans(k_tile.to(tl.bfloat16))) * qk_scale
-            else:  # exact fp32 products (fp32 / fp16 queries, and the CPU interpreter)
-                scores = tl.dot(q, tl.trans(k_tile), input_precision="ieee") * qk_scale
+            k_op = k_tile
+            scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
             visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
             visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
             scores = tl.where(visible, scores, float("-inf"))
@@ -341,8 +402,12 @@ def paged_attention_kernel(
             p = tl.exp2(scores - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
-            v_byte = tl.load(v_row[:, None] + (d // 2)[None, :], mask=n_mask[:, None] & dmask[None, :], other=0)
-            v_code = (v_byte.to(tl.uint32) >> ((d % 2) * 4)[None, :]) & 15
+            # 2 codes per byte: load the bytes, split them and interleave the codes back in element order
+            v_db = tl.arange(0, HEAD_PAD // 2)
+            v_byte = tl.load(v_row[:, None] + v_db[None, :], mask=n_mask[:, None] & (v_db < HEAD_SIZE // 2)[None, :], other=0).to(tl.uint32)
+            v_c0 = (v_byte >> 0) & 15
+            v_c1 = (v_byte >> 4) & 15
+            v_code = tl.reshape(tl.join(v_c0, v_c1), [BLOCK_N, HEAD_PAD])
             v_tile = v_decode(v_code)
             v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
             v_sidx = d // 32  # the scale of each element's group
@@ -351,20 +416,17 @@ def paged_attention_kernel(
             v_min = v_zp_decode(tl.load((v_zrow[:, None] + v_sidx[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=n_mask[:, None] & dmask[None, :], other=0))
             v_tile = v_tile * (v_scale_decode(v_scode))
             v_tile = v_tile + v_min
-            if DOT_BF16:
-                acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v_tile.to(tl.bfloat16))
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p, v_tile, input_precision="ieee")
+            v_op = v_tile
+            pv = mma(p, v_op, DOT_V, P_TERMS, V_TERMS)
+            acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
         for start in range(tl.maximum(lo, quantized), hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_mask = n < hi
             k_tile = r_decode(tl.load((k_res_ptr + ((sid * RING + n % RING) * NUM_KV_HEADS + head).to(tl.int64)[:, None] * (HEAD_SIZE * 2) + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=n_mask[:, None] & dmask[None, :], other=0))
-            if DOT_BF16:  # bf16 queries on a GPU: tensor-core dots, fp32 accumulation
-                scores = tl.dot(q.to(tl.bfloat16), tl.trans(k_tile.to(tl.bfloat16))) * qk_scale
-            else:  # exact fp32 products (fp32 / fp16 queries, and the CPU interpreter)
-                scores = tl.dot(q, tl.trans(k_tile), input_precision="ieee") * qk_scale
+            k_op = k_tile
+            scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
             visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
             visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
             scores = tl.where(visible, scores, float("-inf"))
@@ -374,13 +436,43 @@ def paged_attention_kernel(
             alpha = tl.exp2(m_i - m_safe)
 
             v_tile = r_decode(tl.load((v_res_ptr + ((sid * RING + n % RING) * NUM_KV_HEADS + head).to(tl.int64)[:, None] * (HEAD_SIZE * 2) + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=n_mask[:, None] & dmask[None, :], other=0))
-            if DOT_BF16:
-                acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v_tile.to(tl.bfloat16))
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p, v_tile, input_precision="ieee")
+            v_op = v_tile
+            pv = mma(p, v_op, DOT_V, P_TERMS, V_TERMS)
+            acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
+        out_mask = row_mask[:, None] & dmask[None, :]
+        if NUM_SPLITS == 1:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(out_ptr + q_rows[:, None] * stride_ot + q_head[:, None] * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            part = (q_rows * (NUM_KV_HEADS * GROUP) + q_head) * NUM_SPLITS + split
+            tl.store(part_ptr + part[:, None] * HEAD_PAD + d[None, :], acc, mask=out_mask)
+            tl.store(ml_ptr + part * 2, m_i, mask=row_mask)
+            tl.store(ml_ptr + part * 2 + 1, l_i, mask=row_mask)
 
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + q_rows[:, None] * stride_ot + q_head[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dmask[None, :])
+
+# ---------------------------------------------------------------------------------------------------------------
+# reduce_splits: one program per (query token, query head) combines the NUM_SPLITS partial results
+# (acc_s, m_s, l_s): out = sum_s 2**(m_s - m) acc_s / sum_s 2**(m_s - m) l_s with m = max_s m_s.
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def reduce_splits_kernel(
+    part_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, num_q_heads,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    qh = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    smask = s < NUM_SPLITS
+    d = tl.arange(0, HEAD_PAD)
+    part = (token * num_q_heads + qh) * NUM_SPLITS + s
+    m = tl.load(ml_ptr + part * 2, mask=smask, other=float("-inf"))
+    l = tl.load(ml_ptr + part * 2 + 1, mask=smask, other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # splits that saw nothing weigh 0
+    l_sum = tl.sum(w * l, axis=0)
+    acc = tl.load(part_ptr + part[:, None] * HEAD_PAD + d[None, :], mask=smask[:, None] & (d < HEAD_SIZE)[None, :], other=0.0)
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.where(l_sum == 0.0, 1.0, l_sum)
+    tl.store(out_ptr + token * stride_ot + qh * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_SIZE)
