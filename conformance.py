@@ -25,8 +25,10 @@ from .runtime.format import Format
 
 PROPERTIES = ("page_bytes", "bytes", "error_bound", "attention")
 
-# |out - ref| <= ATOL * max|V| + RTOL * |ref| per query dtype. The kernel computes in fp32 with exact fp32 dots; the
-# slack is the output's rounding to the query dtype (the interpreter truncates bf16: 2**-7) and fp32 accumulation.
+# |out - ref| <= ATOL * max|V| + RTOL * |ref| per query dtype. The kernel's products are exact (fp32 dots, or tensor-
+# core dots of operands held exactly); the slack is the output's rounding to the query dtype (the interpreter
+# truncates bf16: 2**-7), fp32 accumulation, and the probabilities rounded to fp16 for the value dot (2**-12
+# relative; two fp16 terms for fp32 queries).
 TOLERANCE = {
     torch.float32: (5e-5, 5e-5),
     torch.float16: (2e-3, 2e-3),

@@ -125,6 +125,30 @@ def sdpa_case(num_seqs: int, ctx: int, head_size: int = D, q_len: int = 1):
     return fn, 2 * k.numel() * k.element_size()
 
 
+def plot_sweep(sweep: dict, contexts: list, meta: dict, path: Path) -> None:
+    """Decode time against context length, one line per format (20 distinct colours, line styles by family)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 6.5))
+    colours = plt.get_cmap("tab20").colors
+    for i, (name, times) in enumerate(sweep.items()):
+        spec = kvgen.load(name).spec
+        style = "--" if min(spec.key.bits, spec.value.bits) < 8 else "-"  # sub-byte formats dashed
+        ax.plot(contexts, times, marker="o", linestyle=style, color=colours[i % len(colours)], label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context length (tokens), 4 sequences, 32 q heads / 8 KV heads, head size 128")
+    ax.set_ylabel("decode attention time (us)")
+    ax.set_title(f"kvgen decode attention on {meta['gpu']} ({meta['date']})")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--formats", nargs="*", default=None)
@@ -132,7 +156,12 @@ def main() -> int:
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--dot-precision", choices=["auto", "ieee"], default="auto",
                         help="attention dots: tensor cores where products stay exact (default), or exact fp32")
+    parser.add_argument("--replot", metavar="JSON", help="only redraw the chart of an earlier run's results.json")
     args = parser.parse_args()
+    if args.replot:
+        saved = json.loads(Path(args.replot).read_text())
+        plot_sweep(saved["sweep"], saved["sweep_ctx"], saved["meta"], Path(args.replot).with_suffix(".png"))
+        return 0
     global DOT
     DOT = args.dot_precision
     out = Path(args.out)
@@ -197,23 +226,7 @@ def main() -> int:
                      f"{r['gbps']:.0f} | {100 * r['frac']:.0f}% | {vs} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     if sweep:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(9, 6))
-        for name, times in sweep.items():
-            ax.plot(SWEEP, times, marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("context length (tokens), 4 sequences, 32 q heads / 8 KV heads, head size 128")
-        ax.set_ylabel("decode attention time (us)")
-        ax.set_title(f"kvgen decode attention on {meta['gpu']} ({meta['date']})")
-        ax.legend(fontsize=7, ncol=2)
-        ax.grid(True, which="both", alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(out / "decode_vs_context.png", dpi=110)
+        plot_sweep(sweep, SWEEP, meta, out / "decode_vs_context.png")
     print("\n".join(lines))
     return 0
 
