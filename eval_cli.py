@@ -47,8 +47,12 @@ def _fmt_bytes(b: float) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON instead of a table.")
 @click.option("--png", type=click.Path(dir_okay=False), default=None,
               help="Also draw attention error against bytes per token-head (log y) to this PNG file.")
-def eval_cmd(specs, contexts, seeds, as_json, png):
-    """Accuracy of KV-cache formats: attention error on synthetic K/V, through the NumPy reference.
+@click.option("--backend", type=click.Choice(["auto", "reference", "kernels"]), default="auto", show_default=True,
+              help="Where the attention output comes from: the format's generated kernels (auto: when a GPU is "
+                   "present; on a CPU they run interpreted, slowly) or float64 attention on the reference decoding.")
+def eval_cmd(specs, contexts, seeds, as_json, png, backend):
+    """Accuracy of KV-cache formats: attention error on synthetic K/V, through the kernels on a GPU, else the
+    NumPy reference.
 
     SPEC is a shipped format name or a spec .yaml (default: every shipped format). Keys are N(0,1) with 4 outlier
     channels per head (x10..x20) and RoPE; values N(0,1); queries (32 heads over 8 KV heads, head size 128, 4 per
@@ -64,7 +68,7 @@ def eval_cmd(specs, contexts, seeds, as_json, png):
       kvgen eval my_format.yaml int8_per_token_head --json
       kvgen eval --png accuracy.png
     """
-    from .evaluate import draw_png, evaluate, resolve_format
+    from .evaluate import draw_png, evaluate, resolve_backend, resolve_format
     from .runtime.loader import shipped_names
 
     names = list(dict.fromkeys(specs)) or list(shipped_names())
@@ -79,16 +83,17 @@ def eval_cmd(specs, contexts, seeds, as_json, png):
         def step(name, ctx, seed):
             prog.update(task, advance=1, description=f"{name} @ {ctx:,} seed {seed}")
 
-        rows = evaluate(names, ctxs, seeds, progress=step)
+        rows = evaluate(names, ctxs, seeds, progress=step, backend=backend)
     if png:
         draw_png(rows, png)
     if as_json:
-        click.echo(json.dumps({"contexts": ctxs, "seeds": seeds, "num_kv_heads": 8, "num_q_heads": 32,
+        click.echo(json.dumps({"contexts": ctxs, "seeds": seeds, "backend": resolve_backend(backend), "num_kv_heads": 8, "num_q_heads": 32,
                                "head_size": 128, "top_k": 8, "results": rows, "png": png}, indent=2))
         return
     if not console.is_terminal:  # piped output: room for every column
         console.width = max(console.width, 120)
-    t = Table(title=f"Attention accuracy vs fp32 K/V (synthetic, {seeds} seed(s); means)")
+    where = "generated kernels" if resolve_backend(backend) == "kernels" else "NumPy reference"
+    t = Table(title=f"Attention accuracy vs fp32 K/V (synthetic, {seeds} seed(s); means; attention by the {where})")
     t.add_column("format", no_wrap=True)
     t.add_column("B/token-head", justify="right")
     t.add_column("context", justify="right")

@@ -1,4 +1,4 @@
-"""Accuracy of KV-cache formats on synthetic attention, through the NumPy reference (``kvgen eval``).
+"""Accuracy of KV-cache formats on synthetic attention (``kvgen eval``): NumPy reference, or the kernels on a GPU.
 
 For each format and context length, and each seed:
   * synthetic K / V / Q (:func:`synthetic_kv`): keys standard normal with a few outlier channels (x10..x20) and
@@ -246,16 +246,35 @@ def attention_metrics(out: np.ndarray, top: np.ndarray, out_ref: np.ndarray, top
 METRICS = ("attn_rel_l2", "cosine", "topk", "key_rel", "value_rel")
 
 
-def evaluate(formats: Optional[Sequence[str]] = None, contexts: Iterable[int] = (1024, 4096), seeds: int = 3,
-             progress: Optional[Callable[[str, int, int], None]] = None) -> list[dict]:
-    """One row per (format, context): ``format``, ``source``, ``bytes_per_token_head``, ``context``, ``seeds``, the
-    mean of every metric over seeds, ``per_seed`` (each metric per seed), and for KIVI ``quantized_fraction``
-    (the share of positions stored quantized; the rest are in the bf16 residual window).
+BACKENDS = ("auto", "reference", "kernels")
 
-    ``progress(format, context, seed)`` is called after every format x context x seed step."""
+
+def resolve_backend(backend: str) -> str:
+    """``auto``: the kernels where a GPU is present, else the reference."""
+    if backend not in BACKENDS:
+        raise EvalError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        import torch
+
+        return "kernels" if torch.cuda.is_available() else "reference"
+    return backend
+
+
+def evaluate(formats: Optional[Sequence[str]] = None, contexts: Iterable[int] = (1024, 4096), seeds: int = 3,
+             progress: Optional[Callable[[str, int, int], None]] = None, backend: str = "auto") -> list[dict]:
+    """One row per (format, context): ``format``, ``source``, ``backend``, ``bytes_per_token_head``, ``context``,
+    ``seeds``, the mean of every metric over seeds, ``per_seed`` (each metric per seed), and for KIVI
+    ``quantized_fraction`` (the share of positions stored quantized; the rest are in the bf16 residual window).
+
+    ``backend``: ``reference`` attends in float64 on the reference-decoded K / V; ``kernels`` takes the attention
+    output from the format's generated kernels (kvgen.evaluate_kernels: written by its reshape-and-cache kernel,
+    read by its paged attention, fp32 queries), while top-k agreement and the K / V errors still come from the
+    reference decoding (the kernels store the same bytes: the conformance property); ``auto`` picks the kernels
+    where a GPU is present. ``progress(format, context, seed)`` is called after every format x context x seed step."""
     from . import reference as R
     from .runtime.loader import shipped_names
 
+    backend = resolve_backend(backend)
     names = list(formats) if formats else list(shipped_names())
     fmts = [resolve_format(n) for n in names]
     contexts = list(contexts)
@@ -267,6 +286,10 @@ def evaluate(formats: Optional[Sequence[str]] = None, contexts: Iterable[int] = 
             for fi, f in enumerate(fmts):
                 kq, vq = quantize_kv(f.spec, k, v)
                 out, top = attention(q, kq, vq)
+                if backend == "kernels":
+                    from .evaluate_kernels import kernel_attention
+
+                    out = kernel_attention(f.source, q, k, v)
                 m = attention_metrics(out, top, out_ref, top_ref)
                 m["key_rel"] = rel_err(kq, k)
                 m["value_rel"] = rel_err(vq, v)
@@ -279,7 +302,8 @@ def evaluate(formats: Optional[Sequence[str]] = None, contexts: Iterable[int] = 
     rows = []
     for (fi, ci), r in acc.items():
         f, ctx = fmts[fi], contexts[ci]
-        row = {"format": f.name, "source": f.source, "bytes_per_token_head": bytes_per_token_head(f.spec),
+        row = {"format": f.name, "source": f.source, "backend": backend,
+               "bytes_per_token_head": bytes_per_token_head(f.spec),
                "context": ctx, "seeds": seeds}
         row.update({x: float(np.mean(r["per_seed"][x])) for x in METRICS})
         if R.is_kivi(f.spec):

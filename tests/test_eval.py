@@ -108,3 +108,30 @@ def test_cli_unknown_format_is_one_line():
     assert res.exit_code == 1
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "no_such_format" in lines[0] and "error" in lines[0]
+
+
+@pytest.mark.parametrize("name", ["int8_per_token_head", "nvfp4", "fp8_e4m3_per_head", "kivi_2bit"])
+def test_kernel_backend_matches_reference_attention(name):
+    # the kernels' attention output (interpreted here) against float64 attention on the reference decoding of the
+    # same cache: same metrics up to fp32 rounding, and the outputs themselves within the fp32 tolerance
+    q, k, v = E.synthetic_kv(288, seed=3)
+    from kvgen.evaluate_kernels import kernel_attention
+
+    out = kernel_attention(name, q, k, v)
+    kq, vq = E.quantize_kv(E.resolve_format(name).spec, k, v)
+    ref, _ = E.attention(q, kq, vq)
+    vmax = float(np.abs(vq).max())
+    assert np.all(np.abs(out - ref) <= 5e-5 * vmax + 5e-5 * np.abs(ref)), float(np.abs(out - ref).max())
+    exact, _ = E.attention(q, k, v)
+    assert E.rel_err(out, exact) > 1e-4  # the quantization error is there: the kernels did not attend to fp32 K/V
+
+
+def test_backend_choice():
+    assert E.resolve_backend("reference") == "reference"
+    assert E.resolve_backend("auto") in ("kernels", "reference")
+    with pytest.raises(E.EvalError, match="backend"):
+        E.resolve_backend("gpu")
+    rows = E.evaluate(["int8_per_token_head"], contexts=[160], seeds=1, backend="kernels")
+    ref_rows = E.evaluate(["int8_per_token_head"], contexts=[160], seeds=1, backend="reference")
+    assert rows[0]["backend"] == "kernels" and ref_rows[0]["backend"] == "reference"
+    assert rows[0]["attn_rel_l2"] == pytest.approx(ref_rows[0]["attn_rel_l2"], rel=1e-3)
