@@ -9,7 +9,9 @@ reshape-and-cache kernel through a slot mapping (each batch row owns its blocks)
 runs on the dequantized cache: the bytes the kernel stored, decoded by the spec's NumPy reference
 (``kvgen.reference``), so what the model sees is exactly what the cache holds. (kvgen's paged-attention kernel is not
 plugged into transformers' attention here; that is the engine's job. Decoding on the host is slow and meant for
-accuracy runs and tests, not for speed.) Formats with a residual window (KIVI) are not supported by this cache yet.
+accuracy runs and tests, not for speed.) Formats with a residual window (KIVI) work too: each batch row is a
+sequence with its own residual row, written by the streaming kernels; since tokens leaving the window change from
+bf16 to quantized values, the layer re-reads every position after each write.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class KvgenLayer(DynamicLayer):
 
     def _allocate(self, batch: int, heads: int, head_size: int, device) -> None:
         blocks_per_row = math.ceil(self.max_tokens / self.block_size)
-        kwargs = {}
+        kwargs = {"max_seqs": batch} if self.fmt.spec.streaming else {}
         for side, arg, val in (("key", "k_scale", self.k_scale), ("value", "v_scale", self.v_scale)):
             if self.fmt.static_scale_kind(side) is not None:
                 kwargs[arg] = 1.0 if val is None else val
@@ -65,15 +67,44 @@ class KvgenLayer(DynamicLayer):
         v = value_states.detach().to("cpu").transpose(1, 2).reshape(batch * new, heads, head_size).contiguous()
         if k.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             k, v = k.float(), v.float()
+        dtype, device = key_states.dtype, key_states.device
+        if self.fmt.spec.streaming:
+            self._write_streaming(k, v, slots, batch, new)
+            k_all, v_all = self._read_streaming(batch, heads, head_size)
+            self.keys = k_all.to(device=device, dtype=dtype)
+            self.values = v_all.to(device=device, dtype=dtype)
+            return self.keys, self.values
         self.fmt.write(self.cache, k, v, slots)
         k_deq, v_deq = self._decode(slots, batch, new, heads, head_size)
-        dtype, device = key_states.dtype, key_states.device
         k_deq = k_deq.to(device=device, dtype=dtype)
         v_deq = v_deq.to(device=device, dtype=dtype)
         self.keys = torch.cat([self.keys, k_deq], dim=-2)
         self.values = torch.cat([self.values, v_deq], dim=-2)
         self.length += new
         return self.keys, self.values
+
+    def _table(self, batch: int) -> torch.Tensor:
+        return (torch.arange(batch, dtype=torch.int32)[:, None] * self.blocks_per_row
+                + torch.arange(self.blocks_per_row, dtype=torch.int32)[None, :])
+
+    def _write_streaming(self, k, v, slots, batch: int, new: int) -> None:
+        """KIVI: every batch row is a sequence (residual row = its index) appending ``new`` tokens."""
+        self.fmt.write(self.cache, k, v, slots, seq_ids=torch.arange(batch, dtype=torch.int32),
+                       query_start_loc=torch.arange(batch + 1, dtype=torch.int32) * new,
+                       seq_lens=torch.full((batch,), self.length + new, dtype=torch.int32),
+                       block_table=self._table(batch), max_query_len=new)
+        self.length += new
+
+    def _read_streaming(self, batch: int, heads: int, head_size: int):
+        """Every position of every row as stored (pages and residual window), decoded by the reference."""
+        arrays = {name: t.view(torch.uint8).numpy() for name, t in self.cache.tensors.items()}  # as bytes
+        table = self._table(batch).numpy()
+        ks, vs = [], []
+        for r in range(batch):
+            k, v = R.kivi_read(self.fmt.spec, arrays, r, self.length, table[r], self.block_size, heads, head_size)
+            ks.append(torch.from_numpy(k).transpose(0, 1))
+            vs.append(torch.from_numpy(v).transpose(0, 1))
+        return torch.stack(ks), torch.stack(vs)
 
     def _decode(self, slots, batch, new, heads, head_size):
         """The dequantized values of the slots just written, decoded from the stored bytes by the reference."""
@@ -100,12 +131,15 @@ class KvgenCache(Cache):
     """A transformers Cache whose layers store K/V in a kvgen format (``skip_layers`` keep plain model-dtype
     DynamicLayers). ``scales``: per-layer static scales, e.g. from :func:`kvgen.scales.load_scales`."""
 
-    def __init__(self, fmt: Union[str, Format], config, *, max_tokens: int = 4096, block_size: int = 16,
+    def __init__(self, fmt: Union[str, Format], config, *, max_tokens: int = 4096, block_size: Optional[int] = None,
                  skip_layers=(), scales: Optional[dict] = None):
         fmt = load(fmt) if not isinstance(fmt, Format) else fmt
-        if fmt.spec.streaming:
-            raise ValueError(f"fmt: {fmt.name} keeps a residual window (KIVI); the transformers cache does not "
-                             "support it yet")
+        group = fmt.layout.RESIDUAL["group"] if fmt.spec.streaming else 1
+        if block_size is None:
+            block_size = max(16, group)  # KIVI: blocks hold whole token groups
+        elif block_size % group:
+            raise ValueError(f"block_size: {fmt.name} quantizes keys in groups of {group} tokens; the block size must "
+                             f"be a multiple of {group}, got {block_size}")
         text = getattr(config, "get_text_config", lambda: config)()
         num_layers = text.num_hidden_layers
         scales = scales or {}

@@ -16,10 +16,13 @@ CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_
               num_key_value_heads=2, max_position_embeddings=256)
 
 
-def tiny_model(dtype):
+def tiny_model(dtype, **over):
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**CONFIG)).to(dtype).eval()
+    model = LlamaForCausalLM(LlamaConfig(**{**CONFIG, **over})).to(dtype).eval()
     return model
+
+
+KIVI_MODEL = dict(hidden_size=128)  # head size 32: KIVI's values have one scale per 32 elements
 
 
 def generate(model, cache=None, new=12):
@@ -63,7 +66,40 @@ def test_quantized_formats_generate(name):
     assert cache.layers[0].length == 11 + 11
 
 
-def test_kivi_is_refused_clearly():
+def test_kivi_within_its_residual_window_is_exact():
+    # 11 + 8 tokens stay in KIVI's bf16 residual window: the logits equal the default cache's, bit for bit
+    model = tiny_model(torch.bfloat16, **KIVI_MODEL)
+    cache = KvgenCache("kivi_2bit", model.config, max_tokens=64)
+    assert torch.equal(scores(model, cache), scores(model))
+    assert cache.layers[0].length == 11 + 7
+
+
+def test_kivi_quantizes_what_leaves_the_window():
+    from transformers import DynamicCache
+
+    from kvgen import reference as R
+    from kvgen.runtime.loader import load
+
+    model = tiny_model(torch.bfloat16, **KIVI_MODEL)
+    ids = torch.randint(0, CONFIG["vocab_size"], (2, 200), generator=torch.Generator().manual_seed(1))
+    kivi, plain = KvgenCache("kivi_2bit", model.config, max_tokens=256), DynamicCache()
+    with torch.no_grad():
+        model(ids[:, :150], past_key_values=kivi)  # a prefill, then a second chunk that flushes groups
+        model(ids[:, 150:], past_key_values=kivi)
+        model(ids, past_key_values=plain)
+    p = R.kivi_params(load("kivi_2bit").spec)
+    q = R.quantized_length(200, p.G, p.R)
+    assert 0 < q < 200
+    got, want = kivi.layers[0].keys, plain.layers[0].keys  # layer 0 sees the same inputs either way
+    assert got.shape == want.shape == (2, CONFIG["num_key_value_heads"], 200, 32)
+    assert torch.equal(got[:, :, q:], want[:, :, q:])  # the residual window: the model's bf16 keys
+    diff = (got[:, :, :q] - want[:, :, :q]).float()
+    assert diff.abs().max() > 0  # quantized to 2 bits ...
+    rel = diff.norm() / want[:, :, :q].float().norm()
+    assert rel < 0.5, float(rel)  # ... and still close
+
+
+def test_kivi_block_size_must_hold_whole_groups():
     model = tiny_model(torch.bfloat16)
-    with pytest.raises(ValueError, match="residual window"):
-        KvgenCache("kivi_2bit", model.config)
+    with pytest.raises(ValueError, match="block_size"):
+        KvgenCache("kivi_2bit", model.config, block_size=16)
