@@ -97,8 +97,9 @@ def dot_operand(side: SideSpec, scale: str, zp: str, block: bool) -> tuple[str, 
     The dot operand is the stored code minus its integer zero point, times (block scales only) the ratio of the
     block's scale to a power of two per token; the rest of the scale multiplies the scores per token (keys) or the
     probabilities per token (values). Such an operand has at most code bits + ratio bits significant bits, so it is a
-    sum of one or two fp16 values exactly (hi + lo). Float zero points and KIVI's per-channel groups do not factor
-    this way, nor do fp32 elements: those sides keep exact fp32 dots ("").
+    sum of one or two fp16 values exactly (hi + lo), provided it stays within fp16's range (e5m2 codes up to 57344
+    times a block ratio up to 2 do not). Float zero points and KIVI's per-channel groups do not factor this way, nor
+    do fp32 elements: those sides keep exact fp32 dots ("").
     """
     info = side.info
     if scale == "channel_group" or zp == "float" or side.element.value == "fp32":
@@ -109,7 +110,11 @@ def dot_operand(side: SideSpec, scale: str, zp: str, block: bool) -> tuple[str, 
     code_bits = side.bits if info.kind in ("int", "uint") else _MINIFLOAT_SIGNIFICAND[side.element.value]
     ratio_bits = _SCALE_SIGNIFICAND[side.scale.dtype.value] if tok == "block" else 0
     terms = -(-(code_bits + ratio_bits) // 11)  # fp16 carries 11 significant bits
-    return ("fp16", terms, tok) if terms <= 2 else ("", 0, "none")
+    # the largest operand: a code (integer codes minus a zero point: below 2**bits) times a ratio below 2 (at most 1
+    # for power-of-two e8m0 scales)
+    ratio_max = 2.0 if tok == "block" and side.scale.dtype.value != "e8m0" else 1.0
+    largest = (2.0 ** side.bits if info.kind in ("int", "uint") else info.qmax) * ratio_max
+    return ("fp16", terms, tok) if terms <= 2 and largest <= 65504.0 else ("", 0, "none")
 
 
 # significant bits of a code value and of a scale dtype (the product of two values needs at most the sum)

@@ -1,0 +1,105 @@
+"""The tensor-core operand rule (codegen.render.dot_operand) checked by enumeration, not by restating it.
+
+For a side the rule accepts, every operand the attention kernel can form (a code value minus an integer zero point,
+times for block scales a scale value divided by a power of two, so in [1, 2) up to a power of two) must be within
+fp16's range and exactly equal to the sum of the rule's number of fp16 terms (hi = fp16(x), lo = fp16(x - hi)).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kvgen.codegen.render import dot_operand
+from kvgen.codegen.spec import FormatSpec
+
+ELEMENT_VALUES = {
+    "fp8_e4m3": ml_dtypes.float8_e4m3fn, "fp8_e5m2": ml_dtypes.float8_e5m2, "fp4_e2m1": ml_dtypes.float4_e2m1fn,
+}
+SCALE_VALUES = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16, "fp8_e4m3": ml_dtypes.float8_e4m3fn}
+
+
+def finite_values(dtype, bits: int) -> np.ndarray:
+    codes = np.arange(1 << bits, dtype=np.uint16 if bits > 8 else np.uint8)
+    x = codes.view(dtype).astype(np.float64)
+    return x[np.isfinite(x)]
+
+
+def code_values(element: str) -> np.ndarray:
+    if element in ELEMENT_VALUES:
+        bits = 4 if element == "fp4_e2m1" else 8
+        if bits == 4:  # ml_dtypes stores fp4 one per byte: the low 4 bits
+            return np.arange(16, dtype=np.uint8).view(ELEMENT_VALUES[element]).astype(np.float64)
+        return finite_values(ELEMENT_VALUES[element], bits)
+    bits = int(element.lstrip("uint"))
+    return np.arange(-(1 << bits) + 1, 1 << bits, dtype=np.float64)  # code - zero point, any zero point
+
+
+def ratio_values(dtype: str) -> np.ndarray:
+    """Scale values divided by the power of two of their exponent: the significands in [1, 2)."""
+    if dtype == "e8m0":
+        return np.array([1.0])
+    s = finite_values(SCALE_VALUES[dtype], 16 if dtype in ("fp16", "bf16") else 8)
+    s = s[s > 0]
+    m, _ = np.frexp(s)
+    return np.unique(m * 2.0)
+
+
+def side_of(element: str, scale: dict | None) -> tuple:
+    side = {"element": element}
+    if element.startswith("uint"):
+        side["zero_point"] = {"storage": "beside_scale"}
+    if scale:
+        side["scale"] = scale
+    spec = FormatSpec.model_validate({"name": "t", "key": side, "value": side,
+                                      "cache": {"layout": "interleaved", "storage_dtype": "uint8"}})
+    sc = spec.key.scale
+    kind = "none" if sc is None else (sc.granularity.value if sc.granularity.is_static else "dynamic")
+    zp = "beside" if spec.key.zero_point is not None else "none"
+    return dot_operand(spec.key, kind, zp, bool(sc is not None and sc.block))
+
+
+def exact_in_fp16_terms(x: np.ndarray, terms: int) -> bool:
+    hi = x.astype(np.float16).astype(np.float64)
+    if terms == 1:
+        return bool(np.all(hi == x))
+    lo = (x - hi).astype(np.float16).astype(np.float64)
+    return bool(np.all(hi + lo == x))
+
+
+ELEMENTS = ["int8", "int4", "int2", "uint8", "uint4", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1"]
+SCALES = [{"granularity": "per_tensor"}, {"granularity": "per_token_head", "dtype": "fp32"}] + [
+    {"granularity": "per_block", "block": 16, "dtype": d} for d in ("e8m0", "fp8_e4m3", "bf16", "fp16", "fp32")]
+
+
+@pytest.mark.parametrize("element,scale", list(itertools.product(ELEMENTS, SCALES)))
+def test_accepted_operands_are_exact_and_in_range(element, scale):
+    try:
+        dtype, terms, tok = side_of(element, scale)
+    except Exception as exc:  # combinations the schema rejects are not this test's business
+        pytest.skip(f"not a valid side: {exc}")
+    if not dtype:
+        # rejected: there must be a reason, i.e. an operand that one or two fp16 terms cannot hold, or range
+        block = bool(scale and scale.get("block"))
+        if block and scale["dtype"] == "fp32":
+            return  # 24-bit ratios: the rule does not try
+        ops = np.multiply.outer(code_values(element), ratio_values(scale["dtype"]) if block else [1.0]).ravel()
+        assert not (np.abs(ops).max() <= 65504 and exact_in_fp16_terms(ops, 2)), "rejected an operand fp16 holds"
+        return
+    assert dtype == "fp16"
+    block = tok == "block"
+    ratios = ratio_values(scale["dtype"]) if block else np.array([1.0])
+    ops = np.multiply.outer(code_values(element), ratios).ravel()
+    assert np.abs(ops).max() <= 65504.0
+    assert exact_in_fp16_terms(ops, terms), f"{terms} fp16 term(s) do not hold every operand"
+    if terms == 2:  # and one would not: the rule does not ask for more than needed
+        assert not exact_in_fp16_terms(ops, 1)
+
+
+def test_sides_without_a_factorable_scale_keep_exact_dots():
+    assert side_of("fp8_e5m2", {"granularity": "per_block", "block": 16, "dtype": "fp16"})[0] == ""  # range
+    assert side_of("fp8_e5m2", {"granularity": "per_tensor"})[:2] == ("fp16", 1)
+    assert side_of("fp8_e4m3", {"granularity": "per_block", "block": 16, "dtype": "fp32"})[0] == ""  # 24-bit ratios
