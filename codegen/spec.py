@@ -219,7 +219,8 @@ class ZeroPointSpec(_Strict):
 
 class RotationSpec(_Strict):
     kind: Literal["hadamard"] = "hadamard"
-    seed: int = Field(0, description="Seed of the fixed +-1 sign vector applied before the transform.")
+    seed: int = Field(0, ge=0, le=2**63 - 1,
+                      description="Seed of the fixed +-1 sign vector applied before the transform.")
 
 
 class ResidualSpec(_Strict):
