@@ -80,7 +80,7 @@ def test_accepted_operands_are_exact_and_in_range(element, scale):
     try:
         dtype, terms, tok = side_of(element, scale)
     except Exception as exc:  # combinations the schema rejects are not this test's business
-        pytest.skip(f"not a valid side: {exc}")
+        pytest.skip("not a valid side: " + str(exc).splitlines()[2].strip()[:80])
     if not dtype:
         # rejected: there must be a reason, i.e. an operand that one or two fp16 terms cannot hold, or range
         block = bool(scale and scale.get("block"))
