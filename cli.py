@@ -122,11 +122,19 @@ def _formats_table(names, block_size, num_kv_heads, head_size) -> Table:
     base = None
     rows = []
     for name in names:
+        fmt = load(name)
+        block = block_size
+        residual = fmt.layout.RESIDUAL
+        if residual and block_size % residual["group"]:  # KIVI: blocks hold whole token groups
+            block = -(-block_size // residual["group"]) * residual["group"]
         try:
-            d = load(name).describe(block_size, num_kv_heads, head_size)
-        except ValueError as exc:  # a shape this format does not take (e.g. a block size below its token group)
+            d = fmt.describe(block, num_kv_heads, head_size)
+        except ValueError as exc:  # a shape this format does not take (e.g. a head size its scale block does not divide)
             rows.append({"name": name, "error": str(exc)})
             continue
+        d["block"] = block
+        if residual:
+            d["residual_note"] = f"; residual window {fmt.residual_bytes(num_kv_heads, head_size):,} B per sequence"
         rows.append(d)
         if name == "bf16":
             base = d["page_bytes"]
@@ -138,7 +146,9 @@ def _formats_table(names, block_size, num_kv_heads, head_size) -> Table:
         k, v = d["scales"]["key"], d["scales"]["value"]
         scales = k if k == v else f"K: {k}; V: {v}"
         kv = f"{d['key_bytes']}+{d['value_bytes']}" + (f"+{d['padding_bytes']}" if d["padding_bytes"] else "")
-        t.add_row(d["name"], kv, f"{d['page_bytes']:,}", f"{d['page_bytes'] / base:.3f}", scales)
+        page = f"{d['page_bytes']:,}" + (f" (block {d['block']})" if d["block"] != block_size else "")
+        ratio = d["page_bytes"] / d["block"] / (base / block_size)  # bytes per token against bf16's
+        t.add_row(d["name"], kv, page, f"{ratio:.3f}", scales + d.get("residual_note", ""))
     return t
 
 

@@ -83,6 +83,15 @@ def test_list_prints_every_format_with_page_bytes():
     assert "33,792" in row_of(r.stdout, "int8_per_token_head")
 
 
+def test_list_shows_kivi_at_its_token_group():
+    # block size 16 is below KIVI's group of 32 tokens: the row uses block 32. Per token and head (by hand): K 32 B of
+    # 2-bit codes + an fp16 scale and minimum per channel over 32 tokens (128 * 4 / 32 = 16 B); V 32 B of codes + an
+    # fp16 scale and minimum per 32 elements (4 * 4 = 16 B): 96 B, x 32 tokens x 8 heads = 24,576 B; 96 / 512 of bf16.
+    r = run_kvgen("list", columns=200)
+    row = row_of(r.stdout, "kivi_2bit")
+    assert "24,576 (block 32)" in row and "0.188" in row, row
+
+
 def test_list_other_shape():
     r = run_kvgen("list", "--block-size", "32", "--num-kv-heads", "2", "--head-size", "64")
     assert r.returncode == 0, r.stderr
