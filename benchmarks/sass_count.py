@@ -1,0 +1,120 @@
+"""Static instruction counts of the generated attention kernels for the H200 (sm_90), without a GPU.
+
+    python benchmarks/sass_count.py [FORMAT ...]        # default: every shipped format
+
+Compiles each format's paged_attention_kernel for sm_90 with Triton's own ptxas (the decode configuration the
+runtime picks for bf16 queries: 32 query heads over 8 KV heads, head size 128, block size 16, no split), finds the
+main loop in the SASS (the longest backward branch) and prints its instructions per KV position (per KV head), the
+bytes per position, the instruction mix and local-memory traffic (register spills). A proxy for issue 5's "what
+limits the kernel" when no GPU is at hand: a memory-bound kernel issues few instructions per byte.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import warnings
+
+os.environ["TRITON_INTERPRET"] = "0"  # compile, never run: no GPU needed
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import kvgen  # noqa: E402
+from kvgen.runtime.kernels import ATTENTION_TILES  # noqa: E402
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+POINTER_TYPES = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "ml_ptr": "*fp32",
+                 "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "seq_ids_ptr": "*i32"}
+
+
+def signature(fn, consts: dict) -> dict:
+    sig = {}
+    for a in fn.arg_names:
+        if a in consts:
+            sig[a] = "constexpr"
+        elif a.endswith("_ptr"):
+            sig[a] = POINTER_TYPES.get(a, "*u8" if any(w in a for w in ("cache", "meta", "res")) else "*fp32")
+        else:
+            sig[a] = "fp32" if a == "qk_scale" else "i32"
+    return sig
+
+
+def main_loop(sass: str) -> list[str]:
+    """Instruction lines of the longest loop (a backward branch to a label)."""
+    lines = sass.splitlines()
+    addr, label_at, pending = {}, {}, None
+    for i, line in enumerate(lines):
+        m = re.match(r"\s*(\.L_x_\d+):", line)
+        if m:
+            pending = m.group(1)
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/", line)
+        if m:
+            addr[i] = int(m.group(1), 16)
+            if pending:
+                label_at[pending], pending = addr[i], None
+    loops = [(label_at[m.group(1)], addr[i]) for i, line in enumerate(lines)
+             if (m := re.search(r"BRA\s+`?\(?(\.L_x_\d+)", line)) and i in addr and label_at.get(m.group(1), 1 << 62) < addr[i]]
+    lo, hi = max(loops, key=lambda x: x[1] - x[0]) if loops else (0, 1 << 62)
+    return [line for i, line in enumerate(lines) if i in addr and lo <= addr[i] <= hi]
+
+
+def opcode(line: str) -> str:
+    words = line.split("*/", 1)[1].split()
+    word = words[1] if words[0].startswith("@") else words[0]
+    return word.split(".")[0]
+
+
+def count(name: str) -> dict:
+    fmt = kvgen.load(name)
+    res = fmt.layout.RESIDUAL
+    block = 2 * res["group"] if res else 16
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache = fmt.allocate(4, block, 8, 128, **({"max_seqs": 1} if res else {}))
+    _, consts = fmt._kernel_args(cache)
+    kset = fmt._kernels
+    dots = kset.dot_modes(torch.bfloat16, "auto", fmt.spec.key.rotation is not None, consts["HEAD_PAD"])
+    dots["NATIVE_CASTS"] = True
+    tiles = dict(ATTENTION_TILES.get(max(kset.module.CODE_BITS.values()), ATTENTION_TILES[None]))
+    block_n = tiles.pop("BLOCK_N")
+    c = dict(consts, GROUP=4, BLOCK_M=16, BLOCK_Q=4, BLOCK_N=block_n, NUM_SPLITS=1, **dots)
+    if res:
+        c.update(TOKEN_GROUP=res["group"], RESIDUAL=res["tokens"], RING=res["ring"])
+    fn = kset.module.paged_attention_kernel
+    src = ASTSource(fn, signature=signature(fn, c), constexprs={(fn.arg_names.index(k),): v for k, v in c.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=tiles)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    loop = main_loop(sass)
+    ops = collections.Counter(opcode(line) for line in loop)
+    bytes_per_position = fmt.page_bytes(block, 8, 128) / block / 8
+    return dict(format=name, block_n=block_n, per_position=len(loop) / block_n, bytes=bytes_per_position,
+                per_byte=len(loop) / block_n / bytes_per_position, spills=(ops["STL"] + ops["LDL"]) / block_n,
+                mix=ops.most_common(8))
+
+
+def main() -> int:
+    names = sys.argv[1:] or kvgen.shipped_names()
+    print("| format | instructions / position | bytes / position | instructions / byte | spill ld+st / position | "
+          "most frequent |")
+    print("|---|---|---|---|---|---|")
+    for name in names:
+        r = count(name)
+        mix = ", ".join(f"{op} {n / r['block_n']:.1f}" for op, n in r["mix"])
+        print(f"| {name} | {r['per_position']:.1f} | {r['bytes']:.0f} | {r['per_byte']:.3f} | {r['spills']:.1f} | {mix} |",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
