@@ -5,7 +5,8 @@
     out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
 
 Every layer keeps its keys and values in a kvgen paged cache: new tokens are written by the format's generated
-reshape-and-cache kernel through a slot mapping (each batch row owns its blocks). The model's own attention then
+reshape-and-cache kernel through a slot mapping (each batch row owns its blocks), on the model's GPU when the kernels
+are compiled, else interpreted on the CPU. The model's own attention then
 runs on the dequantized cache: the bytes the kernel stored, decoded by the spec's NumPy reference
 (``kvgen.reference``), so what the model sees is exactly what the cache holds. (kvgen's paged-attention kernel is not
 plugged into transformers' attention here; that is the engine's job. Decoding on the host is slow and meant for
@@ -26,6 +27,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from . import reference as R
 from .runtime.format import Format
+from .runtime.kernels import interpreting
 from .runtime.loader import load
 
 
@@ -45,7 +47,10 @@ class KvgenLayer(DynamicLayer):
         for side, arg, val in (("key", "k_scale", self.k_scale), ("value", "v_scale", self.v_scale)):
             if self.fmt.static_scale_kind(side) is not None:
                 kwargs[arg] = 1.0 if val is None else val
-        self.cache = self.fmt.allocate(batch * blocks_per_row, self.block_size, heads, head_size, device="cpu",
+        # the kernels run where the model runs when they are compiled (a GPU), else interpreted on the CPU
+        self.device = torch.device(device) if torch.device(device).type == "cuda" and not interpreting() else \
+            torch.device("cpu")
+        self.cache = self.fmt.allocate(batch * blocks_per_row, self.block_size, heads, head_size, device=self.device,
                                        **kwargs)
         self.blocks_per_row = blocks_per_row
 
@@ -63,8 +68,8 @@ class KvgenLayer(DynamicLayer):
         # row r owns blocks [r * blocks_per_row, (r + 1) * blocks_per_row): slot of (r, p)
         slots = ((rows[:, None] * self.blocks_per_row + pos[None, :] // self.block_size) * self.block_size
                  + pos[None, :] % self.block_size).reshape(-1)
-        k = key_states.detach().to("cpu").transpose(1, 2).reshape(batch * new, heads, head_size).contiguous()
-        v = value_states.detach().to("cpu").transpose(1, 2).reshape(batch * new, heads, head_size).contiguous()
+        k = key_states.detach().to(self.device).transpose(1, 2).reshape(batch * new, heads, head_size).contiguous()
+        v = value_states.detach().to(self.device).transpose(1, 2).reshape(batch * new, heads, head_size).contiguous()
         if k.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             k, v = k.float(), v.float()
         dtype, device = key_states.dtype, key_states.device
@@ -74,7 +79,7 @@ class KvgenLayer(DynamicLayer):
             self.keys = k_all.to(device=device, dtype=dtype)
             self.values = v_all.to(device=device, dtype=dtype)
             return self.keys, self.values
-        self.fmt.write(self.cache, k, v, slots)
+        self.fmt.write(self.cache, k, v, slots.to(self.device))
         k_deq, v_deq = self._decode(slots, batch, new, heads, head_size)
         k_deq = k_deq.to(device=device, dtype=dtype)
         v_deq = v_deq.to(device=device, dtype=dtype)
@@ -83,21 +88,22 @@ class KvgenLayer(DynamicLayer):
         self.length += new
         return self.keys, self.values
 
-    def _table(self, batch: int) -> torch.Tensor:
-        return (torch.arange(batch, dtype=torch.int32)[:, None] * self.blocks_per_row
-                + torch.arange(self.blocks_per_row, dtype=torch.int32)[None, :])
+    def _table(self, batch: int, device="cpu") -> torch.Tensor:
+        return (torch.arange(batch, dtype=torch.int32, device=device)[:, None] * self.blocks_per_row
+                + torch.arange(self.blocks_per_row, dtype=torch.int32, device=device)[None, :])
 
     def _write_streaming(self, k, v, slots, batch: int, new: int) -> None:
         """KIVI: every batch row is a sequence (residual row = its index) appending ``new`` tokens."""
-        self.fmt.write(self.cache, k, v, slots, seq_ids=torch.arange(batch, dtype=torch.int32),
-                       query_start_loc=torch.arange(batch + 1, dtype=torch.int32) * new,
-                       seq_lens=torch.full((batch,), self.length + new, dtype=torch.int32),
-                       block_table=self._table(batch), max_query_len=new)
+        dev = self.device
+        self.fmt.write(self.cache, k, v, slots.to(dev), seq_ids=torch.arange(batch, dtype=torch.int32, device=dev),
+                       query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=dev) * new,
+                       seq_lens=torch.full((batch,), self.length + new, dtype=torch.int32, device=dev),
+                       block_table=self._table(batch, dev), max_query_len=new)
         self.length += new
 
     def _read_streaming(self, batch: int, heads: int, head_size: int):
         """Every position of every row as stored (pages and residual window), decoded by the reference."""
-        arrays = {name: t.view(torch.uint8).numpy() for name, t in self.cache.tensors.items()}  # as bytes
+        arrays = {name: t.view(torch.uint8).cpu().numpy() for name, t in self.cache.tensors.items()}  # as bytes
         table = self._table(batch).numpy()
         ks, vs = [], []
         for r in range(batch):
@@ -110,12 +116,12 @@ class KvgenLayer(DynamicLayer):
         """The dequantized values of the slots just written, decoded from the stored bytes by the reference."""
         spec = self.fmt.spec
         blocks = sorted({int(s) // self.block_size for s in slots})
-        cache_bytes = {name: t.view(torch.uint8).reshape(t.shape[0], -1)[blocks].numpy()
+        cache_bytes = {name: t.view(torch.uint8).reshape(t.shape[0], -1)[blocks].cpu().numpy()
                        for name, t in self.cache.tensors.items() if name.endswith("_cache")}
         scales = {}
         for n in ("k_scale", "v_scale"):
             t = self.cache.tensors.get(n)
-            scales[n] = None if t is None else (float(t) if t.numel() == 1 else t.numpy())
+            scales[n] = None if t is None else (float(t) if t.numel() == 1 else t.cpu().numpy())
         k_all, v_all = R.read(spec, cache_bytes, scales["k_scale"], scales["v_scale"], head_size=head_size,
                               block_size=self.block_size, num_kv_heads=heads)
         index = {b: i for i, b in enumerate(blocks)}
