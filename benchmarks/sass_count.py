@@ -4,7 +4,7 @@
 
 Compiles each format's paged_attention_kernel for sm_90 with Triton's own ptxas (the decode configuration the
 runtime picks for bf16 queries: 32 query heads over 8 KV heads, head size 128, block size 16, no split), finds the
-main loop in the SASS (the longest backward branch) and prints its instructions per KV position (per KV head), the
+main loop in the SASS (the first backward branch spanning more than 200 instructions) and prints its instructions per KV position (per KV head), the
 bytes per position, the instruction mix and local-memory traffic (register spills). A proxy for issue 5's "what
 limits the kernel" when no GPU is at hand: a memory-bound kernel issues few instructions per byte.
 """
@@ -47,7 +47,8 @@ def signature(fn, consts: dict) -> dict:
 
 
 def main_loop(sass: str) -> list[str]:
-    """Instruction lines of the longest loop (a backward branch to a label)."""
+    """Instruction lines of the main loop: the first loop (a backward branch, to a label or an address) of more than
+    200 instructions in code order (with a separate masked last tile, the unmasked whole-tile loop comes first)."""
     lines = sass.splitlines()
     addr, label_at, pending = {}, {}, None
     for i, line in enumerate(lines):
@@ -59,9 +60,15 @@ def main_loop(sass: str) -> list[str]:
             addr[i] = int(m.group(1), 16)
             if pending:
                 label_at[pending], pending = addr[i], None
-    loops = [(label_at[m.group(1)], addr[i]) for i, line in enumerate(lines)
-             if (m := re.search(r"BRA\s+`?\(?(\.L_x_\d+)", line)) and i in addr and label_at.get(m.group(1), 1 << 62) < addr[i]]
-    lo, hi = max(loops, key=lambda x: x[1] - x[0]) if loops else (0, 1 << 62)
+    loops = []
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA\s+(?:`?\(?(\.L_x_\d+)|0x([0-9a-f]+))", line)
+        if not m or i not in addr:
+            continue
+        target = label_at.get(m.group(1), 1 << 62) if m.group(1) else int(m.group(2), 16)
+        if target < addr[i] and (addr[i] - target) // 16 > 200:
+            loops.append((target, addr[i]))
+    lo, hi = min(loops) if loops else (0, 1 << 62)
     return [line for i, line in enumerate(lines) if i in addr and lo <= addr[i] <= hi]
 
 
@@ -82,6 +89,8 @@ def count(name: str) -> dict:
     kset = fmt._kernels
     dots = kset.dot_modes(torch.bfloat16, "auto", fmt.spec.key.rotation is not None, consts["HEAD_PAD"])
     dots["NATIVE_CASTS"] = True
+    if "OFFSETS_64" in kset.module.paged_attention_kernel.arg_names:
+        dots["OFFSETS_64"] = False  # a cache below 2 GiB
     tiles = dict(ATTENTION_TILES.get(max(kset.module.CODE_BITS.values()), ATTENTION_TILES[None]))
     block_n = tiles.pop("BLOCK_N")
     c = dict(consts, GROUP=4, BLOCK_M=16, BLOCK_Q=4, BLOCK_N=block_n, NUM_SPLITS=1, **dots)
