@@ -142,7 +142,7 @@ class KvgenCache(Cache):
         fmt = load(fmt) if not isinstance(fmt, Format) else fmt
         group = fmt.layout.RESIDUAL["group"] if fmt.spec.streaming else 1
         if block_size is None:
-            block_size = max(16, group)  # KIVI: blocks hold whole token groups
+            block_size = group * -(-16 // group)  # 16, or the smallest multiple of KIVI's token group above it
         elif block_size % group:
             raise ValueError(f"block_size: {fmt.name} quantizes keys in groups of {group} tokens; the block size must "
                              f"be a multiple of {group}, got {block_size}")

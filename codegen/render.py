@@ -98,7 +98,9 @@ def dot_operand(side: SideSpec, scale: str, zp: str, block: bool) -> tuple[str, 
     block's scale to a power of two per token; the rest of the scale multiplies the scores per token (keys) or the
     probabilities per token (values). Such an operand has at most code bits + ratio bits significant bits, so it is a
     sum of one or two fp16 values exactly (hi + lo), provided it stays within fp16's range (e5m2 codes up to 57344
-    times a block ratio up to 2 do not). Float zero points and KIVI's per-channel groups do not factor this way, nor
+    times a block ratio up to 2 do not). One limit: a block whose scale is far below its token's largest (by more
+    than 2**14 / the smallest code) lands in fp16's subnormal range and may lose bits, at most 2**-25 of the token's
+    largest block scale per element (tests/test_dot_operand.py); an exact path for such tiles waits for GPU time. Float zero points and KIVI's per-channel groups do not factor this way, nor
     do fp32 elements: those sides keep exact fp32 dots ("").
     """
     info = side.info

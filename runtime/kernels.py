@@ -41,6 +41,20 @@ def _choose_mode() -> None:
 # 128 positions per step.
 ATTENTION_TILES = {8: {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2},
                    None: {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}}
+INTERPRETER_TILES = {"BLOCK_N": 128}
+
+
+_CAPABILITY: dict = {}
+
+
+def native_fp8(device: torch.device | None) -> bool:
+    """Compiled code may convert fp8 with the hardware (sm_89 and newer; Triton rejects e4m3 before that)."""
+    if interpreting() or device is None or device.type != "cuda":
+        return False
+    cap = _CAPABILITY.get(device.index)
+    if cap is None:
+        cap = _CAPABILITY[device.index] = torch.cuda.get_device_capability(device)
+    return cap >= (8, 9)
 
 
 def _next_pow2(x: int) -> int:
@@ -132,7 +146,7 @@ class KernelSet:
         block_m = max(16, _next_pow2(group * min(max_query_len, max(1, max_rows // group))))
         block_q = max(1, block_m // group)
         bits = max(self.module.CODE_BITS.values())
-        tiles = dict(ATTENTION_TILES.get(bits, ATTENTION_TILES[None])) if not interpreting() else {"BLOCK_N": 128}
+        tiles = dict(ATTENTION_TILES.get(bits, ATTENTION_TILES[None]) if not interpreting() else INTERPRETER_TILES)
         block_n = tiles.pop("BLOCK_N")
         num_q_tiles = triton_cdiv(max_query_len, block_q)
         num_seqs = seq_lens.shape[0]
@@ -142,7 +156,7 @@ class KernelSet:
             num_splits = self._splits(num_seqs * num_q_tiles * consts["NUM_KV_HEADS"], max_kv, num_tokens,
                                       num_q_heads, consts["HEAD_PAD"], query.device)
         chunk = triton_cdiv(triton_cdiv(max(max_kv, 1), num_splits), block_n) * block_n
-        dots = self.dot_modes(query.dtype, dot_precision, rotated_keys, consts["HEAD_PAD"])
+        dots = self.dot_modes(query.dtype, dot_precision, rotated_keys, consts["HEAD_PAD"], query.device)
         if num_splits > 1:
             part = torch.empty((num_tokens, num_q_heads, num_splits, consts["HEAD_PAD"]), dtype=torch.float32,
                                device=query.device)
@@ -162,7 +176,8 @@ class KernelSet:
                 SPLITS_PAD=_next_pow2(num_splits), HEAD_SIZE=consts["HEAD_SIZE"], HEAD_PAD=consts["HEAD_PAD"],
             )
 
-    def dot_modes(self, query_dtype: torch.dtype, dot_precision: str, rotated_keys: bool, head_pad: int = 128) -> dict:
+    def dot_modes(self, query_dtype: torch.dtype, dot_precision: str, rotated_keys: bool, head_pad: int = 128,
+                  device: torch.device | None = None) -> dict:
         """The attention kernel's dot constexprs: tensor-core dots wherever their products stay exact.
 
         Each operand must be a sum of at most two values of the dot type: the cache side's operand (the generated
@@ -172,7 +187,7 @@ class KernelSet:
         """
         q_bits = 22 if rotated_keys or query_dtype == torch.float32 else (8 if query_dtype == torch.bfloat16 else 11)
         p_bits = {torch.float32: 22, torch.float16: 11}.get(query_dtype, 8)
-        modes = {"NATIVE_CASTS": not interpreting()}
+        modes = {"NATIVE_CASTS": native_fp8(device)}
         for side, (x, bits) in (("K", ("Q", q_bits)), ("V", ("P", p_bits))):
             dtype, terms, min_head_pad = self.module.DOT_OPERANDS[side.lower()]
             x_terms = -(-bits // {"fp16": 11, "bf16": 8}.get(dtype, 1))

@@ -16,12 +16,12 @@ try:
     from ..codegen import build as build_mod
     from ..codegen.errors import KvgenError, StaleError
     from ..codegen.loader import load_spec, validate_data
-    from ..codegen.version import KVGEN_VERSION
+    from ..codegen.version import KVGEN_VERSION, generator_fingerprint
 except ImportError:
     from codegen import build as build_mod
     from codegen.errors import KvgenError, StaleError
     from codegen.loader import load_spec, validate_data
-    from codegen.version import KVGEN_VERSION
+    from codegen.version import KVGEN_VERSION, generator_fingerprint
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "generated"
@@ -95,7 +95,7 @@ def load_directory(directory: Union[str, Path]) -> Format:
 
 def load_yaml(path: Union[str, Path]) -> Format:
     spec = load_spec(path)
-    out = cache_dir() / f"{spec.name}-{spec.spec_hash()}-kvgen{KVGEN_VERSION}"
+    out = cache_dir() / f"{spec.name}-{spec.spec_hash()}-kvgen{KVGEN_VERSION}-{generator_fingerprint()}"
     if not (out / spec.name / "kernels.py").is_file():
         build_mod.build_spec(spec, out, spec_path=str(path))
     return load_directory(out / spec.name)
@@ -104,7 +104,8 @@ def load_yaml(path: Union[str, Path]) -> Format:
 def load(name_or_path: Union[str, os.PathLike]) -> Format:
     """A format object: a shipped format by name, a generated directory, or a spec YAML (built into a cache).
 
-    Formats are cached by the content they were built from (spec hash), so an edited spec loads anew.
+    Formats are cached by what they were built from (spec hash, kvgen version and a hash of the generator), so an
+    edited spec, or a changed generator, builds anew.
     """
     key = str(name_or_path)
     p = Path(key)

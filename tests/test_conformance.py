@@ -24,9 +24,32 @@ DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 EXAMPLES = int(os.environ.get("KVGEN_EXAMPLES", "30"))
 
 
+def small_tiles(monkeypatch):
+    """32 KV positions per attention step, so the test sequences (up to 45 tokens) span two tiles and the KV splits
+    drawn by the strategy (1-3) really divide them, on the GPU and in the interpreter."""
+    from kvgen.runtime import kernels
+
+    monkeypatch.setattr(kernels, "INTERPRETER_TILES", {"BLOCK_N": 32})
+    monkeypatch.setattr(kernels, "ATTENTION_TILES", {None: {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}})
+
+
+
 def assert_conforms(fmt, case):
     failures = {p: msg for p, msg in run_case(fmt, case, DEVICE).items() if msg}
     assert not failures, failures
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_conformance_with_small_tiles_and_splits(name, monkeypatch):
+    small_tiles(monkeypatch)
+    fmt = kvgen.load(name)
+
+    @settings(max_examples=max(EXAMPLES // 6, 3), deadline=None)
+    @given(case=cases(fmt))
+    def prop(case):
+        assert_conforms(fmt, case)
+
+    prop()
 
 
 @pytest.mark.parametrize("name", FORMATS)

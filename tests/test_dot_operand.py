@@ -1,8 +1,11 @@
 """The tensor-core operand rule (codegen.render.dot_operand) checked by enumeration, not by restating it.
 
 For a side the rule accepts, every operand the attention kernel can form (a code value minus an integer zero point,
-times for block scales a scale value divided by a power of two, so in [1, 2) up to a power of two) must be within
-fp16's range and exactly equal to the sum of the rule's number of fp16 terms (hi = fp16(x), lo = fp16(x - hi)).
+times for block scales the block's scale divided by a power of two of the token's largest block scale: a ratio below
+2) must be within fp16's range and exactly equal to the sum of the rule's number of fp16 terms (hi = fp16(x),
+lo = fp16(x - hi)) as long as the products stay in fp16's normal range (ratio >= 2**-14 / smallest code). Blocks
+far smaller than their token's largest (below that ratio) may lose bits in fp16's subnormal range: by at most
+2**-25 of the token's largest block scale, which is the documented limit of "exact".
 """
 
 from __future__ import annotations
@@ -38,14 +41,17 @@ def code_values(element: str) -> np.ndarray:
     return np.arange(-(1 << bits) + 1, 1 << bits, dtype=np.float64)  # code - zero point, any zero point
 
 
-def ratio_values(dtype: str) -> np.ndarray:
-    """Scale values divided by the power of two of their exponent: the significands in [1, 2)."""
+def ratio_values(dtype: str, smallest: float = 1.0) -> np.ndarray:
+    """Scale values divided by a power of two, in [smallest, 2): every significand at every exponent in that range."""
     if dtype == "e8m0":
-        return np.array([1.0])
-    s = finite_values(SCALE_VALUES[dtype], 16 if dtype in ("fp16", "bf16") else 8)
-    s = s[s > 0]
-    m, _ = np.frexp(s)
-    return np.unique(m * 2.0)
+        sig = np.array([1.0])
+    else:
+        s = finite_values(SCALE_VALUES[dtype], 16 if dtype in ("fp16", "bf16") else 8)
+        m, _ = np.frexp(s[s > 0])
+        sig = np.unique(m * 2.0)
+    exps = 2.0 ** -np.arange(0, int(-np.log2(smallest)) + 1)
+    r = np.multiply.outer(exps, sig).ravel()
+    return np.unique(r[(r >= smallest) & (r < 2)])
 
 
 def side_of(element: str, scale: dict | None) -> tuple:
@@ -91,12 +97,22 @@ def test_accepted_operands_are_exact_and_in_range(element, scale):
         return
     assert dtype == "fp16"
     block = tok == "block"
-    ratios = ratio_values(scale["dtype"]) if block else np.array([1.0])
-    ops = np.multiply.outer(code_values(element), ratios).ravel()
-    assert np.abs(ops).max() <= 65504.0
+    codes = code_values(element)
+    smallest_code = np.abs(codes[codes != 0]).min()
+    normal = 2.0 ** -14 / smallest_code  # from this ratio up, every nonzero product is a normal fp16 number
+    ratios = ratio_values(scale["dtype"], smallest=2.0 ** np.floor(np.log2(normal))) if block else np.array([1.0])
+    ratios = ratios[ratios >= normal] if block else ratios
+    ops = np.multiply.outer(codes, ratios).ravel()
+    largest = np.multiply.outer(codes, ratio_values(scale["dtype"])).ravel() if block else ops
+    assert np.abs(largest).max() <= 65504.0
     assert exact_in_fp16_terms(ops, terms), f"{terms} fp16 term(s) do not hold every operand"
     if terms == 2:  # and one would not: the rule does not ask for more than needed
         assert not exact_in_fp16_terms(ops, 1)
+    if block:  # far smaller blocks: within 2**-25 of the token's largest scale (the ratio's unit)
+        tiny = np.multiply.outer(codes, ratio_values(scale["dtype"], smallest=2.0 ** -40)).ravel()
+        hi = tiny.astype(np.float16).astype(np.float64)
+        got = hi if terms == 1 else hi + (tiny - hi).astype(np.float16).astype(np.float64)
+        assert np.abs(got - tiny).max() <= 2.0 ** -25
 
 
 def test_sides_without_a_factorable_scale_keep_exact_dots():

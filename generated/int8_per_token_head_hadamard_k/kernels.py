@@ -330,11 +330,12 @@ def paged_attention_kernel(
             v_scode = tl.load(v_srow.to(tl.pointer_type(tl.uint32)), mask=n_mask, other=0)
             v_op = v_tile
             v_tok = v_scale_decode(v_scode)
-            # the per-row value factors enter the probabilities, relative to the tile's largest (<= 1)
-            v_w = tl.where(n_mask, v_tok, 0.0)
-            v_top = tl.max(v_w, axis=0)
-            v_top = tl.where(v_top > 0.0, v_top, 1.0)
-            pv = mma(p * (v_w * (1.0 / v_top))[None, :], v_op, DOT_V, P_TERMS, V_TERMS) * v_top
+            # the per-position value factors enter the probabilities, relative to each query row's largest weight
+            # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
+            pw = p * tl.where(n_mask, v_tok, 0.0)[None, :]
+            pw_top = tl.max(pw, axis=1)
+            pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
+            pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
             acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new

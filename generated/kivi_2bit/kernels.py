@@ -430,7 +430,7 @@ def paged_attention_kernel(
             n_mask = n < hi
             k_tile = r_decode(tl.load((k_res_ptr + ((sid * RING + n % RING) * NUM_KV_HEADS + head).to(tl.int64)[:, None] * (HEAD_SIZE * 2) + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=n_mask[:, None] & dmask[None, :], other=0))
             k_op = k_tile
-            scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
+            scores = mma(q, tl.trans(k_op), 0, Q_TERMS, K_TERMS) * row_scale[:, None]
             visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
             visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
             scores = tl.where(visible, scores, float("-inf"))
@@ -441,7 +441,7 @@ def paged_attention_kernel(
 
             v_tile = r_decode(tl.load((v_res_ptr + ((sid * RING + n % RING) * NUM_KV_HEADS + head).to(tl.int64)[:, None] * (HEAD_SIZE * 2) + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=n_mask[:, None] & dmask[None, :], other=0))
             v_op = v_tile
-            pv = mma(p, v_op, DOT_V, P_TERMS, V_TERMS)
+            pv = mma(p, v_op, 0, 1, 1)  # residual values are in the residual dtype: exact fp32 dots
             acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
