@@ -140,18 +140,17 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
         scale = "dynamic"
     dynamic = scale in ("dynamic", "channel_group")
     scodec = scale_codec(sc.dtype) if dynamic else None
-    dot = dot_operand(side, scale, "float" if side.zero_point is not None and side.zero_point.dtype != "uint8" else "",
-                      bool(dynamic and sc.block))
-    sources = [render_codec(codec, f"{p}_", dot=bool(dot[0]))]
-    if scodec is not None:
-        sources.append(render_codec(scodec, f"{p}_scale_"))
     asym = side.zero_point is not None
     zp = "none" if not asym else ("low_bits" if side.zero_point.storage == "scale_low_bits" else "beside")
     float_zp = asym and side.zero_point.dtype != "uint8"
     if float_zp:
         zp = "float"
-        zcodec = _float_codec_for(side.zero_point.dtype)
-        sources.append(render_codec(zcodec, f"{p}_zp_"))
+    dot = dot_operand(side, scale, zp, bool(dynamic and sc.block))
+    sources = [render_codec(codec, f"{p}_", dot=bool(dot[0]))]
+    if scodec is not None:
+        sources.append(render_codec(scodec, f"{p}_scale_"))
+    if float_zp:
+        sources.append(render_codec(_float_codec_for(side.zero_point.dtype), f"{p}_zp_"))
     qmax = info.qmax - info.qmin if asym else info.qmax
     group = str(sc.block) if dynamic and sc.block else "HEAD_PAD"
     rule = ("(max - min) / " if asym else "absmax / ") + f"{qmax:g}" + (" / global" if dynamic and sc.global_scale else "")

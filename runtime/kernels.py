@@ -67,6 +67,7 @@ class KernelSet:
     def __init__(self, package: types.ModuleType):
         self.package = package
         self._module = None
+        self._dot_modes: dict = {}  # (query dtype, precision, rotated keys, head pad, device) -> constexprs
 
     @property
     def module(self) -> types.ModuleType:
@@ -156,7 +157,10 @@ class KernelSet:
             num_splits = self._splits(num_seqs * num_q_tiles * consts["NUM_KV_HEADS"], max_kv, num_tokens,
                                       num_q_heads, consts["HEAD_PAD"], query.device)
         chunk = triton_cdiv(triton_cdiv(max(max_kv, 1), num_splits), block_n) * block_n
-        dots = self.dot_modes(query.dtype, dot_precision, rotated_keys, consts["HEAD_PAD"], query.device)
+        key = (query.dtype, dot_precision, rotated_keys, consts["HEAD_PAD"], query.device)
+        dots = self._dot_modes.get(key)
+        if dots is None:
+            dots = self._dot_modes[key] = self.dot_modes(*key)
         if num_splits > 1:
             part = torch.empty((num_tokens, num_q_heads, num_splits, consts["HEAD_PAD"]), dtype=torch.float32,
                                device=query.device)
