@@ -161,6 +161,8 @@ class KernelSet:
         dots = self._dot_modes.get(key)
         if dots is None:
             dots = self._dot_modes[key] = self.dot_modes(*key)
+        # 32-bit byte offsets (fewer instructions) unless a cache tensor is too large for them
+        offsets_64 = max(tensors[f].numel() for f in ("k_cache_ptr", "v_cache_ptr", "k_meta_ptr", "v_meta_ptr")) >= 2**31
         if num_splits > 1:
             part = torch.empty((num_tokens, num_q_heads, num_splits, consts["HEAD_PAD"]), dtype=torch.float32,
                                device=query.device)
@@ -172,7 +174,8 @@ class KernelSet:
             query_start_loc_ptr=query_start_loc, qk_scale=qk_scale * LOG2E, window=window, num_q_tiles=num_q_tiles,
             chunk=chunk, stride_qt=query.stride(0), stride_qh=query.stride(1), stride_ot=out.stride(0),
             stride_oh=out.stride(1), stride_bt=block_table.stride(0), GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q,
-            BLOCK_N=block_n, NUM_SPLITS=num_splits, **dots, **tensors, **consts, **(extra or {}), **tiles,
+            BLOCK_N=block_n, NUM_SPLITS=num_splits, OFFSETS_64=offsets_64, **dots, **tensors, **consts, **(extra or {}),
+            **tiles,
         )
         if num_splits > 1:
             self.module.reduce_splits_kernel[(num_tokens, num_q_heads)](

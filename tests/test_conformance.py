@@ -25,8 +25,9 @@ EXAMPLES = int(os.environ.get("KVGEN_EXAMPLES", "30"))
 
 
 def small_tiles(monkeypatch):
-    """32 KV positions per attention step, so the test sequences (up to 45 tokens) span two tiles and the KV splits
-    drawn by the strategy (1-3) really divide them, on the GPU and in the interpreter."""
+    """32 KV positions per attention step, so the test sequences (up to 45 tokens) take a whole tile (loads without
+    masks) and a partial last one, and the KV splits drawn by the strategy (1-3) really divide them, on the GPU and
+    in the interpreter."""
     from kvgen.runtime import kernels
 
     monkeypatch.setattr(kernels, "INTERPRETER_TILES", {"BLOCK_N": 32})

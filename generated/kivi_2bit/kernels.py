@@ -327,6 +327,7 @@ def paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_K: tl.constexpr, Q_TERMS: tl.constexpr, K_TERMS: tl.constexpr,
     DOT_V: tl.constexpr, P_TERMS: tl.constexpr, V_TERMS: tl.constexpr, NATIVE_CASTS: tl.constexpr,
+    OFFSETS_64: tl.constexpr,
     TOKEN_GROUP: tl.constexpr, RESIDUAL: tl.constexpr, RING: tl.constexpr,
 ):
     seq = tl.program_id(0) // num_q_tiles
@@ -371,10 +372,69 @@ def paged_attention_kernel(
         quantized = (tl.maximum(seq_len - RESIDUAL, 0) // TOKEN_GROUP) * TOKEN_GROUP
         sid = tl.load(seq_ids_ptr + seq).to(tl.int64)
         paged_hi = tl.minimum(hi, quantized)
-        for start in range(lo, paged_hi, BLOCK_N):
+        # whole tiles first: every position valid, so their loads go without masks; then the partial last tile
+        full_hi = lo + (tl.maximum(paged_hi - lo, 0) // BLOCK_N) * BLOCK_N
+        for start in range(lo, full_hi, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            blk = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE)
+            if OFFSETS_64:  # a cache tensor of 2 GiB or more: 64-bit byte offsets
+                blk = blk.to(tl.int64)
+            off = n % BLOCK_SIZE
+            k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
+            # 4 codes per byte: load the bytes, split them and interleave the codes back in element order
+            k_db = tl.arange(0, HEAD_PAD // 4)
+            k_byte = tl.load(k_row[:, None] + k_db[None, :], mask=(k_db < HEAD_SIZE // 4)[None, :], other=0).to(tl.uint32)
+            k_c0 = (k_byte >> 0) & 3
+            k_c1 = (k_byte >> 2) & 3
+            k_c2 = (k_byte >> 4) & 3
+            k_c3 = (k_byte >> 6) & 3
+            k_code = tl.reshape(tl.join(tl.join(k_c0, k_c2), tl.join(k_c1, k_c3)), [BLOCK_N, HEAD_PAD])
+            k_tile = k_decode(k_code)
+            # one scale and minimum per channel for the group of 32 tokens each row belongs to (same page)
+            k_grow = off // 32
+            k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (k_grow * NUM_KV_HEADS + head) * K_SCALE_CELL
+            k_zrow = k_cache_ptr + blk * K_ZP_PAGE + K_ZP_BASE + (k_grow * NUM_KV_HEADS + head) * K_ZP_CELL
+            k_gmask = dmask[None, :]
+            k_gs = k_scale_decode(tl.load((k_srow[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=k_gmask, other=0))
+            k_gm = k_zp_decode(tl.load((k_zrow[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=k_gmask, other=0))
+            k_tile = k_tile * k_gs + k_gm
+            k_op = k_tile
+            scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
+            visible = (n[None, :] <= q_pos[:, None])
+            visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay at zero
+            p = tl.exp2(scores - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
+            # 4 codes per byte: load the bytes, split them and interleave the codes back in element order
+            v_db = tl.arange(0, HEAD_PAD // 4)
+            v_byte = tl.load(v_row[:, None] + v_db[None, :], mask=(v_db < HEAD_SIZE // 4)[None, :], other=0).to(tl.uint32)
+            v_c0 = (v_byte >> 0) & 3
+            v_c1 = (v_byte >> 2) & 3
+            v_c2 = (v_byte >> 4) & 3
+            v_c3 = (v_byte >> 6) & 3
+            v_code = tl.reshape(tl.join(tl.join(v_c0, v_c2), tl.join(v_c1, v_c3)), [BLOCK_N, HEAD_PAD])
+            v_tile = v_decode(v_code)
+            v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
+            v_sidx = d // 32  # the scale of each element's group
+            v_scode = tl.load((v_srow[:, None] + v_sidx[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=dmask[None, :], other=0)
+            v_zrow = v_cache_ptr + blk * V_ZP_PAGE + V_ZP_BASE + (off * NUM_KV_HEADS + head) * V_ZP_CELL
+            v_min = v_zp_decode(tl.load((v_zrow[:, None] + v_sidx[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=dmask[None, :], other=0))
+            v_tile = v_tile * (v_scale_decode(v_scode))
+            v_tile = v_tile + v_min
+            v_op = v_tile
+            pv = mma(p, v_op, DOT_V, P_TERMS, V_TERMS)
+            acc = acc * alpha[:, None] + pv
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        for start in range(full_hi, paged_hi, BLOCK_N):  # at most one step
             n = start + tl.arange(0, BLOCK_N)
             n_mask = n < paged_hi
-            blk = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+            blk = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0)
+            if OFFSETS_64:  # a cache tensor of 2 GiB or more: 64-bit byte offsets
+                blk = blk.to(tl.int64)
             off = n % BLOCK_SIZE
             k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
             # 4 codes per byte: load the bytes, split them and interleave the codes back in element order

@@ -293,6 +293,7 @@ def paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_K: tl.constexpr, Q_TERMS: tl.constexpr, K_TERMS: tl.constexpr,
     DOT_V: tl.constexpr, P_TERMS: tl.constexpr, V_TERMS: tl.constexpr, NATIVE_CASTS: tl.constexpr,
+    OFFSETS_64: tl.constexpr,
 ):
     seq = tl.program_id(0) // num_q_tiles
     tile = tl.program_id(0) % num_q_tiles
@@ -333,10 +334,68 @@ def paged_attention_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
         paged_hi = hi
-        for start in range(lo, paged_hi, BLOCK_N):
+        # whole tiles first: every position valid, so their loads go without masks; then the partial last tile
+        full_hi = lo + (tl.maximum(paged_hi - lo, 0) // BLOCK_N) * BLOCK_N
+        for start in range(lo, full_hi, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            blk = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE)
+            if OFFSETS_64:  # a cache tensor of 2 GiB or more: 64-bit byte offsets
+                blk = blk.to(tl.int64)
+            off = n % BLOCK_SIZE
+            k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
+            k_code = tl.load(k_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
+            if DOT_K != 0:  # tensor-core dots: the code's value in their type
+                k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+            else:
+                k_tile = k_decode(k_code)
+            k_srow = k_meta_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
+            # one scale per 32 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
+            k_gi = tl.arange(0, HEAD_PAD // 32)
+            k_gmask = (k_gi < HEAD_SIZE // 32)[None, :]
+            k_scode = tl.load(k_srow[:, None] + k_gi[None, :], mask=k_gmask, other=0)
+            k_bs = k_scale_decode(k_scode)
+            k_tok = pow2_floor(tl.max(k_bs, axis=1))
+            k_ratio = k_bs * pow2_inv(k_tok)[:, None]
+            k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+            scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
+            scores = scores * k_tok[None, :]
+            visible = (n[None, :] <= q_pos[:, None])
+            visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay at zero
+            p = tl.exp2(scores - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
+            v_code = tl.load(v_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
+            if DOT_V != 0:  # tensor-core dots: the code's value in their type
+                v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+            else:
+                v_tile = v_decode(v_code)
+            v_srow = v_meta_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
+            # one scale per 32 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
+            v_gi = tl.arange(0, HEAD_PAD // 32)
+            v_gmask = (v_gi < HEAD_SIZE // 32)[None, :]
+            v_scode = tl.load(v_srow[:, None] + v_gi[None, :], mask=v_gmask, other=0)
+            v_bs = v_scale_decode(v_scode)
+            v_tok = pow2_floor(tl.max(v_bs, axis=1))
+            v_ratio = v_bs * pow2_inv(v_tok)[:, None]
+            v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+            # the per-position value factors enter the probabilities, relative to each query row's largest weight
+            # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
+            pw = p * v_tok[None, :]
+            pw_top = tl.max(pw, axis=1)
+            pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
+            pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
+            acc = acc * alpha[:, None] + pv
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        for start in range(full_hi, paged_hi, BLOCK_N):  # at most one step
             n = start + tl.arange(0, BLOCK_N)
             n_mask = n < paged_hi
-            blk = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+            blk = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0)
+            if OFFSETS_64:  # a cache tensor of 2 GiB or more: 64-bit byte offsets
+                blk = blk.to(tl.int64)
             off = n % BLOCK_SIZE
             k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
             k_code = tl.load(k_row[:, None] + d[None, :], mask=n_mask[:, None] & dmask[None, :], other=0)
