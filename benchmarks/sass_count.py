@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import kvgen  # noqa: E402
-from kvgen.runtime.kernels import ATTENTION_TILES  # noqa: E402
+from kvgen.runtime.kernels import attention_tiles  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 POINTER_TYPES = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "ml_ptr": "*fp32",
@@ -78,7 +78,7 @@ def opcode(line: str) -> str:
     return word.split(".")[0]
 
 
-def count(name: str) -> dict:
+def count(name: str, tile_override: dict | None = None) -> dict:
     fmt = kvgen.load(name)
     res = fmt.layout.RESIDUAL
     block = 2 * res["group"] if res else 16
@@ -91,7 +91,10 @@ def count(name: str) -> dict:
     dots["NATIVE_CASTS"] = True
     if "OFFSETS_64" in kset.module.paged_attention_kernel.arg_names:
         dots["OFFSETS_64"] = False  # a cache below 2 GiB
-    tiles = dict(ATTENTION_TILES.get(max(kset.module.CODE_BITS.values()), ATTENTION_TILES[None]))
+    os.environ["TRITON_INTERPRET"] = "0"
+    tiles = attention_tiles(kset.module.CODE_BITS, kset.module.DOT_OPERANDS, kset.block_scaled)
+    tiles.update(tile_override or {})
+    tiles.pop("programs_per_sm")
     block_n = tiles.pop("BLOCK_N")
     c = dict(consts, GROUP=4, BLOCK_M=16, BLOCK_Q=4, BLOCK_N=block_n, NUM_SPLITS=1, **dots)
     if res:
@@ -104,23 +107,34 @@ def count(name: str) -> dict:
         f.flush()
         sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
                               check=True).stdout
+        usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout
     loop = main_loop(sass)
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    smem = kernel.metadata.shared
+    warps = tiles.get("num_warps", 4)
+    # programs resident per SM on sm_90: 64K registers (allocated per warp in units of 256), 228 KiB shared memory
+    # (1 KiB reserved per block), at most 32 blocks
+    per_warp = -(-regs * 32 // 256) * 256
+    occupancy = min(65536 // (per_warp * warps), (228 * 1024) // (smem + 1024) if smem else 32, 32)
     ops = collections.Counter(opcode(line) for line in loop)
     bytes_per_position = fmt.page_bytes(block, 8, 128) / block / 8
     return dict(format=name, block_n=block_n, per_position=len(loop) / block_n, bytes=bytes_per_position,
-                per_byte=len(loop) / block_n / bytes_per_position, spills=(ops["STL"] + ops["LDL"]) / block_n,
+                per_byte=len(loop) / block_n / bytes_per_position, regs=regs, smem=smem, occupancy=occupancy,
+                spills=(ops["STL"] + ops["LDL"]) / block_n,
                 mix=ops.most_common(8))
 
 
 def main() -> int:
     names = sys.argv[1:] or kvgen.shipped_names()
-    print("| format | instructions / position | bytes / position | instructions / byte | spill ld+st / position | "
-          "most frequent |")
-    print("|---|---|---|---|---|---|")
+    print("| format | instructions / position | bytes / position | instructions / byte | registers | shared KiB | "
+          "programs / SM | spill ld+st / position | most frequent |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in names:
         r = count(name)
         mix = ", ".join(f"{op} {n / r['block_n']:.1f}" for op, n in r["mix"])
-        print(f"| {name} | {r['per_position']:.1f} | {r['bytes']:.0f} | {r['per_byte']:.3f} | {r['spills']:.1f} | {mix} |",
+        print(f"| {name} | {r['per_position']:.1f} | {r['bytes']:.0f} | {r['per_byte']:.3f} | {r['regs']} | "
+              f"{r['smem'] / 1024:.0f} | {r['occupancy']} | {r['spills']:.1f} | {mix} |",
               flush=True)
     return 0
 

@@ -1,10 +1,16 @@
-"""Tile experiment (issue 5): decode time at 64 x 8192 and 4 x 65536 for each tile choice (KV positions per step /
-warps / pipeline stages), for the formats named on the command line. On a GPU:
+"""Tile experiment (issue 5): decode time for each tile choice (KV positions per step / warps / pipeline stages /
+register cap), per format and shape. On a GPU:
 
     python benchmarks/tune_tiles.py bf16 fp8_e4m3 int8_per_token_head
+    python benchmarks/tune_tiles.py fp8_e4m3 --configs 128/4/2 128/4/2/128 --programs-per-sm 4 8
 
-The choice the runtime makes is kvgen.runtime.kernels.ATTENTION_TILES; this script overrides it per run.
+A config is BLOCK_N/num_warps/num_stages[/maxnreg]; a register cap below the compiler's choice (255 for most
+generated kernels) lets more programs share an SM, at the price of spills (`python benchmarks/sass_count.py` counts
+both without a GPU). --programs-per-sm sets the split-KV target. The choice the runtime makes is
+kvgen.runtime.kernels.attention_tiles (rules in ATTENTION_TILES); this script overrides it (TILE_OVERRIDE) per run and prints one markdown
+row per (format, shape) with time and fraction of copy bandwidth per config.
 """
+import argparse
 import sys
 from pathlib import Path
 
@@ -13,18 +19,45 @@ from kvgen.runtime import kernels as K
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
-copy = bench.copy_bandwidth()
-configs = [dict(BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_N=128, num_warps=4, num_stages=3),
-           dict(BLOCK_N=128, num_warps=8, num_stages=3), dict(BLOCK_N=64, num_warps=4, num_stages=4),
-           dict(BLOCK_N=128, num_warps=4, num_stages=2), dict(BLOCK_N=32, num_warps=4, num_stages=4)]
-for name in sys.argv[1:]:
-    fmt = kvgen.load(name)
-    for shape in [(64, 8192), (4, 65536)]:
-        fn, moved = bench.decode_case(fmt, *shape, 16)
-        res = []
-        for c in configs:
-            K.ATTENTION_TILES.clear()
-            K.ATTENTION_TILES[None] = c
-            t = bench.bench(fn)
-            res.append(f"{c['BLOCK_N']}/{c['num_warps']}/{c['num_stages']}: {t*1e6:.0f}us {moved/t/copy*100:.0f}%")
-        print(name, shape, " | ".join(res), flush=True)
+
+DEFAULT_CONFIGS = ["64/4/3", "128/4/3", "128/8/3", "64/4/4", "128/4/2", "32/4/4"]
+
+
+def parse(config: str) -> dict:
+    parts = [int(x) for x in config.split("/")]
+    c = dict(BLOCK_N=parts[0], num_warps=parts[1], num_stages=parts[2])
+    if len(parts) > 3:
+        c["maxnreg"] = parts[3]
+    return c
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("formats", nargs="+")
+    ap.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS)
+    ap.add_argument("--programs-per-sm", nargs="+", type=int, default=[4])
+    ap.add_argument("--shapes", nargs="+", default=["64x8192", "4x65536"])
+    args = ap.parse_args()
+    copy = bench.copy_bandwidth()
+    cols = [(c, pps) for pps in args.programs_per_sm for c in args.configs]
+    print(f"copy bandwidth {copy / 1e9:.0f} GB/s")
+    print("| format | shape | " + " | ".join(f"{c} pps {pps}" for c, pps in cols) + " |")
+    print("|---|---|" + "---|" * len(cols))
+    for name in args.formats:
+        fmt = kvgen.load(name)
+        for shape in args.shapes:
+            seqs, ctx = (int(x) for x in shape.split("x"))
+            fn, moved = bench.decode_case(fmt, seqs, ctx, 32 if fmt.spec.streaming else 16)
+            res = []
+            for c, pps in cols:
+                K.TILE_OVERRIDE = dict(parse(c), programs_per_sm=pps)
+                try:
+                    t = bench.bench(fn)
+                    res.append(f"{t * 1e6:.0f} ({moved / t / copy * 100:.0f}%)")
+                except Exception as e:  # a config the compiler rejects (shared memory, registers)
+                    res.append(f"failed: {type(e).__name__}")
+            print(f"| {name} | {shape} | " + " | ".join(res) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

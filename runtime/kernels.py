@@ -36,12 +36,39 @@ def _choose_mode() -> None:
         os.environ["TRITON_INTERPRET"] = "1"
 
 
-# KV positions per attention step and the launch's warps and pipeline stages on a GPU, by the widest stored element
-# of the format (measured on the H200 with benchmarks/tune_tiles.py: benchmarks/RESULTS.md); the interpreter takes
-# 128 positions per step.
-ATTENTION_TILES = {8: {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2},
-                   None: {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}}
+# Launch configuration of the attention kernel on a GPU, chosen by what shapes the kernel's work: the widest of its
+# stored codes in bits, the fp16 terms per dot operand (DOT_OPERANDS) and whether block scales enter the operand. First
+# matching rule wins (None matches anything). BLOCK_N: KV positions per step; maxnreg: a register cap (the compiler
+# otherwise takes 255 registers, two programs per SM), programs_per_sm: the split-KV target. Measured on the H200 with
+# benchmarks/tune_tiles.py at 64 x 8192 and 4 x 65536 (benchmarks/RESULTS.md, 2026-11-30); the formats named were
+# measured, the others follow their rule. The interpreter takes 128 positions per step.
+ATTENTION_TILES = (
+    # code bits, dot terms, block scales -> tiles
+    ((16, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)),  # bf16
+    ((8, 1, False), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # fp8, int8 (token)
+    ((8, 1, True), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # mxfp8
+    ((8, 2, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=8)),  # q8_0 (hi + lo operands)
+    ((4, 1, True), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)),  # nvfp4
+    ((None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=4)),  # the rest: not tuned yet
+)
 INTERPRETER_TILES = {"BLOCK_N": 128}
+# experiments and tests: tiles used for every format instead of the rules above (None: the rules)
+TILE_OVERRIDE: dict | None = None
+
+
+def attention_tiles(code_bits: dict, dot_operands: dict, block_scaled: bool) -> dict:
+    """The launch configuration of a format's attention kernel (a new dict: BLOCK_N, num_warps, num_stages, optional
+    maxnreg, programs_per_sm)."""
+    if interpreting():
+        return dict(INTERPRETER_TILES, programs_per_sm=4)
+    if TILE_OVERRIDE is not None:
+        return dict({"programs_per_sm": 4}, **TILE_OVERRIDE)
+    bits = max(code_bits.values())
+    terms = max(t for _, t, _ in dot_operands.values())
+    for (r_bits, r_terms, r_block), tiles in ATTENTION_TILES:
+        if (r_bits in (None, bits)) and (r_terms in (None, terms)) and (r_block in (None, block_scaled)):
+            return dict(tiles)
+    raise AssertionError("the last rule matches every kernel")
 
 
 _CAPABILITY: dict = {}
@@ -64,8 +91,9 @@ def _next_pow2(x: int) -> int:
 class KernelSet:
     """The kernels module of one generated package, imported on first use."""
 
-    def __init__(self, package: types.ModuleType):
+    def __init__(self, package: types.ModuleType, block_scaled: bool = False):
         self.package = package
+        self.block_scaled = block_scaled  # a side's scale covers blocks of elements: enters the tile choice
         self._module = None
         self._dot_modes: dict = {}  # (query dtype, precision, rotated keys, head pad, device) -> constexprs
 
@@ -146,16 +174,16 @@ class KernelSet:
         max_rows = 128 if interpreting() else 64
         block_m = max(16, _next_pow2(group * min(max_query_len, max(1, max_rows // group))))
         block_q = max(1, block_m // group)
-        bits = max(self.module.CODE_BITS.values())
-        tiles = dict(ATTENTION_TILES.get(bits, ATTENTION_TILES[None]) if not interpreting() else INTERPRETER_TILES)
+        tiles = attention_tiles(self.module.CODE_BITS, self.module.DOT_OPERANDS, self.block_scaled)
         block_n = tiles.pop("BLOCK_N")
+        programs_per_sm = tiles.pop("programs_per_sm")
         num_q_tiles = triton_cdiv(max_query_len, block_q)
         num_seqs = seq_lens.shape[0]
         # an upper bound of the KV length without reading seq_lens back: what the block table can address
         max_kv = block_table.shape[1] * consts["BLOCK_SIZE"] if max_seq_len is None else max_seq_len
         if num_splits is None:
             num_splits = self._splits(num_seqs * num_q_tiles * consts["NUM_KV_HEADS"], max_kv, num_tokens,
-                                      num_q_heads, consts["HEAD_PAD"], query.device)
+                                      num_q_heads, consts["HEAD_PAD"], query.device, programs_per_sm)
         chunk = triton_cdiv(triton_cdiv(max(max_kv, 1), num_splits), block_n) * block_n
         key = (query.dtype, dot_precision, rotated_keys, consts["HEAD_PAD"], query.device)
         dots = self._dot_modes.get(key)
@@ -207,15 +235,15 @@ class KernelSet:
     _SMS: dict = {}
 
     def _splits(self, programs: int, max_kv: int, num_tokens: int, num_q_heads: int, head_pad: int,
-                device: torch.device) -> int:
-        """KV splits per program so that the grid fills the GPU (flash decoding): about four programs per SM,
+                device: torch.device, programs_per_sm: int = 4) -> int:
+        """KV splits per program so that the grid fills the GPU (flash decoding): about programs_per_sm per SM,
         each split at least 512 positions, partial results at most 64 MiB. 1 in the interpreter."""
         if interpreting():
             return 1
         sms = self._SMS.get(device.index)
         if sms is None:
             sms = self._SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-        splits = min(triton_cdiv(4 * sms, programs), max(1, max_kv // 512))
+        splits = min(triton_cdiv(programs_per_sm * sms, programs), max(1, max_kv // 512))
         splits = min(splits, max(1, (64 << 20) // (num_tokens * num_q_heads * head_pad * 4)))
         return max(1, splits)
 

@@ -31,7 +31,7 @@ def small_tiles(monkeypatch):
     from kvgen.runtime import kernels
 
     monkeypatch.setattr(kernels, "INTERPRETER_TILES", {"BLOCK_N": 32})
-    monkeypatch.setattr(kernels, "ATTENTION_TILES", {None: {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}})
+    monkeypatch.setattr(kernels, "TILE_OVERRIDE", {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2})
 
 
 
