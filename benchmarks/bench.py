@@ -75,7 +75,9 @@ def decode_case(fmt, num_seqs: int, ctx: int, block_size: int, head_size: int = 
     seq_lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
     qsl = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda") * q_len
     q = torch.randn(num_seqs * q_len, HQ, head_size, dtype=torch.bfloat16, device="cuda")
-    kwargs = dict(max_query_len=q_len, dot_precision=DOT)
+    # --dot-precision quantized: formats that do not offer it run their default
+    dot = "auto" if DOT == "quantized" and not any(fmt.quantized_dot.values()) else DOT
+    kwargs = dict(max_query_len=q_len, dot_precision=dot)
     if fmt.spec.streaming:
         kwargs["seq_ids"] = torch.arange(num_seqs, dtype=torch.int32, device="cuda")
     bytes_read = num_blocks * fmt.page_bytes(block_size, HKV, head_size)
@@ -154,8 +156,9 @@ def main() -> int:
     parser.add_argument("--formats", nargs="*", default=None)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent))
     parser.add_argument("--no-sweep", action="store_true")
-    parser.add_argument("--dot-precision", choices=["auto", "ieee"], default="auto",
-                        help="attention dots: tensor cores where products stay exact (default), or exact fp32")
+    parser.add_argument("--dot-precision", choices=["auto", "ieee", "quantized"], default="auto",
+                        help="attention dots: tensor cores where products stay exact (default), exact fp32, or the "
+                             "quantized compute domain where the format offers it")
     parser.add_argument("--replot", metavar="JSON", help="only redraw the chart of an earlier run's results.json")
     args = parser.parse_args()
     if args.replot:

@@ -30,6 +30,16 @@ class Codec:
     summary: str  # one line for the generated header
 
     @property
+    def quantized_dot(self) -> str:
+        """The tensor-core type the codes themselves are, for attention in the quantized domain (the query and the
+        probabilities quantized to it): "int8", "fp8_e4m3", or "" when the codes are not such a type."""
+        if self.name == "fp8_e4m3":
+            return "fp8_e4m3"
+        if self.params.get("signed") and self.bits == 8:
+            return "int8"
+        return ""
+
+    @property
     def unit(self) -> str:
         return {32: "tl.uint32", 16: "tl.uint16"}.get(self.bits, "tl.uint8")
 

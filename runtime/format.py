@@ -68,7 +68,8 @@ class Format:
         self.package = package
         self.layout = layout
         self.source = source  # where it was loaded from
-        self._kernels = KernelSet(package)
+        self._kernels = KernelSet(package, block_scaled=any(
+            side.scale is not None and side.scale.block is not None for side in (spec.key, spec.value)))
         self._consts: dict = {}
         self._tensor_of: dict = {}
         self.spec_hash = spec.spec_hash()  # computed once: write() and attend() compare it on every call
@@ -305,6 +306,13 @@ class Format:
             max_query_len = int((qsl[1:] - qsl[:-1]).max()) if n else 0
         return max(max_query_len, 1)
 
+    @property
+    def quantized_dot(self) -> dict:
+        """Per side ("key", "value"), the type its dots run on under ``dot_precision="quantized"``: "int8",
+        "fp8_e4m3", or "" for a side that keeps its exact dots."""
+        q = self._kernels.module.QUANTIZED_DOT
+        return {"key": q["k"], "value": q["v"]}
+
     def attend(self, query: torch.Tensor, cache: KVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
                query_start_loc: torch.Tensor, *, sm_scale: Optional[float] = None,
                sliding_window: Optional[int] = None, max_query_len: Optional[int] = None,
@@ -323,7 +331,10 @@ class Format:
 
         ``dot_precision``: ``"auto"`` (default) uses tensor-core dots wherever the format's operands make every
         product exact (fp16 or bf16 values, scales applied to the scores and probabilities per row), else exact fp32
-        dots; ``"ieee"`` always exact fp32 dots (slow on a GPU). ``max_seq_len`` (optional) bounds the KV length
+        dots; ``"ieee"`` always exact fp32 dots (slow on a GPU); ``"quantized"`` computes in the cache's quantized
+        domain where the format offers it (``quantized_dot``): the query quantized per row to the key codes' type
+        (int8 or fp8 e4m3) for dots on the key codes, and for int8 values the probabilities quantized per row to
+        int8 for dots on the value codes; faster, at an accuracy cost (docs/accuracy.md). ``max_seq_len`` (optional) bounds the KV length
         for splitting long sequences across programs (default: what the block table can address); ``num_splits``
         overrides that split (1 = none).
         """
@@ -348,8 +359,11 @@ class Format:
             raise ValueError(f"query_start_loc: needs num_seqs + 1 = {num_seqs + 1} entries, got "
                              f"{query_start_loc.shape[0]}")
         sliding_window = checks.optional_positive_int("sliding_window", sliding_window)
-        if dot_precision not in ("auto", "ieee"):
-            raise ValueError(f"dot_precision: expected 'auto' or 'ieee', got {dot_precision!r}")
+        if dot_precision not in ("auto", "ieee", "quantized"):
+            raise ValueError(f"dot_precision: expected 'auto', 'ieee' or 'quantized', got {dot_precision!r}")
+        if dot_precision == "quantized" and not any(self.quantized_dot.values()):
+            raise ValueError(f"dot_precision: 'quantized' needs int8 or fp8 e4m3 codes with no zero point and no "
+                             f"block scales on the key or value side; format {self.name} has neither")
         max_seq_len = checks.optional_positive_int("max_seq_len", max_seq_len)
         num_splits = checks.optional_positive_int("num_splits", num_splits)
         max_query_len = checks.optional_positive_int("max_query_len", max_query_len)

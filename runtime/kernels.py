@@ -220,6 +220,8 @@ class KernelSet:
         probabilities (rounded to what the query dtype's tolerance allows: 8, 11 or 22 bits). Otherwise, under
         ``dot_precision="ieee"``, and for bf16 dots in the interpreter (which cannot compute them), exact fp32 dots.
         """
+        if dot_precision == "quantized":
+            return self._quantized_dot_modes(query_dtype, rotated_keys, head_pad, device)
         q_bits = 22 if rotated_keys or query_dtype == torch.float32 else (8 if query_dtype == torch.bfloat16 else 11)
         p_bits = {torch.float32: 22, torch.float16: 11}.get(query_dtype, 8)
         modes = {"NATIVE_CASTS": native_fp8(device)}
@@ -230,6 +232,20 @@ class KernelSet:
                      or (dtype == "bf16" and interpreting()))
             modes.update({f"DOT_{side}": 0 if exact else {"fp16": 1, "bf16": 2}[dtype],
                           f"{x}_TERMS": 1 if exact else x_terms, f"{side}_TERMS": 1 if exact else terms})
+        return modes
+
+    def _quantized_dot_modes(self, query_dtype: torch.dtype, rotated_keys: bool, head_pad: int,
+                             device: torch.device | None) -> dict:
+        """dot_precision="quantized": DOT 3 (int8) / 4 (fp8 e4m3) on the sides whose codes are such a type
+        (QUANTIZED_DOT), the exact choice of "auto" on the other. Their dots reduce over the head (keys) and over
+        the positions of a step (values): at least 32 of them, what one int8 / fp8 tensor-core step takes."""
+        modes = self.dot_modes(query_dtype, "auto", rotated_keys, head_pad, device)
+        reduce = {"k": head_pad, "v": 32}  # the runtime's steps take at least 32 positions on a GPU
+        for side, x in (("k", "Q"), ("v", "P")):
+            kind = self.module.QUANTIZED_DOT[side]
+            if kind and reduce[side] >= 32:
+                modes.update({f"DOT_{side.upper()}": 3 if kind == "int8" else 4, f"{x}_TERMS": 1,
+                              f"{side.upper()}_TERMS": 1})
         return modes
 
     _SMS: dict = {}

@@ -15,6 +15,8 @@ import triton.language as tl
 # Triton 3.6 computed wrong fp16 dots from the unpacked codes). The runtime picks the dot mode from these.
 CODE_BITS = {"k": 8, "v": 8}  # bits per stored element: the runtime's tile choice
 DOT_OPERANDS = {"k": ("fp16", 1, 16), "v": ("fp16", 1, 16)}
+# dot_precision="quantized": per side, the type of the codes the dots then run on ("": that side keeps its dots)
+QUANTIZED_DOT = {"k": "int8", "v": "int8"}
 
 # ---------------------------------------------------------------------------------------------------------------
 # Codecs. key: int8, round half away from zero, clamp to [-128, 127]; scales fp32 per token and head, inline
@@ -44,6 +46,12 @@ def k_decode_dot(code, NATIVE: tl.constexpr):
     u = code.to(tl.uint16) & 255
     u = u ^ 128
     return (u | 0x6400).to(tl.float16, bitcast=True) - 1152.0
+
+
+@triton.jit
+def k_as_qdot(code):
+    # the stored code as int8, bit for bit: an operand of the quantized compute domain's tensor-core dots
+    return code.to(tl.uint8).to(tl.int8, bitcast=True)
 
 
 @triton.jit
@@ -78,6 +86,12 @@ def v_decode_dot(code, NATIVE: tl.constexpr):
     u = code.to(tl.uint16) & 255
     u = u ^ 128
     return (u | 0x6400).to(tl.float16, bitcast=True) - 1152.0
+
+
+@triton.jit
+def v_as_qdot(code):
+    # the stored code as int8, bit for bit: an operand of the quantized compute domain's tensor-core dots
+    return code.to(tl.uint8).to(tl.int8, bitcast=True)
 
 
 @triton.jit
@@ -189,8 +203,15 @@ def mma(a, b, DOT: tl.constexpr, A_TERMS: tl.constexpr, B_TERMS: tl.constexpr):
     # a @ b in fp32. DOT 0: exact fp32 products without tensor cores. DOT 1 / 2: tensor-core dots in fp16 / bf16 of
     # a = a_hi + a_lo (A_TERMS 2) and b = b_hi + b_lo (B_TERMS 2), the lo * lo term dropped. The callers pass
     # operands the type holds exactly in that many terms, so every product is exact and only the fp32 sums round.
+    # DOT 3 / 4 (dot_precision="quantized"): a and b are already int8 / fp8 e4m3 codes.
     if DOT == 0:
         r = tl.dot(a, b, input_precision="ieee")
+    elif DOT == 3:  # quantized domain: int8 operands, exact int32 sums (below 2**24: exact in fp32 too)
+        r = tl.dot(a, b, out_dtype=tl.int32).to(tl.float32)
+    elif DOT == 4:
+        # quantized domain: fp8 e4m3 operands, as (b^T a^T)^T so that b's rows (the KV positions) are the M dimension:
+        # Hopper's fp8 tensor cores need 64 of them, and a tile has only 16 query rows
+        r = tl.trans(tl.dot(tl.trans(b), tl.trans(a), out_dtype=tl.float32))
     else:
         if DOT == 1:
             a_hi = a.to(tl.float16)
@@ -282,6 +303,13 @@ def paged_attention_kernel(
         q_norm = pow2_floor(tl.max(tl.abs(q), axis=1))
         q = q * pow2_inv(q_norm)[:, None]
         row_scale = q_norm * qk_scale
+        if DOT_K >= 3:
+            # quantized domain: the query in the key codes' type (int8), one step per row that maps the row's
+            # largest to 127.0, rounded like a key; the step joins the row's scale
+            q_top = tl.max(tl.abs(q), axis=1)
+            q_step = tl.where(q_top > 0.0, tl.math.div_rn(q_top, 127.0), 1.0)
+            q = k_as_qdot(k_encode(tl.math.div_rn(q, q_step[:, None])))
+            row_scale = row_scale * q_step
 
         # KV positions this program reads: [lo, hi), the tile's causal and window range within the split's chunk
         last_q = tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1
@@ -305,7 +333,9 @@ def paged_attention_kernel(
             off = n % BLOCK_SIZE
             k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
             k_code = tl.load(k_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
-            if DOT_K != 0:  # tensor-core dots: the code's value in their type
+            if DOT_K >= 3:  # quantized domain: the codes themselves are the operand
+                k_tile = k_as_qdot(k_code)
+            elif DOT_K != 0:  # tensor-core dots: the code's value in their type
                 k_tile = k_decode_dot(k_code, NATIVE_CASTS)
             else:
                 k_tile = k_decode(k_code)
@@ -325,7 +355,9 @@ def paged_attention_kernel(
             alpha = tl.exp2(m_i - m_safe)
             v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
             v_code = tl.load(v_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
-            if DOT_V != 0:  # tensor-core dots: the code's value in their type
+            if DOT_V >= 3:  # quantized domain: the codes themselves are the operand
+                v_tile = v_as_qdot(v_code)
+            elif DOT_V != 0:  # tensor-core dots: the code's value in their type
                 v_tile = v_decode_dot(v_code, NATIVE_CASTS)
             else:
                 v_tile = v_decode(v_code)
@@ -334,12 +366,21 @@ def paged_attention_kernel(
             v_scode = tl.load(v_srow.to(tl.pointer_type(tl.uint32)))
             v_op = v_tile
             v_tok = v_scale_decode(v_scode)
-            # the per-position value factors enter the probabilities, relative to each query row's largest weight
-            # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
-            pw = p * v_tok[None, :]
-            pw_top = tl.max(pw, axis=1)
-            pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
-            pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
+            if DOT_V >= 3:
+                # quantized domain: the probabilities times the per-position value scales in int8, per query row
+                # and step: the row's largest maps to 127.0; an int8 dot with the value codes, then the row's step
+                pw = p * v_tok[None, :]
+                pw_top = tl.max(pw, axis=1)
+                pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
+                p_code = v_as_qdot(v_encode(pw * tl.math.div_rn(127.0, pw_top)[:, None]))
+                pv = mma(p_code, v_op, DOT_V, 1, 1) * (pw_top * 0.007874015748031496)[:, None]
+            else:
+                # the per-position value factors enter the probabilities, relative to each query row's largest weight
+                # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
+                pw = p * v_tok[None, :]
+                pw_top = tl.max(pw, axis=1)
+                pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
+                pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
             acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
@@ -352,7 +393,9 @@ def paged_attention_kernel(
             off = n % BLOCK_SIZE
             k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
             k_code = tl.load(k_row[:, None] + d[None, :], mask=n_mask[:, None] & dmask[None, :], other=0)
-            if DOT_K != 0:  # tensor-core dots: the code's value in their type
+            if DOT_K >= 3:  # quantized domain: the codes themselves are the operand
+                k_tile = k_as_qdot(k_code)
+            elif DOT_K != 0:  # tensor-core dots: the code's value in their type
                 k_tile = k_decode_dot(k_code, NATIVE_CASTS)
             else:
                 k_tile = k_decode(k_code)
@@ -372,7 +415,9 @@ def paged_attention_kernel(
             alpha = tl.exp2(m_i - m_safe)
             v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
             v_code = tl.load(v_row[:, None] + d[None, :], mask=n_mask[:, None] & dmask[None, :], other=0)
-            if DOT_V != 0:  # tensor-core dots: the code's value in their type
+            if DOT_V >= 3:  # quantized domain: the codes themselves are the operand
+                v_tile = v_as_qdot(v_code)
+            elif DOT_V != 0:  # tensor-core dots: the code's value in their type
                 v_tile = v_decode_dot(v_code, NATIVE_CASTS)
             else:
                 v_tile = v_decode(v_code)
@@ -381,12 +426,21 @@ def paged_attention_kernel(
             v_scode = tl.load(v_srow.to(tl.pointer_type(tl.uint32)), mask=n_mask, other=0)
             v_op = v_tile
             v_tok = v_scale_decode(v_scode)
-            # the per-position value factors enter the probabilities, relative to each query row's largest weight
-            # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
-            pw = p * tl.where(n_mask, v_tok, 0.0)[None, :]
-            pw_top = tl.max(pw, axis=1)
-            pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
-            pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
+            if DOT_V >= 3:
+                # quantized domain: the probabilities times the per-position value scales in int8, per query row
+                # and step: the row's largest maps to 127.0; an int8 dot with the value codes, then the row's step
+                pw = p * tl.where(n_mask, v_tok, 0.0)[None, :]
+                pw_top = tl.max(pw, axis=1)
+                pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
+                p_code = v_as_qdot(v_encode(pw * tl.math.div_rn(127.0, pw_top)[:, None]))
+                pv = mma(p_code, v_op, DOT_V, 1, 1) * (pw_top * 0.007874015748031496)[:, None]
+            else:
+                # the per-position value factors enter the probabilities, relative to each query row's largest weight
+                # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
+                pw = p * tl.where(n_mask, v_tok, 0.0)[None, :]
+                pw_top = tl.max(pw, axis=1)
+                pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
+                pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
             acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
