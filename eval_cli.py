@@ -50,7 +50,11 @@ def _fmt_bytes(b: float) -> str:
 @click.option("--backend", type=click.Choice(["auto", "reference", "kernels"]), default="auto", show_default=True,
               help="Where the attention output comes from: the format's generated kernels (auto: when a GPU is "
                    "present; on a CPU they run interpreted, slowly) or float64 attention on the reference decoding.")
-def eval_cmd(specs, contexts, seeds, as_json, png, backend):
+@click.option("--dot-precision", type=click.Choice(["auto", "ieee", "quantized"]), default="auto", show_default=True,
+              help="With --backend kernels: the attention's dots. quantized: int8 dots on int8 codes with the query "
+                   "and probabilities quantized per row (formats without int8 codes run auto); its accuracy cost "
+                   "is the difference to auto.")
+def eval_cmd(specs, contexts, seeds, as_json, png, backend, dot_precision):
     """Accuracy of KV-cache formats: attention error on synthetic K/V, through the kernels on a GPU, else the
     NumPy reference.
 
@@ -67,6 +71,7 @@ def eval_cmd(specs, contexts, seeds, as_json, png, backend):
       kvgen eval fp8_e4m3 int4_per_token_head --context 65536 --seeds 1
       kvgen eval my_format.yaml int8_per_token_head --json
       kvgen eval --png accuracy.png
+      kvgen eval int8_per_token_head --backend kernels --dot-precision quantized   # cost of the int8 domain
     """
     from .evaluate import draw_png, evaluate, resolve_backend, resolve_format
     from .runtime.loader import shipped_names
@@ -83,7 +88,7 @@ def eval_cmd(specs, contexts, seeds, as_json, png, backend):
         def step(name, ctx, seed):
             prog.update(task, advance=1, description=f"{name} @ {ctx:,} seed {seed}")
 
-        rows = evaluate(names, ctxs, seeds, progress=step, backend=backend)
+        rows = evaluate(names, ctxs, seeds, progress=step, backend=backend, dot_precision=dot_precision)
     if png:
         draw_png(rows, png)
     if as_json:
@@ -93,6 +98,8 @@ def eval_cmd(specs, contexts, seeds, as_json, png, backend):
     if not console.is_terminal:  # piped output: room for every column
         console.width = max(console.width, 120)
     where = "generated kernels" if resolve_backend(backend) == "kernels" else "NumPy reference"
+    if dot_precision != "auto":
+        where += f", dot_precision={dot_precision}"
     t = Table(title=f"Attention accuracy vs fp32 K/V (synthetic, {seeds} seed(s); means; attention by the {where})")
     t.add_column("format", no_wrap=True)
     t.add_column("B/token-head", justify="right")

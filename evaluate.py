@@ -261,7 +261,8 @@ def resolve_backend(backend: str) -> str:
 
 
 def evaluate(formats: Optional[Sequence[str]] = None, contexts: Iterable[int] = (1024, 4096), seeds: int = 3,
-             progress: Optional[Callable[[str, int, int], None]] = None, backend: str = "auto") -> list[dict]:
+             progress: Optional[Callable[[str, int, int], None]] = None, backend: str = "auto",
+             dot_precision: str = "auto") -> list[dict]:
     """One row per (format, context): ``format``, ``source``, ``backend``, ``bytes_per_token_head``, ``context``,
     ``seeds``, the mean of every metric over seeds, ``per_seed`` (each metric per seed), and for KIVI
     ``quantized_fraction`` (the share of positions stored quantized; the rest are in the bf16 residual window).
@@ -270,11 +271,18 @@ def evaluate(formats: Optional[Sequence[str]] = None, contexts: Iterable[int] = 
     output from the format's generated kernels (kvgen.evaluate_kernels: written by its reshape-and-cache kernel,
     read by its paged attention, fp32 queries), while top-k agreement and the K / V errors still come from the
     reference decoding (the kernels store the same bytes: the conformance property); ``auto`` picks the kernels
-    where a GPU is present. ``progress(format, context, seed)`` is called after every format x context x seed step."""
+    where a GPU is present. ``dot_precision`` (kernels only): the attention's dots, as ``Format.attend`` takes it;
+    "quantized" applies to the formats that offer it (the others run "auto"). ``progress(format, context, seed)``
+    is called after every format x context x seed step."""
     from . import reference as R
     from .runtime.loader import shipped_names
 
     backend = resolve_backend(backend)
+    if dot_precision not in ("auto", "ieee", "quantized"):
+        raise EvalError(f"dot_precision: expected auto, ieee or quantized, got {dot_precision!r}")
+    if dot_precision != "auto" and backend != "kernels":
+        raise EvalError(f"dot_precision: {dot_precision!r} applies to the kernels backend (--backend kernels); "
+                        "the reference attends in float64")
     names = list(formats) if formats else list(shipped_names())
     fmts = [resolve_format(n) for n in names]
     contexts = list(contexts)
@@ -289,7 +297,7 @@ def evaluate(formats: Optional[Sequence[str]] = None, contexts: Iterable[int] = 
                 if backend == "kernels":
                     from .evaluate_kernels import kernel_attention
 
-                    out = kernel_attention(f.source, q, k, v)
+                    out = kernel_attention(f.source, q, k, v, dot_precision=dot_precision)
                 m = attention_metrics(out, top, out_ref, top_ref)
                 m["key_rel"] = rel_err(kq, k)
                 m["value_rel"] = rel_err(vq, v)

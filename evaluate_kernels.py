@@ -22,9 +22,10 @@ def default_device() -> str:
 
 
 def kernel_attention(source: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, chunk: int = 4096,
-                     device: str | None = None) -> np.ndarray:
+                     device: str | None = None, dot_precision: str = "auto") -> np.ndarray:
     """Attention output ``[Hq, n, D]`` (float64) of queries ``q`` ``[Hq, n, D]`` over all T positions of ``k`` /
-    ``v`` ``[T, H, D]`` (float32), through the kernels of format ``source`` (name, directory or spec .yaml)."""
+    ``v`` ``[T, H, D]`` (float32), through the kernels of format ``source`` (name, directory or spec .yaml).
+    ``dot_precision`` as ``Format.attend``; "quantized" falls back to "auto" for a format that does not offer it."""
     import torch
 
     from .evaluate import calibrated_scale
@@ -61,7 +62,10 @@ def kernel_attention(source: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, c
             fmt.write(cache, key, value, slots)
     query = torch.from_numpy(np.ascontiguousarray(q.transpose(1, 0, 2)).astype(np.float32)).to(device)
     extra = {"seq_ids": torch.zeros(n, dtype=torch.int32, device=device)} if residual else {}
+    if dot_precision == "quantized" and not any(fmt.quantized_dot.values()):
+        dot_precision = "auto"
     out = fmt.attend(query, cache, table.expand(n, num_blocks).contiguous(),
                      torch.full((n,), T, dtype=torch.int32, device=device),
-                     torch.arange(n + 1, dtype=torch.int32, device=device), max_query_len=1, **extra)
+                     torch.arange(n + 1, dtype=torch.int32, device=device), max_query_len=1,
+                     dot_precision=dot_precision, **extra)
     return out.double().cpu().numpy().transpose(1, 0, 2)

@@ -1,6 +1,6 @@
 """Static instruction counts of the generated attention kernels for the H200 (sm_90), without a GPU.
 
-    python benchmarks/sass_count.py [FORMAT ...]        # default: every shipped format
+    python benchmarks/sass_count.py [--quantized] [FORMAT ...]   # default: every shipped format
 
 Compiles each format's paged_attention_kernel for sm_90 with Triton's own ptxas (the decode configuration the
 runtime picks for bf16 queries: 32 query heads over 8 KV heads, head size 128, block size 16, no split), finds the
@@ -78,7 +78,7 @@ def opcode(line: str) -> str:
     return word.split(".")[0]
 
 
-def count(name: str, tile_override: dict | None = None) -> dict:
+def count(name: str, tile_override: dict | None = None, dot_precision: str = "auto") -> dict:
     fmt = kvgen.load(name)
     res = fmt.layout.RESIDUAL
     block = 2 * res["group"] if res else 16
@@ -87,12 +87,13 @@ def count(name: str, tile_override: dict | None = None) -> dict:
         cache = fmt.allocate(4, block, 8, 128, **({"max_seqs": 1} if res else {}))
     _, consts = fmt._kernel_args(cache)
     kset = fmt._kernels
-    dots = kset.dot_modes(torch.bfloat16, "auto", fmt.spec.key.rotation is not None, consts["HEAD_PAD"])
+    dots = kset.dot_modes(torch.bfloat16, dot_precision, fmt.spec.key.rotation is not None, consts["HEAD_PAD"])
     dots["NATIVE_CASTS"] = True
     if "OFFSETS_64" in kset.module.paged_attention_kernel.arg_names:
         dots["OFFSETS_64"] = False  # a cache below 2 GiB
     os.environ["TRITON_INTERPRET"] = "0"
-    tiles = attention_tiles(kset.module.CODE_BITS, kset.module.DOT_OPERANDS, kset.block_scaled)
+    terms = max(dots[f"{x}_TERMS"] for x in ("Q", "K", "P", "V"))
+    tiles = attention_tiles(kset.module.CODE_BITS, terms, kset.block_scaled)
     tiles.update(tile_override or {})
     tiles.pop("programs_per_sm")
     block_n = tiles.pop("BLOCK_N")
@@ -126,12 +127,18 @@ def count(name: str, tile_override: dict | None = None) -> dict:
 
 
 def main() -> int:
-    names = sys.argv[1:] or kvgen.shipped_names()
+    args = sys.argv[1:]
+    precision = "auto"
+    if args[:1] == ["--quantized"]:  # the quantized compute domain, for the formats that offer it
+        precision, args = "quantized", args[1:]
+    names = args or kvgen.shipped_names()
+    if precision == "quantized":
+        names = [n for n in names if any(kvgen.load(n).quantized_dot.values())]
     print("| format | instructions / position | bytes / position | instructions / byte | registers | shared KiB | "
           "programs / SM | spill ld+st / position | most frequent |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name in names:
-        r = count(name)
+        r = count(name, dot_precision=precision)
         mix = ", ".join(f"{op} {n / r['block_n']:.1f}" for op, n in r["mix"])
         print(f"| {name} | {r['per_position']:.1f} | {r['bytes']:.0f} | {r['per_byte']:.3f} | {r['regs']} | "
               f"{r['smem'] / 1024:.0f} | {r['occupancy']} | {r['spills']:.1f} | {mix} |",

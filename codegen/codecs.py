@@ -32,9 +32,9 @@ class Codec:
     @property
     def quantized_dot(self) -> str:
         """The tensor-core type the codes themselves are, for attention in the quantized domain (the query and the
-        probabilities quantized to it): "int8", "fp8_e4m3", or "" when the codes are not such a type."""
-        if self.name == "fp8_e4m3":
-            return "fp8_e4m3"
+        probabilities quantized to it): "int8", or "" when the codes are not such a type. fp8 e4m3 codes would
+        qualify too, but on the H200 that path was slower than the exact default (fp8 dots of 16 query rows,
+        swapped or not) and fp8 tensor cores accumulate with too few bits for large scores (benchmarks/RESULTS.md)."""
         if self.params.get("signed") and self.bits == 8:
             return "int8"
         return ""

@@ -68,8 +68,8 @@ class SideContext:
     dot: str  # tensor-core type whose values hold the attention operand exactly ("" = exact fp32 dots only)
     op_terms: int  # how many values of that type sum to one operand element (hi + lo)
     tok: str  # how the scale leaves the dot: none / const (one scalar) / token (one per row) / block
-    qdot: str  # quantized compute domain: "int8" / "fp8_e4m3" dots on the codes themselves ("" = not offered)
-    qdot_max: str  # fp32 literal: the largest code value of that type (127 / 448), what a row's largest maps to
+    qdot: str  # quantized compute domain: "int8" dots on the codes themselves ("" = not offered)
+    qdot_max: str  # fp32 literal: the largest code value of that type (127), what a row's largest maps to
 
     def shift_expr(self, i: str) -> str:
         """Bit position of sub-byte element ``i`` inside its byte."""
@@ -125,20 +125,15 @@ def dot_operand(side: SideSpec, scale: str, zp: str, block: bool) -> tuple[str, 
     return ("fp16", terms, tok) if terms <= 2 and largest <= 65504.0 else ("", 0, "none")
 
 
-def quantized_dot(name: str, codec: Codec, tok: str, asym: bool) -> str:
+def quantized_dot(codec: Codec, tok: str, asym: bool) -> str:
     """The type of the quantized compute domain for one side (``dot_precision="quantized"``), or "".
 
-    Offered where the stored code itself is the dot operand: int8 or fp8 e4m3 codes without a zero point, whose
-    scale is absent, static or one per token (it leaves the dot as a factor per position); block scales would
-    enter the operand. Keys: the query is quantized per row to the codes' type. Values: int8 only, with the
-    probabilities quantized per row to int8; fp8 values keep the exact fp16 dots, because a dot of 16 query rows
-    on fp8 operands is not lowered to fp8 tensor cores (../shared/PERF_NOTES.md), so quantizing the probabilities
-    would cost accuracy for no speed.
+    Offered where the stored code itself is the dot operand: int8 codes without a zero point, whose scale is absent,
+    static or one per token (it leaves the dot as a factor per position); block scales would enter the operand.
+    Keys: the query is quantized per row to int8; values: the probabilities per row.
     """
     kind = codec.quantized_dot
     if not kind or asym or tok not in ("none", "const", "token"):
-        return ""
-    if name == "value" and kind != "int8":
         return ""
     return kind
 
@@ -170,7 +165,7 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
     if float_zp:
         zp = "float"
     dot = dot_operand(side, scale, zp, bool(dynamic and sc.block))
-    qdot = quantized_dot(name, codec, dot[2], asym)
+    qdot = quantized_dot(codec, dot[2], asym)
     sources = [render_codec(codec, f"{p}_", dot=bool(dot[0]), qdot=qdot)]
     if scodec is not None:
         sources.append(render_codec(scodec, f"{p}_scale_"))
@@ -202,7 +197,7 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
         + (f", the {side.zero_point.dtype} minimum as offset" if zp == "float" else "") if dynamic else "",
         codec_summary=codec.summary,
         **dict(zip(("dot", "op_terms", "tok"), dot)),
-        qdot=qdot, qdot_max={"int8": "127.0", "fp8_e4m3": "448.0"}.get(qdot, "0.0"),
+        qdot=qdot, qdot_max={"int8": "127.0"}.get(qdot, "0.0"),
         scale_summary=(f"{sc.dtype.value} per " + (f"{sc.block} elements" if sc.block else (
             f"channel over {sc.group_tokens} tokens" if sc.group_tokens else "token and head"))
             + f", {sc.placement.value}") if dynamic else "",

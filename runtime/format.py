@@ -308,8 +308,8 @@ class Format:
 
     @property
     def quantized_dot(self) -> dict:
-        """Per side ("key", "value"), the type its dots run on under ``dot_precision="quantized"``: "int8",
-        "fp8_e4m3", or "" for a side that keeps its exact dots."""
+        """Per side ("key", "value"), the type its dots run on under ``dot_precision="quantized"``: "int8", or ""
+        for a side that keeps its exact dots."""
         q = self._kernels.module.QUANTIZED_DOT
         return {"key": q["k"], "value": q["v"]}
 
@@ -332,9 +332,9 @@ class Format:
         ``dot_precision``: ``"auto"`` (default) uses tensor-core dots wherever the format's operands make every
         product exact (fp16 or bf16 values, scales applied to the scores and probabilities per row), else exact fp32
         dots; ``"ieee"`` always exact fp32 dots (slow on a GPU); ``"quantized"`` computes in the cache's quantized
-        domain where the format offers it (``quantized_dot``): the query quantized per row to the key codes' type
-        (int8 or fp8 e4m3) for dots on the key codes, and for int8 values the probabilities quantized per row to
-        int8 for dots on the value codes; faster, at an accuracy cost (docs/accuracy.md). ``max_seq_len`` (optional) bounds the KV length
+        domain where the format offers it (``quantized_dot``: int8 codes): the query quantized per row to int8 for
+        int8 dots on the key codes, the probabilities per row for int8 dots on the value codes; faster at long
+        contexts on the H200, at an accuracy cost (docs/accuracy.md, benchmarks/RESULTS.md). ``max_seq_len`` (optional) bounds the KV length
         for splitting long sequences across programs (default: what the block table can address); ``num_splits``
         overrides that split (1 = none).
         """
@@ -362,8 +362,8 @@ class Format:
         if dot_precision not in ("auto", "ieee", "quantized"):
             raise ValueError(f"dot_precision: expected 'auto', 'ieee' or 'quantized', got {dot_precision!r}")
         if dot_precision == "quantized" and not any(self.quantized_dot.values()):
-            raise ValueError(f"dot_precision: 'quantized' needs int8 or fp8 e4m3 codes with no zero point and no "
-                             f"block scales on the key or value side; format {self.name} has neither")
+            raise ValueError(f"dot_precision: 'quantized' needs int8 codes with no zero point and no block scales on "
+                             f"the key or value side; format {self.name} has neither")
         max_seq_len = checks.optional_positive_int("max_seq_len", max_seq_len)
         num_splits = checks.optional_positive_int("num_splits", num_splits)
         max_query_len = checks.optional_positive_int("max_query_len", max_query_len)

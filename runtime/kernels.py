@@ -37,7 +37,8 @@ def _choose_mode() -> None:
 
 
 # Launch configuration of the attention kernel on a GPU, chosen by what shapes the kernel's work: the widest of its
-# stored codes in bits, the fp16 terms per dot operand (DOT_OPERANDS) and whether block scales enter the operand. First
+# stored codes in bits, the most fp16 / bf16 terms of any dot operand in the call (2: a hi + lo split, e.g. q8_0's
+# codes, fp32 or rotated queries) and whether block scales enter the operand. First
 # matching rule wins (None matches anything). BLOCK_N: KV positions per step; maxnreg: a register cap (the compiler
 # otherwise takes 255 registers, two programs per SM), programs_per_sm: the split-KV target. Measured on the H200 with
 # benchmarks/tune_tiles.py at 64 x 8192 and 4 x 65536 (benchmarks/RESULTS.md, 2026-11-30); the formats named were
@@ -47,7 +48,8 @@ ATTENTION_TILES = (
     ((16, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)),  # bf16
     ((8, 1, False), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # fp8, int8 (token)
     ((8, 1, True), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # mxfp8
-    ((8, 2, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=8)),  # q8_0 (hi + lo operands)
+    ((8, 2, True), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=8)),  # q8_0 (hi + lo operands)
+    ((8, 2, False), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # rotated / fp32 queries
     ((4, 1, True), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)),  # nvfp4
     ((None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=4)),  # the rest: not tuned yet
 )
@@ -56,15 +58,16 @@ INTERPRETER_TILES = {"BLOCK_N": 128}
 TILE_OVERRIDE: dict | None = None
 
 
-def attention_tiles(code_bits: dict, dot_operands: dict, block_scaled: bool) -> dict:
+def attention_tiles(code_bits: dict, dot_terms: int, block_scaled: bool) -> dict:
     """The launch configuration of a format's attention kernel (a new dict: BLOCK_N, num_warps, num_stages, optional
-    maxnreg, programs_per_sm)."""
+    maxnreg, programs_per_sm). ``dot_terms``: the most fp16 / bf16 terms any operand of its dots takes in this call
+    (the cache sides', the query's and the probabilities': two for fp32 or rotated queries)."""
     if interpreting():
         return dict(INTERPRETER_TILES, programs_per_sm=4)
     if TILE_OVERRIDE is not None:
         return dict({"programs_per_sm": 4}, **TILE_OVERRIDE)
     bits = max(code_bits.values())
-    terms = max(t for _, t, _ in dot_operands.values())
+    terms = dot_terms
     for (r_bits, r_terms, r_block), tiles in ATTENTION_TILES:
         if (r_bits in (None, bits)) and (r_terms in (None, terms)) and (r_block in (None, block_scaled)):
             return dict(tiles)
@@ -174,7 +177,12 @@ class KernelSet:
         max_rows = 128 if interpreting() else 64
         block_m = max(16, _next_pow2(group * min(max_query_len, max(1, max_rows // group))))
         block_q = max(1, block_m // group)
-        tiles = attention_tiles(self.module.CODE_BITS, self.module.DOT_OPERANDS, self.block_scaled)
+        key = (query.dtype, dot_precision, rotated_keys, consts["HEAD_PAD"], query.device)
+        dots = self._dot_modes.get(key)
+        if dots is None:
+            dots = self._dot_modes[key] = self.dot_modes(*key)
+        terms = max(dots[f"{x}_TERMS"] for x in ("Q", "K", "P", "V"))
+        tiles = attention_tiles(self.module.CODE_BITS, terms, self.block_scaled)
         block_n = tiles.pop("BLOCK_N")
         programs_per_sm = tiles.pop("programs_per_sm")
         num_q_tiles = triton_cdiv(max_query_len, block_q)
@@ -185,10 +193,6 @@ class KernelSet:
             num_splits = self._splits(num_seqs * num_q_tiles * consts["NUM_KV_HEADS"], max_kv, num_tokens,
                                       num_q_heads, consts["HEAD_PAD"], query.device, programs_per_sm)
         chunk = triton_cdiv(triton_cdiv(max(max_kv, 1), num_splits), block_n) * block_n
-        key = (query.dtype, dot_precision, rotated_keys, consts["HEAD_PAD"], query.device)
-        dots = self._dot_modes.get(key)
-        if dots is None:
-            dots = self._dot_modes[key] = self.dot_modes(*key)
         # 32-bit byte offsets (fewer instructions) unless a cache tensor is too large for them
         offsets_64 = max(tensors[f].numel() for f in ("k_cache_ptr", "v_cache_ptr", "k_meta_ptr", "v_meta_ptr")) >= 2**31
         if num_splits > 1:
@@ -236,15 +240,15 @@ class KernelSet:
 
     def _quantized_dot_modes(self, query_dtype: torch.dtype, rotated_keys: bool, head_pad: int,
                              device: torch.device | None) -> dict:
-        """dot_precision="quantized": DOT 3 (int8) / 4 (fp8 e4m3) on the sides whose codes are such a type
-        (QUANTIZED_DOT), the exact choice of "auto" on the other. Their dots reduce over the head (keys) and over
-        the positions of a step (values): at least 32 of them, what one int8 / fp8 tensor-core step takes."""
+        """dot_precision="quantized": DOT 3 (int8 dots) on the sides whose codes are int8 (QUANTIZED_DOT), the exact
+        choice of "auto" on the other. Their dots reduce over the head (keys) and over the positions of a step
+        (values): at least 32 of them, what one int8 tensor-core step takes."""
         modes = self.dot_modes(query_dtype, "auto", rotated_keys, head_pad, device)
         reduce = {"k": head_pad, "v": 32}  # the runtime's steps take at least 32 positions on a GPU
         for side, x in (("k", "Q"), ("v", "P")):
             kind = self.module.QUANTIZED_DOT[side]
             if kind and reduce[side] >= 32:
-                modes.update({f"DOT_{side.upper()}": 3 if kind == "int8" else 4, f"{x}_TERMS": 1,
+                modes.update({f"DOT_{side.upper()}": 3, f"{x}_TERMS": 1,
                               f"{side.upper()}_TERMS": 1})
         return modes
 

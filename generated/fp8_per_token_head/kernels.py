@@ -14,7 +14,7 @@ import triton.language as tl
 CODE_BITS = {"k": 8, "v": 8}  # bits per stored element: the runtime's tile choice
 DOT_OPERANDS = {"k": ("fp16", 1, 16), "v": ("fp16", 1, 16)}
 # dot_precision="quantized": per side, the type of the codes the dots then run on ("": that side keeps its dots)
-QUANTIZED_DOT = {"k": "fp8_e4m3", "v": ""}
+QUANTIZED_DOT = {"k": "", "v": ""}
 
 # ---------------------------------------------------------------------------------------------------------------
 # Codecs. key: fp8_e4m3 by bit manipulation: saturate to +-448, round half to even; scales fp32 per token and head, inline
@@ -66,12 +66,6 @@ def k_decode_dot(code, NATIVE: tl.constexpr):
     x = bits.to(tl.float16, bitcast=True) * 256.0
     x = tl.where((c & 127) == 127, float("nan"), x)  # the NaN code
     return x
-
-
-@triton.jit
-def k_as_qdot(code):
-    # the stored code as fp8_e4m3, bit for bit: an operand of the quantized compute domain's tensor-core dots
-    return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
@@ -223,15 +217,11 @@ def mma(a, b, DOT: tl.constexpr, A_TERMS: tl.constexpr, B_TERMS: tl.constexpr):
     # a @ b in fp32. DOT 0: exact fp32 products without tensor cores. DOT 1 / 2: tensor-core dots in fp16 / bf16 of
     # a = a_hi + a_lo (A_TERMS 2) and b = b_hi + b_lo (B_TERMS 2), the lo * lo term dropped. The callers pass
     # operands the type holds exactly in that many terms, so every product is exact and only the fp32 sums round.
-    # DOT 3 / 4 (dot_precision="quantized"): a and b are already int8 / fp8 e4m3 codes.
+    # DOT 3 (dot_precision="quantized"): a and b are already int8 codes.
     if DOT == 0:
         r = tl.dot(a, b, input_precision="ieee")
     elif DOT == 3:  # quantized domain: int8 operands, exact int32 sums (below 2**24: exact in fp32 too)
         r = tl.dot(a, b, out_dtype=tl.int32).to(tl.float32)
-    elif DOT == 4:
-        # quantized domain: fp8 e4m3 operands, as (b^T a^T)^T so that b's rows (the KV positions) are the M dimension:
-        # Hopper's fp8 tensor cores need 64 of them, and a tile has only 16 query rows
-        r = tl.trans(tl.dot(tl.trans(b), tl.trans(a), out_dtype=tl.float32))
     else:
         if DOT == 1:
             a_hi = a.to(tl.float16)
@@ -321,13 +311,6 @@ def paged_attention_kernel(
         q_norm = pow2_floor(tl.max(tl.abs(q), axis=1))
         q = q * pow2_inv(q_norm)[:, None]
         row_scale = q_norm * qk_scale
-        if DOT_K >= 3:
-            # quantized domain: the query in the key codes' type (fp8_e4m3), one step per row that maps the row's
-            # largest to 448.0, rounded like a key; the step joins the row's scale
-            q_top = tl.max(tl.abs(q), axis=1)
-            q_step = tl.where(q_top > 0.0, tl.math.div_rn(q_top, 448.0), 1.0)
-            q = k_as_qdot(k_encode(tl.math.div_rn(q, q_step[:, None])))
-            row_scale = row_scale * q_step
 
         # KV positions this program reads: [lo, hi), the tile's causal and window range within the split's chunk
         last_q = tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1
@@ -351,9 +334,7 @@ def paged_attention_kernel(
             off = n % BLOCK_SIZE
             k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
             k_code = tl.load(k_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
-            if DOT_K >= 3:  # quantized domain: the codes themselves are the operand
-                k_tile = k_as_qdot(k_code)
-            elif DOT_K != 0:  # tensor-core dots: the code's value in their type
+            if DOT_K != 0:  # tensor-core dots: the code's value in their type
                 k_tile = k_decode_dot(k_code, NATIVE_CASTS)
             else:
                 k_tile = k_decode(k_code)
@@ -400,9 +381,7 @@ def paged_attention_kernel(
             off = n % BLOCK_SIZE
             k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
             k_code = tl.load(k_row[:, None] + d[None, :], mask=n_mask[:, None] & dmask[None, :], other=0)
-            if DOT_K >= 3:  # quantized domain: the codes themselves are the operand
-                k_tile = k_as_qdot(k_code)
-            elif DOT_K != 0:  # tensor-core dots: the code's value in their type
+            if DOT_K != 0:  # tensor-core dots: the code's value in their type
                 k_tile = k_decode_dot(k_code, NATIVE_CASTS)
             else:
                 k_tile = k_decode(k_code)

@@ -187,15 +187,11 @@ def mma(a, b, DOT: tl.constexpr, A_TERMS: tl.constexpr, B_TERMS: tl.constexpr):
     # a @ b in fp32. DOT 0: exact fp32 products without tensor cores. DOT 1 / 2: tensor-core dots in fp16 / bf16 of
     # a = a_hi + a_lo (A_TERMS 2) and b = b_hi + b_lo (B_TERMS 2), the lo * lo term dropped. The callers pass
     # operands the type holds exactly in that many terms, so every product is exact and only the fp32 sums round.
-    # DOT 3 / 4 (dot_precision="quantized"): a and b are already int8 / fp8 e4m3 codes.
+    # DOT 3 (dot_precision="quantized"): a and b are already int8 codes.
     if DOT == 0:
         r = tl.dot(a, b, input_precision="ieee")
     elif DOT == 3:  # quantized domain: int8 operands, exact int32 sums (below 2**24: exact in fp32 too)
         r = tl.dot(a, b, out_dtype=tl.int32).to(tl.float32)
-    elif DOT == 4:
-        # quantized domain: fp8 e4m3 operands, as (b^T a^T)^T so that b's rows (the KV positions) are the M dimension:
-        # Hopper's fp8 tensor cores need 64 of them, and a tile has only 16 query rows
-        r = tl.trans(tl.dot(tl.trans(b), tl.trans(a), out_dtype=tl.float32))
     else:
         if DOT == 1:
             a_hi = a.to(tl.float16)
@@ -286,8 +282,8 @@ def paged_attention_kernel(
         q = q * pow2_inv(q_norm)[:, None]
         row_scale = q_norm * qk_scale
         if DOT_K >= 3:
-            # quantized domain: the query in the key codes' type (int8), one step per row that maps the row's
-            # largest to 127.0, rounded like a key; the step joins the row's scale
+            # quantized domain: the query in int8, one step per row that maps the row's largest to
+            # 127.0, rounded like a key; the step joins the row's scale
             q_top = tl.max(tl.abs(q), axis=1)
             q_step = tl.where(q_top > 0.0, tl.math.div_rn(q_top, 127.0), 1.0)
             q = k_as_qdot(k_encode(tl.math.div_rn(q, q_step[:, None])))

@@ -267,15 +267,11 @@ def mma(a, b, DOT: tl.constexpr, A_TERMS: tl.constexpr, B_TERMS: tl.constexpr):
     # a @ b in fp32. DOT 0: exact fp32 products without tensor cores. DOT 1 / 2: tensor-core dots in fp16 / bf16 of
     # a = a_hi + a_lo (A_TERMS 2) and b = b_hi + b_lo (B_TERMS 2), the lo * lo term dropped. The callers pass
     # operands the type holds exactly in that many terms, so every product is exact and only the fp32 sums round.
-    # DOT 3 / 4 (dot_precision="quantized"): a and b are already int8 / fp8 e4m3 codes.
+    # DOT 3 (dot_precision="quantized"): a and b are already int8 codes.
     if DOT == 0:
         r = tl.dot(a, b, input_precision="ieee")
     elif DOT == 3:  # quantized domain: int8 operands, exact int32 sums (below 2**24: exact in fp32 too)
         r = tl.dot(a, b, out_dtype=tl.int32).to(tl.float32)
-    elif DOT == 4:
-        # quantized domain: fp8 e4m3 operands, as (b^T a^T)^T so that b's rows (the KV positions) are the M dimension:
-        # Hopper's fp8 tensor cores need 64 of them, and a tile has only 16 query rows
-        r = tl.trans(tl.dot(tl.trans(b), tl.trans(a), out_dtype=tl.float32))
     else:
         if DOT == 1:
             a_hi = a.to(tl.float16)
