@@ -1,6 +1,7 @@
 """Static instruction counts of the generated attention kernels for the H200 (sm_90), without a GPU.
 
     python benchmarks/sass_count.py [--quantized] [FORMAT ...]   # default: every shipped format
+    python benchmarks/sass_count.py --write [FORMAT ...]         # the reshape-and-cache kernel
 
 Compiles each format's paged_attention_kernel for sm_90 with Triton's own ptxas (the decode configuration the
 runtime picks for bf16 queries: 32 query heads over 8 KV heads, head size 128, block size 16, no split), finds the
@@ -126,8 +127,54 @@ def count(name: str, tile_override: dict | None = None, dot_precision: str = "au
                 mix=ops.most_common(8))
 
 
+def count_write(name: str) -> dict:
+    """The reshape-and-cache kernel as the runtime launches it on a GPU (bf16 K/V, 16 tokens per program, one KV
+    head per program): it has no loop, so every instruction counts, per token of that head."""
+    fmt = kvgen.load(name)
+    if fmt.spec.streaming:
+        raise ValueError(f"{name}: KIVI writes through its own flush and residual kernels")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache = fmt.allocate(4, 16, 8, 128)
+    _, consts = fmt._kernel_args(cache)
+    fn = fmt._kernels.module.reshape_and_cache_kernel
+    block_t = 16
+    c = dict(consts, BLOCK_T=block_t)
+    sig = signature(fn, c)
+    sig.update(key_ptr="*bf16", value_ptr="*bf16", slot_mapping_ptr="*i64")
+    src = ASTSource(fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in c.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, enable_fp_fusion=False))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+        usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout
+    lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
+    ops = collections.Counter(opcode(line) for line in lines)
+    moved = 2 * 128 * 2 + fmt.page_bytes(16, 8, 128) / 16 / 8  # bf16 K and V in, the cell out, per token-head
+    return dict(format=name, per_token=len(lines) / block_t, bytes=moved, per_byte=len(lines) / block_t / moved,
+                regs=int(re.search(r"REG:(\d+)", usage).group(1)), mix=ops.most_common(8), block_t=block_t)
+
+
+def main_write(names: list) -> int:
+    print("| format | instructions / token-head | bytes / token-head | instructions / byte | registers | most frequent |")
+    print("|---|---|---|---|---|---|")
+    for name in names:
+        if kvgen.load(name).spec.streaming:
+            continue
+        r = count_write(name)
+        mix = ", ".join(f"{op} {n / r['block_t']:.1f}" for op, n in r["mix"])
+        print(f"| {name} | {r['per_token']:.1f} | {r['bytes']:.0f} | {r['per_byte']:.3f} | {r['regs']} | {mix} |",
+              flush=True)
+    return 0
+
+
 def main() -> int:
     args = sys.argv[1:]
+    if args[:1] == ["--write"]:  # the reshape-and-cache kernel instead
+        return main_write(args[1:] or kvgen.shipped_names())
     precision = "auto"
     if args[:1] == ["--quantized"]:  # the quantized compute domain, for the formats that offer it
         precision, args = "quantized", args[1:]
