@@ -92,7 +92,8 @@ def eval_cmd(specs, contexts, seeds, as_json, png, backend, dot_precision):
     if png:
         draw_png(rows, png)
     if as_json:
-        click.echo(json.dumps({"contexts": ctxs, "seeds": seeds, "backend": resolve_backend(backend), "num_kv_heads": 8, "num_q_heads": 32,
+        click.echo(json.dumps({"contexts": ctxs, "seeds": seeds, "backend": resolve_backend(backend),
+                               "dot_precision": dot_precision, "num_kv_heads": 8, "num_q_heads": 32,
                                "head_size": 128, "top_k": 8, "results": rows, "png": png}, indent=2))
         return
     if not console.is_terminal:  # piped output: room for every column
@@ -117,5 +118,9 @@ def eval_cmd(specs, contexts, seeds, as_json, png, backend, dot_precision):
     if any("quantized_fraction" in r for r in rows):
         console.print("* KIVI: the newest 128..159 tokens stay in bf16 (the format's residual window); bytes exclude "
                       "that per-sequence window", highlight=False)
+    fell_back = sorted({r["format"] for r in rows if dot_precision == "quantized" and r["dot_precision"] == "auto"})
+    if fell_back:
+        console.print(f"dot_precision=quantized: {', '.join(fell_back)} ha{'s' if len(fell_back) == 1 else 've'} no "
+                      "int8 codes and ran auto", highlight=False)
     if png:
         console.print(f"chart written to {escape(png)}", highlight=False)

@@ -264,7 +264,7 @@ def evaluate(formats: Optional[Sequence[str]] = None, contexts: Iterable[int] = 
              progress: Optional[Callable[[str, int, int], None]] = None, backend: str = "auto",
              dot_precision: str = "auto") -> list[dict]:
     """One row per (format, context): ``format``, ``source``, ``backend``, ``bytes_per_token_head``, ``context``,
-    ``seeds``, the mean of every metric over seeds, ``per_seed`` (each metric per seed), and for KIVI
+    ``seeds``, ``dot_precision`` (what the attention ran with, see :func:`ran_with`), the mean of every metric over seeds, ``per_seed`` (each metric per seed), and for KIVI
     ``quantized_fraction`` (the share of positions stored quantized; the rest are in the bf16 residual window).
 
     ``backend``: ``reference`` attends in float64 on the reference-decoded K / V; ``kernels`` takes the attention
@@ -311,6 +311,7 @@ def evaluate(formats: Optional[Sequence[str]] = None, contexts: Iterable[int] = 
     for (fi, ci), r in acc.items():
         f, ctx = fmts[fi], contexts[ci]
         row = {"format": f.name, "source": f.source, "backend": backend,
+               "dot_precision": ran_with(f, backend, dot_precision),
                "bytes_per_token_head": bytes_per_token_head(f.spec),
                "context": ctx, "seeds": seeds}
         row.update({x: float(np.mean(r["per_seed"][x])) for x in METRICS})
@@ -321,6 +322,19 @@ def evaluate(formats: Optional[Sequence[str]] = None, contexts: Iterable[int] = 
         rows.append(row)
     rows.sort(key=lambda r: (r["bytes_per_token_head"], r["format"], r["context"]))
     return rows
+
+
+def ran_with(f, backend: str, dot_precision: str) -> str:
+    """The attention's dot precision a row was computed with: "float64" for the reference; for the kernels the one
+    asked for, except "quantized" on a format without int8 codes, which runs "auto"."""
+    if backend != "kernels":
+        return "float64"
+    if dot_precision == "quantized":
+        from .runtime.loader import load
+
+        if not any(load(f.source).quantized_dot.values()):
+            return "auto"
+    return dot_precision
 
 
 def draw_png(rows: list[dict], path: str, metric: str = "attn_rel_l2") -> None:

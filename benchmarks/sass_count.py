@@ -93,8 +93,7 @@ def count(name: str, tile_override: dict | None = None, dot_precision: str = "au
     if "OFFSETS_64" in kset.module.paged_attention_kernel.arg_names:
         dots["OFFSETS_64"] = False  # a cache below 2 GiB
     os.environ["TRITON_INTERPRET"] = "0"
-    terms = max(dots[f"{x}_TERMS"] for x in ("Q", "K", "P", "V"))
-    tiles = attention_tiles(kset.module.CODE_BITS, terms, kset.block_scaled)
+    tiles = attention_tiles(kset.module.CODE_BITS, kset.module.DOT_OPERANDS, dots, kset.block_scaled)
     tiles.update(tile_override or {})
     tiles.pop("programs_per_sm")
     block_n = tiles.pop("BLOCK_N")

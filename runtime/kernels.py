@@ -36,40 +36,52 @@ def _choose_mode() -> None:
         os.environ["TRITON_INTERPRET"] = "1"
 
 
-# Launch configuration of the attention kernel on a GPU, chosen by what shapes the kernel's work: the widest of its
-# stored codes in bits, the most fp16 / bf16 terms of any dot operand in the call (2: a hi + lo split, e.g. q8_0's
-# codes, fp32 or rotated queries) and whether block scales enter the operand. First
-# matching rule wins (None matches anything). BLOCK_N: KV positions per step; maxnreg: a register cap (the compiler
-# otherwise takes 255 registers, two programs per SM), programs_per_sm: the split-KV target. Measured on the H200 with
-# benchmarks/tune_tiles.py at 64 x 8192 and 4 x 65536 (benchmarks/RESULTS.md, 2026-11-30); the formats named were
-# measured, the others follow their rule. The interpreter takes 128 positions per step.
+# Launch configuration of the attention kernel on a GPU, chosen by what shapes the kernel's work, per call:
+#   bits   the widest stored code in bits;
+#   terms  the most fp16 / bf16 terms of a cache operand that goes to tensor cores (0: exact fp32 dots only, as for
+#          KIVI or dot_precision="ieee"; 1 also for int8 dots; 2: hi + lo, e.g. q8_0's codes times block ratios);
+#   block  whether block scales enter the operand;
+#   split  whether the query or the probabilities take two terms (fp32 or rotated queries): a second dot, more
+#          registers.
+# First matching rule wins (None matches anything). BLOCK_N: KV positions per step; maxnreg: a register cap (the
+# compiler otherwise takes 255 registers, two programs per SM); programs_per_sm: the split-KV target. The tuned rules
+# were measured on the H200 with benchmarks/tune_tiles.py at 64 x 8192 and 4 x 65536 with bf16 queries
+# (benchmarks/RESULTS.md, 2026-11-30; the format named was measured, the others follow its rule); the last two keep
+# the configuration used before that measurement. The interpreter takes 128 positions per step.
 ATTENTION_TILES = (
-    # code bits, dot terms, block scales -> tiles
-    ((16, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)),  # bf16
-    ((8, 1, False), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # fp8, int8 (token)
-    ((8, 1, True), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # mxfp8
-    ((8, 2, True), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=8)),  # q8_0 (hi + lo operands)
-    ((8, 2, False), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # rotated / fp32 queries
-    ((4, 1, True), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)),  # nvfp4
-    ((None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=4)),  # the rest: not tuned yet
+    # bits, terms, block, split -> tiles
+    ((16, 1, None, False), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)),  # bf16
+    ((8, 1, False, False), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # int8, fp8
+    ((8, 1, True, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # mxfp8
+    ((8, 2, True, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=8)),  # q8_0
+    ((4, 1, True, False), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)),  # nvfp4
+    ((8, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # other 8-bit: as before
+    ((None, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=4)),  # the rest: as before
 )
 INTERPRETER_TILES = {"BLOCK_N": 128}
 # experiments and tests: tiles used for every format instead of the rules above (None: the rules)
 TILE_OVERRIDE: dict | None = None
 
 
-def attention_tiles(code_bits: dict, dot_terms: int, block_scaled: bool) -> dict:
-    """The launch configuration of a format's attention kernel (a new dict: BLOCK_N, num_warps, num_stages, optional
-    maxnreg, programs_per_sm). ``dot_terms``: the most fp16 / bf16 terms any operand of its dots takes in this call
-    (the cache sides', the query's and the probabilities': two for fp32 or rotated queries)."""
+def attention_tiles(code_bits: dict, dot_operands: dict, dots: dict, block_scaled: bool) -> dict:
+    """The launch configuration of a format's attention kernel for one call's dot constexprs ``dots`` (a new dict:
+    BLOCK_N, num_warps, num_stages, optional maxnreg, programs_per_sm)."""
     if interpreting():
         return dict(INTERPRETER_TILES, programs_per_sm=4)
     if TILE_OVERRIDE is not None:
         return dict({"programs_per_sm": 4}, **TILE_OVERRIDE)
     bits = max(code_bits.values())
-    terms = dot_terms
-    for (r_bits, r_terms, r_block), tiles in ATTENTION_TILES:
-        if (r_bits in (None, bits)) and (r_terms in (None, terms)) and (r_block in (None, block_scaled)):
+    terms, split = 0, False
+    for side, x in (("K", "Q"), ("V", "P")):
+        mode = dots[f"DOT_{side}"]
+        if mode == 3:  # int8 dots on the codes
+            terms = max(terms, 1)
+        elif mode != 0:
+            terms = max(terms, dot_operands[side.lower()][1])
+            split = split or dots[f"{x}_TERMS"] > 1
+    key = (bits, terms, block_scaled, split)
+    for rule, tiles in ATTENTION_TILES:
+        if all(r is None or r == k for r, k in zip(rule, key)):
             return dict(tiles)
     raise AssertionError("the last rule matches every kernel")
 
@@ -181,8 +193,10 @@ class KernelSet:
         dots = self._dot_modes.get(key)
         if dots is None:
             dots = self._dot_modes[key] = self.dot_modes(*key)
-        terms = max(dots[f"{x}_TERMS"] for x in ("Q", "K", "P", "V"))
-        tiles = attention_tiles(self.module.CODE_BITS, terms, self.block_scaled)
+        if dot_precision == "quantized" and 3 not in (dots["DOT_K"], dots["DOT_V"]):
+            raise ValueError(f"dot_precision: 'quantized' has no side to quantize at head size {query.shape[2]}: "
+                             "int8 keys need a head of at least 32 elements, and the values are not int8")
+        tiles = attention_tiles(self.module.CODE_BITS, self.module.DOT_OPERANDS, dots, self.block_scaled)
         block_n = tiles.pop("BLOCK_N")
         programs_per_sm = tiles.pop("programs_per_sm")
         num_q_tiles = triton_cdiv(max_query_len, block_q)

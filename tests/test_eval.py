@@ -146,6 +146,19 @@ def test_quantized_dot_precision_costs_accuracy_on_int8_only():
     ratio = quant["int8_per_token_head"]["attn_rel_l2"] / exact["int8_per_token_head"]["attn_rel_l2"]
     assert 1.01 < ratio < 1.5, ratio
     assert quant["fp8_e4m3"]["attn_rel_l2"] == exact["fp8_e4m3"]["attn_rel_l2"]
+    assert quant["int8_per_token_head"]["dot_precision"] == "quantized" and quant["fp8_e4m3"]["dot_precision"] == "auto"
+    assert exact["int8_per_token_head"]["dot_precision"] == "auto"
+
+
+def test_cli_json_records_dot_precision():
+    res = CliRunner().invoke(eval_cmd, ["fp8_e4m3", "--context", "64", "--seeds", "1", "--backend", "kernels",
+                                        "--dot-precision", "quantized", "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["dot_precision"] == "quantized" and data["results"][0]["dot_precision"] == "auto"
+    table = CliRunner().invoke(eval_cmd, ["fp8_e4m3", "--context", "64", "--seeds", "1", "--backend", "kernels",
+                                          "--dot-precision", "quantized"])
+    assert "fp8_e4m3 has no int8 codes and ran auto" in table.stdout
 
 
 def test_dot_precision_needs_the_kernel_backend():

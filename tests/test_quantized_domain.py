@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,6 +32,7 @@ from kvgen.conformance import TOLERANCE, Case, build_batch, static_scales
 from kvgen.reference.codes import code_values, element_codes
 
 DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
+SPECS = Path(kvgen.__file__).resolve().parent / "specs"
 EXAMPLES = int(os.environ.get("KVGEN_EXAMPLES", "30"))
 QMAX = {"int8": 127.0}
 
@@ -117,7 +119,8 @@ def model(fmt, case: Case, query: np.ndarray, k_deq, v_deq, v_tok, block_table, 
                 continue
             pw = p * vt[None, :]
             top = pw.max(axis=1, keepdims=True).astype(np.float32)
-            x = (pw.astype(np.float32) * (np.float32(127.0) / top).astype(np.float32)).astype(np.float32)
+            top = np.where(top >= np.float32(1.1754944e-38), top, np.float32(1.0))  # the kernel's guard
+            x = ((pw.astype(np.float32) * (np.float32(1.0) / top)).astype(np.float32) * np.float32(127.0))
             pq = code_values(spec.value.element, element_codes(spec.value.element, x, spec.value.rounding))
             codes_v = vals / vt[:, None]
             out[start:stop, hq] = (pq * top / 127.0) @ codes_v / l
@@ -184,6 +187,11 @@ def run(fmt, case: Case):
 
 
 def check(name: str, case: Case) -> None:
+    head_pad = 1 << max(0, (case.head_size - 1).bit_length())
+    if not offered(name)["value"] and head_pad < 32:  # int8 keys need 32 elements per dot: nothing to quantize
+        with pytest.raises(ValueError, match=r"dot_precision: 'quantized' has no side to quantize at head size"):
+            run(kvgen.load(name), case)
+        return
     got, want, slack, exact, v_deq = run(kvgen.load(name), case)
     atol, rtol = (max(t, 1e-3) for t in TOLERANCE[case.dtype])
     vmax = max(float(np.abs(v_deq).max()), 1e-30)
@@ -228,3 +236,31 @@ def test_rotated_keys_in_the_quantized_domain():
     got, _, _, exact, _ = run(fmt, case)
     rel = np.linalg.norm(got - exact) / np.linalg.norm(exact)
     assert 1e-5 < rel < 2e-2, rel
+
+
+def test_tiny_value_scales(tmp_path):
+    """A spec whose scale floor lets value scales reach 1e-37: the row's largest weight times its value scale is then
+    far below 1 / 127's reach in fp32 (127 / top would overflow); the quantized output must stay as accurate
+    relative to the exact one as at ordinary magnitudes."""
+    text = (SPECS / "int8_per_token_head.yaml").read_text()
+    spec = tmp_path / "int8_tiny_floor.yaml"
+    assert text.count("min: 1.0e-6") == 1  # one side definition, the value side an alias of it
+    spec.write_text(text.replace("name: int8_per_token_head", "name: int8_tiny_floor").replace(
+        "min: 1.0e-6", "min: 1.0e-37"))
+    fmt = kvgen.load(str(spec))
+    assert fmt.spec.value.scale.min == 1e-37 and fmt.quantized_dot["value"] == "int8"
+    rng = np.random.default_rng(0)
+    errs = []
+    for magnitude in (1.0, 1e-35):
+        cache = fmt.allocate(4, 16, 1, 64)
+        k = torch.from_numpy(rng.standard_normal((8, 1, 64)).astype(np.float32))
+        v = torch.from_numpy(rng.standard_normal((8, 1, 64)).astype(np.float32) * magnitude)
+        fmt.write(cache, k, v, torch.arange(8))
+        q = torch.from_numpy(rng.standard_normal((1, 1, 64)).astype(np.float32)) * 3
+        args = (q, cache, torch.tensor([[0, 1, 2, 3]], dtype=torch.int32), torch.tensor([8], dtype=torch.int32),
+                torch.tensor([0, 1], dtype=torch.int32))
+        exact = fmt.attend(*args, dot_precision="ieee").double()
+        quant = fmt.attend(*args, dot_precision="quantized").double()
+        assert torch.isfinite(quant).all()
+        errs.append(float((quant - exact).norm() / exact.norm()))
+    assert errs[1] < 3 * errs[0] + 1e-6, errs

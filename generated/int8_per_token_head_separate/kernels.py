@@ -349,7 +349,8 @@ def paged_attention_kernel(
                 pw = p * v_tok[None, :]
                 pw_top = tl.max(pw, axis=1)
                 pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
-                p_code = v_as_qdot(v_encode(pw * tl.math.div_rn(127.0, pw_top)[:, None]))
+                # (1 / top stays finite for a normal top; 127 / top need not, so the row is normalised first)
+                p_code = v_as_qdot(v_encode((pw * tl.math.div_rn(1.0, pw_top)[:, None]) * 127.0))
                 pv = mma(p_code, v_op, DOT_V, 1, 1) * (pw_top * 0.007874015748031496)[:, None]
             else:
                 # the per-position value factors enter the probabilities, relative to each query row's largest weight
@@ -409,7 +410,8 @@ def paged_attention_kernel(
                 pw = p * tl.where(n_mask, v_tok, 0.0)[None, :]
                 pw_top = tl.max(pw, axis=1)
                 pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
-                p_code = v_as_qdot(v_encode(pw * tl.math.div_rn(127.0, pw_top)[:, None]))
+                # (1 / top stays finite for a normal top; 127 / top need not, so the row is normalised first)
+                p_code = v_as_qdot(v_encode((pw * tl.math.div_rn(1.0, pw_top)[:, None]) * 127.0))
                 pv = mma(p_code, v_op, DOT_V, 1, 1) * (pw_top * 0.007874015748031496)[:, None]
             else:
                 # the per-position value factors enter the probabilities, relative to each query row's largest weight

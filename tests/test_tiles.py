@@ -1,0 +1,68 @@
+"""The attention launch configuration (kvgen.runtime.kernels.attention_tiles) for every shipped format, query dtype
+and dot precision, as a GPU run would choose it (the interpreter always takes its own single tile).
+
+The register caps were measured with bf16 queries on kernels whose operands go to tensor cores in one term per
+query and probability; a second query dot (fp32 or rotated queries) spilled under the cap on the H200
+(int8_per_token_head_hadamard_k: 603 -> 874 us), and exact fp32 dots (KIVI, "ieee") were never measured with one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvgen
+from kvgen.runtime import kernels as K
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def choices():
+    for name in kvgen.shipped_names():
+        fmt = kvgen.load(name)
+        ks = fmt._kernels
+        for precision in ("auto", "ieee", "quantized"):
+            if precision == "quantized" and not any(fmt.quantized_dot.values()):
+                continue
+            for dtype in DTYPES:
+                dots = ks.dot_modes(dtype, precision, fmt.spec.key.rotation is not None, 128, None)
+                yield name, precision, dtype, dots, ks
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    monkeypatch.setattr(K, "interpreting", lambda: False)
+
+
+def test_register_caps_only_where_measured(compiled):
+    for name, precision, dtype, dots, ks in choices():
+        tiles = K.attention_tiles(ks.module.CODE_BITS, ks.module.DOT_OPERANDS, dots, ks.block_scaled)
+        two_term_query = any(dots[f"DOT_{s}"] in (1, 2) and dots[f"{x}_TERMS"] > 1 for s, x in (("K", "Q"), ("V", "P")))
+        exact_only = dots["DOT_K"] == 0 and dots["DOT_V"] == 0
+        where = f"{name} {precision} {dtype}"
+        if exact_only or two_term_query:
+            assert "maxnreg" not in tiles, where
+        assert tiles["BLOCK_N"] in (64, 128) and tiles["programs_per_sm"] in (4, 8), where
+
+
+def test_measured_choices(compiled):
+    """The configurations benchmarks/RESULTS.md measured for bf16 queries with dot_precision auto."""
+    def tiles(name, dtype=torch.bfloat16, precision="auto"):
+        fmt = kvgen.load(name)
+        ks = fmt._kernels
+        dots = ks.dot_modes(dtype, precision, fmt.spec.key.rotation is not None, 128, None)
+        return K.attention_tiles(ks.module.CODE_BITS, ks.module.DOT_OPERANDS, dots, ks.block_scaled)
+
+    assert tiles("bf16") == dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)
+    for name in ("fp8_e4m3", "int8_per_token_head", "int8_per_token_head_separate", "fp8_per_token_head"):
+        assert tiles(name) == dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8), name
+    assert tiles("mxfp8") == dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)
+    assert tiles("q8_0") == dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=8)
+    assert tiles("nvfp4") == dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)
+    # measured before the table (run 1): the rotated-key format, KIVI and exact dots keep the earlier choice
+    assert tiles("int8_per_token_head_hadamard_k") == dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)
+    assert tiles("kivi_4bit") == dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=4)
+    assert tiles("int8_per_token_head", precision="ieee") == dict(BLOCK_N=128, num_warps=4, num_stages=2,
+                                                                   programs_per_sm=4)
+    # the quantized domain was measured under the 8-bit cap (benchmarks/decode_modes.py), rotated keys included
+    assert tiles("int8_per_token_head_hadamard_k", precision="quantized")["maxnreg"] == 168
