@@ -187,6 +187,9 @@ class ScaleSpec(_Strict):
             raise ValueError(f"'block' only applies to granularity per_block, not {g.value}")
         if g == Granularity.per_channel_group and self.group_tokens is None:
             raise ValueError("granularity per_channel_group needs 'group_tokens' (G)")
+        if self.group_tokens is not None and self.group_tokens & (self.group_tokens - 1):
+            raise ValueError(f"'group_tokens' must be a power of two (the kernels quantize and read whole groups "
+                             f"as one tile), got {self.group_tokens}")
         if g != Granularity.per_channel_group and self.group_tokens is not None:
             raise ValueError(f"'group_tokens' only applies to granularity per_channel_group, not {g.value}")
         if self.align is not None and self.placement != Placement.inline:

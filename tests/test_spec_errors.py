@@ -266,6 +266,33 @@ def test_per_block_without_block(tmp_path):
     assert "block" in err.message
 
 
+GROUP_24 = """\
+name: g24
+cache: {layout: interleaved, storage_dtype: uint8}
+key:
+  element: uint4
+  zero_point: {storage: beside_scale, dtype: fp16}
+  scale:
+    granularity: per_channel_group
+    group_tokens: 24
+    dtype: fp16
+  residual: {tokens: 48, dtype: bf16}
+value:
+  element: uint4
+  zero_point: {storage: beside_scale, dtype: fp16}
+  scale: {granularity: per_block, block: 32, dtype: fp16}
+  residual: {tokens: 48, dtype: bf16}
+"""
+
+
+def test_token_group_that_is_not_a_power_of_two(tmp_path):
+    p = write(tmp_path, "g24.yaml", GROUP_24)
+    err = spec_error(p)
+    assert err.field in ("key.scale", "key.scale.group_tokens"), str(err)
+    assert err.line in (line_of(GROUP_24, "scale:"), line_of(GROUP_24, "group_tokens:")), str(err)
+    assert "power of two" in err.message and "24" in err.message
+
+
 ZP_FLOAT = """\
 name: zp
 key:
