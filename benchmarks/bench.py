@@ -11,6 +11,11 @@ reshape-and-cache of 32768 and 256 tokens. Reported: median time
 bandwidth, its fraction of the device-to-device copy bandwidth measured in the same run, and the ratio to the bf16
 format. A dense bf16 torch scaled_dot_product_attention is the reference line. Writes RESULTS.md-style markdown,
 JSON, and a PNG of decode time against context length per format.
+
+    python benchmarks/bench.py --cuda-graphs        # kvgen's attention timed as CUDA-graph replays
+
+times each attention call captured in a CUDA graph, as engines run decode: what is left is the GPU's time without
+the host's per-call launch work (not run on a GPU yet: added 2026-11-30 after the session's GPU time was spent).
 """
 
 from __future__ import annotations
@@ -37,6 +42,22 @@ PREFILL = (4, 8192, 2048)  # sequences, context, new tokens per sequence
 SWEEP = [1024, 4096, 16384, 65536]  # context lengths of the chart (4 sequences)
 HQ, HKV, D = 32, 8, 128
 DOT = "auto"  # --dot-precision
+GRAPHS = False  # --cuda-graphs
+
+
+def graphed(fn):
+    """``fn`` captured in a CUDA graph (after warm-up calls, which compile): its replay is what an engine that
+    captures decode in graphs pays per step, without the host-side launch cost."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def bench(fn) -> float:
@@ -86,7 +107,8 @@ def decode_case(fmt, num_seqs: int, ctx: int, block_size: int, head_size: int = 
         quantized = max(ctx - res["tokens"], 0) // res["group"] * res["group"]
         bytes_read = (num_seqs * (quantized // block_size) * fmt.page_bytes(block_size, HKV, head_size)
                       + num_seqs * (ctx - quantized) * HKV * head_size * 2 * cache.tensors["k_residual"].element_size())
-    return (lambda: fmt.attend(q, cache, table, seq_lens, qsl, **kwargs)), bytes_read
+    fn = lambda: fmt.attend(q, cache, table, seq_lens, qsl, **kwargs)  # noqa: E731
+    return (graphed(fn) if GRAPHS else fn), bytes_read
 
 
 def write_case(fmt, num_tokens: int, block_size: int):
@@ -159,14 +181,17 @@ def main() -> int:
     parser.add_argument("--dot-precision", choices=["auto", "ieee", "quantized"], default="auto",
                         help="attention dots: tensor cores where products stay exact (default), exact fp32, or the "
                              "quantized compute domain where the format offers it")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="time kvgen's attention as CUDA graph replays (no host launch cost per call)")
     parser.add_argument("--replot", metavar="JSON", help="only redraw the chart of an earlier run's results.json")
     args = parser.parse_args()
     if args.replot:
         saved = json.loads(Path(args.replot).read_text())
         plot_sweep(saved["sweep"], saved["sweep_ctx"], saved["meta"], Path(args.replot).with_suffix(".png"))
         return 0
-    global DOT
+    global DOT, GRAPHS
     DOT = args.dot_precision
+    GRAPHS = args.cuda_graphs
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     names = args.formats or kvgen.shipped_names()
@@ -217,7 +242,8 @@ def main() -> int:
         r["vs_bf16"] = r["time_us"] / b if b else None
     meta = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=__import__("triton").__version__, python=platform.python_version(),
-                copy_gbps=copy_bw / 1e9, command="python benchmarks/bench.py " + " ".join(sys.argv[1:]), dot_precision=DOT)
+                copy_gbps=copy_bw / 1e9, command="python benchmarks/bench.py " + " ".join(sys.argv[1:]), dot_precision=DOT,
+                cuda_graphs=GRAPHS)
     (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows, sweep=sweep, sweep_ctx=SWEEP), indent=1))
     lines = [f"Measured {meta['date']} on {meta['gpu']} (torch {meta['torch']}, triton {meta['triton']}, Python "
              f"{meta['python']}); copy bandwidth {meta['copy_gbps']:.0f} GB/s (read + write, 2 GiB). Command: "
