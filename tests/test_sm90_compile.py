@@ -1,0 +1,51 @@
+"""The generated kernels compile for the H200 (sm_90) with Triton's own ptxas, without a GPU.
+
+The interpreter accepts programs the GPU compiler rejects (a tensor-core dot over fewer than 16 elements, for one),
+so the CPU suite alone would not notice a template that only breaks compiled code. benchmarks/sass_count.py compiles
+each attention kernel in the configuration the runtime launches on a GPU, and --write the reshape-and-cache kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+import kvgen
+
+ROOT = Path(kvgen.__file__).resolve().parent
+SMALL_GROUP = {  # KIVI with G = 8: steps below a tensor-core dot's 16 positions must keep exact dots
+    "name": "kivi_g8",
+    "key": {"element": "uint4", "zero_point": {"dtype": "fp16"},
+            "scale": {"granularity": "per_channel_group", "group_tokens": 8, "dtype": "fp16", "placement": "page_end"},
+            "residual": {"tokens": 32, "dtype": "bf16"}},
+    "value": {"element": "uint4", "zero_point": {"dtype": "fp16"},
+              "scale": {"granularity": "per_block", "block": 32, "dtype": "fp16"},
+              "residual": {"tokens": 32, "dtype": "bf16"}},
+}
+
+
+def sass_count(*args: str, cache: Path) -> str:
+    env = dict(os.environ, TRITON_INTERPRET="0", KVGEN_CACHE_DIR=str(cache))
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sass_count.py"), *args], capture_output=True,
+                         text=True, env=env, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
+
+
+def test_attention_kernels_compile_for_sm90(tmp_path):
+    spec = tmp_path / "kivi_g8.yaml"
+    spec.write_text(yaml.safe_dump(SMALL_GROUP))
+    names = kvgen.shipped_names()
+    out = sass_count(*names, str(spec), cache=tmp_path / "cache")
+    rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[1:-1] == names and rows[-1] == str(spec), out
+
+
+def test_write_kernels_compile_for_sm90(tmp_path):
+    out = sass_count("--write", cache=tmp_path / "cache")
+    rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[1:] == [n for n in kvgen.shipped_names() if not kvgen.load(n).spec.streaming], out
