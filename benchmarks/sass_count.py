@@ -73,6 +73,19 @@ def main_loop(sass: str) -> list[str]:
     return [line for i, line in enumerate(lines) if i in addr and lo <= addr[i] <= hi]
 
 
+def compile_sm90(src, options: dict):
+    """Compile for sm_90 with Triton's ptxas: (kernel, its SASS, cuobjdump's resource usage line)."""
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+        usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout
+    return kernel, sass, usage
+
+
 def opcode(line: str) -> str:
     words = line.split("*/", 1)[1].split()
     word = words[1] if words[0].startswith("@") else words[0]
@@ -102,14 +115,7 @@ def count(name: str, tile_override: dict | None = None, dot_precision: str = "au
         c.update(TOKEN_GROUP=res["group"], RESIDUAL=res["tokens"], RING=res["ring"])
     fn = kset.module.paged_attention_kernel
     src = ASTSource(fn, signature=signature(fn, c), constexprs={(fn.arg_names.index(k),): v for k, v in c.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=tiles)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
-        usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True,
-                               text=True, check=True).stdout
+    kernel, sass, usage = compile_sm90(src, tiles)
     loop = main_loop(sass)
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     smem = kernel.metadata.shared
@@ -142,14 +148,7 @@ def count_write(name: str) -> dict:
     sig = signature(fn, c)
     sig.update(key_ptr="*bf16", value_ptr="*bf16", slot_mapping_ptr="*i64")
     src = ASTSource(fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in c.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, enable_fp_fusion=False))
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
-        usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True,
-                               text=True, check=True).stdout
+    _, sass, usage = compile_sm90(src, dict(num_warps=4, enable_fp_fusion=False))
     lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
     ops = collections.Counter(opcode(line) for line in lines)
     moved = 2 * 128 * 2 + fmt.page_bytes(16, 8, 128) / 16 / 8  # bf16 K and V in, the cell out, per token-head
