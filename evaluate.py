@@ -329,12 +329,9 @@ def ran_with(f, backend: str, dot_precision: str) -> str:
     asked for, except "quantized" on a format without int8 codes, which runs "auto"."""
     if backend != "kernels":
         return "float64"
-    if dot_precision == "quantized":
-        from .runtime.loader import load
+    from .runtime.loader import load
 
-        if not any(load(f.source).quantized_dot.values()):
-            return "auto"
-    return dot_precision
+    return load(f.source).runs_dot_precision(dot_precision)
 
 
 def draw_png(rows: list[dict], path: str, metric: str = "attn_rel_l2") -> None:

@@ -62,10 +62,8 @@ def kernel_attention(source: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, c
             fmt.write(cache, key, value, slots)
     query = torch.from_numpy(np.ascontiguousarray(q.transpose(1, 0, 2)).astype(np.float32)).to(device)
     extra = {"seq_ids": torch.zeros(n, dtype=torch.int32, device=device)} if residual else {}
-    if dot_precision == "quantized" and not any(fmt.quantized_dot.values()):
-        dot_precision = "auto"
     out = fmt.attend(query, cache, table.expand(n, num_blocks).contiguous(),
                      torch.full((n,), T, dtype=torch.int32, device=device),
                      torch.arange(n + 1, dtype=torch.int32, device=device), max_query_len=1,
-                     dot_precision=dot_precision, **extra)
+                     dot_precision=fmt.runs_dot_precision(dot_precision), **extra)
     return out.double().cpu().numpy().transpose(1, 0, 2)

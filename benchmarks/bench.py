@@ -96,9 +96,7 @@ def decode_case(fmt, num_seqs: int, ctx: int, block_size: int, head_size: int = 
     seq_lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
     qsl = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda") * q_len
     q = torch.randn(num_seqs * q_len, HQ, head_size, dtype=torch.bfloat16, device="cuda")
-    # --dot-precision quantized: formats that do not offer it run their default
-    dot = "auto" if DOT == "quantized" and not any(fmt.quantized_dot.values()) else DOT
-    kwargs = dict(max_query_len=q_len, dot_precision=dot)
+    kwargs = dict(max_query_len=q_len, dot_precision=fmt.runs_dot_precision(DOT))
     if fmt.spec.streaming:
         kwargs["seq_ids"] = torch.arange(num_seqs, dtype=torch.int32, device="cuda")
     bytes_read = num_blocks * fmt.page_bytes(block_size, HKV, head_size)

@@ -313,6 +313,13 @@ class Format:
         q = self._kernels.module.QUANTIZED_DOT
         return {"key": q["k"], "value": q["v"]}
 
+    def runs_dot_precision(self, dot_precision: str) -> str:
+        """What ``attend`` would run for a precision asked of many formats at once (a benchmark, ``kvgen eval``):
+        "quantized" on a format with no int8 side runs "auto" (``attend`` itself refuses it there)."""
+        if dot_precision == "quantized" and not any(self.quantized_dot.values()):
+            return "auto"
+        return dot_precision
+
     def attend(self, query: torch.Tensor, cache: KVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
                query_start_loc: torch.Tensor, *, sm_scale: Optional[float] = None,
                sliding_window: Optional[int] = None, max_query_len: Optional[int] = None,

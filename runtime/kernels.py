@@ -258,10 +258,9 @@ class KernelSet:
         choice of "auto" on the other. Their dots reduce over the head (keys) and over the positions of a step
         (values): at least 32 of them, what one int8 tensor-core step takes."""
         modes = self.dot_modes(query_dtype, "auto", rotated_keys, head_pad, device)
-        reduce = {"k": head_pad, "v": 32}  # the runtime's steps take at least 32 positions on a GPU
         for side, x in (("k", "Q"), ("v", "P")):
-            kind = self.module.QUANTIZED_DOT[side]
-            if kind and reduce[side] >= 32:
+            # keys reduce over the head; values over a step's positions, at least 32 on a GPU
+            if self.module.QUANTIZED_DOT[side] and (side == "v" or head_pad >= 32):
                 modes.update({f"DOT_{side.upper()}": 3, f"{x}_TERMS": 1,
                               f"{side.upper()}_TERMS": 1})
         return modes
