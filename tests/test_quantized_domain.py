@@ -252,13 +252,14 @@ def test_tiny_value_scales(tmp_path):
     rng = np.random.default_rng(0)
     errs = []
     for magnitude in (1.0, 1e-35):
-        cache = fmt.allocate(4, 16, 1, 64)
-        k = torch.from_numpy(rng.standard_normal((8, 1, 64)).astype(np.float32))
-        v = torch.from_numpy(rng.standard_normal((8, 1, 64)).astype(np.float32) * magnitude)
-        fmt.write(cache, k, v, torch.arange(8))
-        q = torch.from_numpy(rng.standard_normal((1, 1, 64)).astype(np.float32)) * 3
-        args = (q, cache, torch.tensor([[0, 1, 2, 3]], dtype=torch.int32), torch.tensor([8], dtype=torch.int32),
-                torch.tensor([0, 1], dtype=torch.int32))
+        cache = fmt.allocate(4, 16, 1, 64, device=DEVICE)
+        k = torch.from_numpy(rng.standard_normal((8, 1, 64)).astype(np.float32)).to(DEVICE)
+        v = torch.from_numpy(rng.standard_normal((8, 1, 64)).astype(np.float32) * magnitude).to(DEVICE)
+        fmt.write(cache, k, v, torch.arange(8, device=DEVICE))
+        q = torch.from_numpy(rng.standard_normal((1, 1, 64)).astype(np.float32)).to(DEVICE) * 3
+        args = (q, cache, torch.tensor([[0, 1, 2, 3]], dtype=torch.int32, device=DEVICE),
+                torch.tensor([8], dtype=torch.int32, device=DEVICE),
+                torch.tensor([0, 1], dtype=torch.int32, device=DEVICE))
         exact = fmt.attend(*args, dot_precision="ieee").double()
         quant = fmt.attend(*args, dot_precision="quantized").double()
         assert torch.isfinite(quant).all()
