@@ -110,6 +110,7 @@ def count(name: str, tile_override: dict | None = None, dot_precision: str = "au
     tiles.update(tile_override or {})
     tiles.pop("programs_per_sm")
     block_n = tiles.pop("BLOCK_N")
+    block_n = getattr(kset.module, "BLOCK_N_FIXED", None) or block_n
     c = dict(consts, GROUP=4, BLOCK_M=16, BLOCK_Q=4, BLOCK_N=block_n, NUM_SPLITS=1, **dots)
     if res:
         c.update(TOKEN_GROUP=res["group"], RESIDUAL=res["tokens"], RING=res["ring"])

@@ -67,7 +67,7 @@ class SideContext:
     scale_summary: str
     dot: str  # tensor-core type whose values hold the attention operand exactly ("" = exact fp32 dots only)
     op_terms: int  # how many values of that type sum to one operand element (hi + lo)
-    tok: str  # how the scale leaves the dot: none / const (one scalar) / token (one per row) / block
+    tok: str  # how the scale leaves the dot: none / const (one scalar) / token (one per row) / block / channel
     qdot: str  # quantized compute domain: "int8" dots on the codes themselves ("" = not offered)
     qdot_max: str  # fp32 literal: the largest code value of that type (127), what a row's largest maps to
 
@@ -97,7 +97,7 @@ def _float_codec_for(dtype: str) -> Codec:
     return scale_codec(ScaleDType(dtype))
 
 
-def dot_operand(side: SideSpec, scale: str, zp: str, block: bool) -> tuple[str, int, str]:
+def dot_operand(side: SideSpec, scale: str, zp: str, block: bool, name: str = "key") -> tuple[str, int, str]:
     """How attention can feed this side to tensor-core dots without rounding it: (type, terms, scale factoring).
 
     The dot operand is the stored code minus its integer zero point, times (block scales only) the ratio of the
@@ -110,7 +110,20 @@ def dot_operand(side: SideSpec, scale: str, zp: str, block: bool) -> tuple[str, 
     do fp32 elements: those sides keep exact fp32 dots ("").
     """
     info = side.info
-    if scale == "channel_group" or zp == "float" or side.element.value == "fp32":
+    if side.element.value == "fp32":
+        return "", 0, "none"
+    if scale == "channel_group":
+        # KIVI keys: one scale and minimum per channel for a group of tokens. Attention steps hold one group, so the
+        # operand is the code times the channel's scale over a power of two per step (like a block ratio along the
+        # head), the power of two multiplies the scores, and the minima add q . min per step (fp32).
+        code_bits = side.bits
+        ratio_bits = _SCALE_SIGNIFICAND[side.scale.dtype.value]
+        terms = -(-(code_bits + ratio_bits) // 11)
+        largest = 2.0 ** side.bits * (1.0 if side.scale.dtype.value == "e8m0" else 2.0)
+        return ("fp16", terms, "channel") if terms <= 2 and largest <= 65504.0 else ("", 0, "none")
+    if zp == "float" and not (name == "value" and block and side.zero_point.dtype == "fp16"):
+        # a float minimum per group: values add p @ minima as a second fp16 dot (exact for fp16 minima); keys and
+        # other minima keep exact fp32 dots
         return "", 0, "none"
     tok = {"none": "none", "per_tensor": "const", "per_head": "const"}.get(scale, "block" if block else "token")
     if info.kind == "float":  # bf16 / fp16 elements: their own type, unless a block scale must enter the operand
@@ -164,7 +177,7 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
     float_zp = asym and side.zero_point.dtype != "uint8"
     if float_zp:
         zp = "float"
-    dot = dot_operand(side, scale, zp, bool(dynamic and sc.block))
+    dot = dot_operand(side, scale, zp, bool(dynamic and sc.block), name)
     qdot = quantized_dot(codec, dot[2], asym)
     sources = [render_codec(codec, f"{p}_", dot=bool(dot[0]), qdot=qdot)]
     if scodec is not None:

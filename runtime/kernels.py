@@ -198,6 +198,7 @@ class KernelSet:
                              "int8 keys need a head of at least 32 elements, and the values are not int8")
         tiles = attention_tiles(self.module.CODE_BITS, self.module.DOT_OPERANDS, dots, self.block_scaled)
         block_n = tiles.pop("BLOCK_N")
+        block_n = getattr(self.module, "BLOCK_N_FIXED", None) or block_n  # KIVI keys: one token group per step
         programs_per_sm = tiles.pop("programs_per_sm")
         num_q_tiles = triton_cdiv(max_query_len, block_q)
         num_seqs = seq_lens.shape[0]

@@ -119,3 +119,26 @@ def test_sides_without_a_factorable_scale_keep_exact_dots():
     assert side_of("fp8_e5m2", {"granularity": "per_block", "block": 16, "dtype": "fp16"})[0] == ""  # range
     assert side_of("fp8_e5m2", {"granularity": "per_tensor"})[:2] == ("fp16", 1)
     assert side_of("fp8_e4m3", {"granularity": "per_block", "block": 16, "dtype": "fp32"})[0] == ""  # 24-bit ratios
+
+
+@pytest.mark.parametrize("name", ["kivi_2bit", "kivi_4bit"])
+def test_kivi_operands_are_exact(name):
+    """KIVI keys (a scale and a float minimum per channel and token group): the operand is the code times the
+    channel's scale over a power of two per attention step (one group per step); values (a float minimum per block)
+    take the block-ratio operand, their minima a second dot. Both must hold every operand exactly in the rule's
+    terms, from the ratio where products are normal fp16 numbers up."""
+    import kvgen
+
+    spec = kvgen.load(name).spec
+    k = dot_operand(spec.key, "channel_group", "float", False, "key")
+    v = dot_operand(spec.value, "dynamic", "float", True, "value")
+    assert k[0] == "fp16" and k[2] == "channel" and v[0] == "fp16" and v[2] == "block"
+    for side, (_, terms, _) in ((spec.key, k), (spec.value, v)):
+        codes = np.arange(1 << side.bits, dtype=np.float64)  # unsigned codes: the minimum is added apart
+        normal = 2.0 ** -14  # the smallest nonzero code is 1
+        ratios = ratio_values(side.scale.dtype.value, smallest=normal)
+        ops = np.multiply.outer(codes, ratios).ravel()
+        assert np.abs(ops).max() <= 65504.0
+        assert terms == 2 and exact_in_fp16_terms(ops, 2) and not exact_in_fp16_terms(ops, 1)
+    # a float minimum anywhere else keeps exact dots (keys with token or block scales, fp32 minima)
+    assert dot_operand(spec.value, "dynamic", "float", True, "key")[0] == ""

@@ -12,9 +12,12 @@ import triton.language as tl
 # dots only), and the smallest padded head size they are used at (sub-byte codes: 32; at 16 the H200 build of
 # Triton 3.6 computed wrong fp16 dots from the unpacked codes). The runtime picks the dot mode from these.
 CODE_BITS = {"k": 4, "v": 4}  # bits per stored element: the runtime's tile choice
-DOT_OPERANDS = {"k": ("", 0, 32), "v": ("", 0, 32)}
+DOT_OPERANDS = {"k": ("fp16", 2, 32), "v": ("fp16", 2, 32)}
 # dot_precision="quantized": per side, the type of the codes the dots then run on ("": that side keeps its dots)
 QUANTIZED_DOT = {"k": "", "v": ""}
+# KV positions per attention step the kernel requires (keys scaled per channel and token group: one group per step),
+# or None for the runtime's choice
+BLOCK_N_FIXED = 32
 
 # ---------------------------------------------------------------------------------------------------------------
 # Codecs. key: uint4, round half even, clamp to [0, 15]
@@ -33,6 +36,14 @@ def k_encode(v):
 @triton.jit
 def k_decode(code):
     return (code.to(tl.int32) & 15).to(tl.float32)
+
+
+@triton.jit
+def k_decode_dot(code, NATIVE: tl.constexpr):
+    # code -> fp16, exactly and without an int-to-float instruction: the fp16 with bits 0x6400 | u is 1024 + u for
+    # u < 1024; u is the code itself
+    u = code.to(tl.uint16) & 15
+    return (u | 0x6400).to(tl.float16, bitcast=True) - 1024.0
 
 
 @triton.jit
@@ -72,6 +83,14 @@ def v_encode(v):
 @triton.jit
 def v_decode(code):
     return (code.to(tl.int32) & 15).to(tl.float32)
+
+
+@triton.jit
+def v_decode_dot(code, NATIVE: tl.constexpr):
+    # code -> fp16, exactly and without an int-to-float instruction: the fp16 with bits 0x6400 | u is 1024 + u for
+    # u < 1024; u is the code itself
+    u = code.to(tl.uint16) & 15
+    return (u | 0x6400).to(tl.float16, bitcast=True) - 1024.0
 
 
 @triton.jit
@@ -369,6 +388,10 @@ def paged_attention_kernel(
             hi = tl.minimum(hi, (split + 1) * chunk)
         lo = tl.where(window > 0, tl.maximum(context + tile * BLOCK_Q - window + 1, 0), 0)
         lo = tl.maximum(lo, split * chunk)
+        # every step holds one whole group of 32 tokens (their key scales): start at a group boundary (the
+        # positions before lo that this adds are outside the window, so masked; split * chunk is a boundary already)
+        tl.static_assert(BLOCK_N == 32)
+        lo = (lo // BLOCK_N) * BLOCK_N
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -392,17 +415,30 @@ def paged_attention_kernel(
             k_c0 = (k_byte >> 0) & 15
             k_c1 = (k_byte >> 4) & 15
             k_code = tl.reshape(tl.join(k_c0, k_c1), [BLOCK_N, HEAD_PAD])
-            k_tile = k_decode(k_code)
-            # one scale and minimum per channel for the group of 32 tokens each row belongs to (same page)
-            k_grow = off // 32
-            k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (k_grow * NUM_KV_HEADS + head) * K_SCALE_CELL
-            k_zrow = k_cache_ptr + blk * K_ZP_PAGE + K_ZP_BASE + (k_grow * NUM_KV_HEADS + head) * K_ZP_CELL
-            k_gmask = dmask[None, :]
-            k_gs = k_scale_decode(tl.load((k_srow[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=k_gmask, other=0))
-            k_gm = k_zp_decode(tl.load((k_zrow[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=k_gmask, other=0))
-            k_tile = k_tile * k_gs + k_gm
-            k_op = k_tile
-            scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
+            if DOT_K != 0:  # tensor-core dots: the code's value in their type
+                k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+            else:
+                k_tile = k_decode(k_code)
+            # one scale and minimum per channel for the group of 32 tokens this step holds (steps are
+            # aligned to groups): read once per step at the step's first position
+            k_blk0 = tl.load(block_table_ptr + seq * stride_bt + start // BLOCK_SIZE)
+            if OFFSETS_64:
+                k_blk0 = k_blk0.to(tl.int64)
+            k_grp0 = (start % BLOCK_SIZE) // 32
+            k_srow = k_cache_ptr + k_blk0 * K_SCALE_PAGE + K_SCALE_BASE + (k_grp0 * NUM_KV_HEADS + head) * K_SCALE_CELL
+            k_zrow = k_cache_ptr + k_blk0 * K_ZP_PAGE + K_ZP_BASE + (k_grp0 * NUM_KV_HEADS + head) * K_ZP_CELL
+            k_gs = k_scale_decode(tl.load(k_srow.to(tl.pointer_type(tl.uint16)) + d, mask=dmask, other=0))
+            k_gm = k_zp_decode(tl.load(k_zrow.to(tl.pointer_type(tl.uint16)) + d, mask=dmask, other=0))
+            if DOT_K != 0:
+                # operand: code * (scale / 2**e), exact in two fp16 terms; 2**e (the step's largest scale) scales the scores
+                k_tok = pow2_floor(tl.max(k_gs, axis=0))
+                k_op = k_tile * (k_gs * pow2_inv(k_tok))[None, :]
+            else:
+                k_tok = 1.0
+                k_op = k_tile * k_gs[None, :] + k_gm[None, :]
+                k_gm = tl.zeros_like(k_gm)  # already in the operand
+            # per channel: q . (code * scale + min) = (q . code * scale / 2**e) * 2**e + q . min
+            scores = (mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * k_tok + tl.sum(q * k_gm[None, :], axis=1)[:, None]) * row_scale[:, None]
             visible = (n[None, :] <= q_pos[:, None])
             visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
             scores = tl.where(visible, scores, float("-inf"))
@@ -417,16 +453,30 @@ def paged_attention_kernel(
             v_c0 = (v_byte >> 0) & 15
             v_c1 = (v_byte >> 4) & 15
             v_code = tl.reshape(tl.join(v_c0, v_c1), [BLOCK_N, HEAD_PAD])
-            v_tile = v_decode(v_code)
+            if DOT_V != 0:  # tensor-core dots: the code's value in their type
+                v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+            else:
+                v_tile = v_decode(v_code)
             v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
-            v_sidx = d // 32  # the scale of each element's group
-            v_scode = tl.load((v_srow[:, None] + v_sidx[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=dmask[None, :], other=0)
+            # one scale per 32 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
+            v_gi = tl.arange(0, HEAD_PAD // 32)
+            v_gmask = (v_gi < HEAD_SIZE // 32)[None, :]
+            v_scode = tl.load(v_srow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], mask=v_gmask, other=0)
+            # the minimum of each group, added after the dot as p @ minima ({p}_min: [BLOCK_N, HEAD_PAD], exact in fp16)
             v_zrow = v_cache_ptr + blk * V_ZP_PAGE + V_ZP_BASE + (off * NUM_KV_HEADS + head) * V_ZP_CELL
-            v_min = v_zp_decode(tl.load((v_zrow[:, None] + v_sidx[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=dmask[None, :], other=0))
-            v_tile = v_tile * (v_scale_decode(v_scode))
-            v_tile = v_tile + v_min
-            v_op = v_tile
-            pv = mma(p, v_op, DOT_V, P_TERMS, V_TERMS)
+            v_gmin = v_zp_decode(tl.load(v_zrow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], mask=v_gmask, other=0))
+            v_min = tl.reshape(tl.broadcast_to(v_gmin[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+            v_bs = v_scale_decode(v_scode)
+            v_tok = pow2_floor(tl.max(v_bs, axis=1))
+            v_ratio = v_bs * pow2_inv(v_tok)[:, None]
+            v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+            # the per-position value factors enter the probabilities, relative to each query row's largest weight
+            # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
+            pw = p * v_tok[None, :]
+            pw_top = tl.max(pw, axis=1)
+            pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
+            pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
+            pv = pv + mma(p, v_min, DOT_V, P_TERMS, 1)  # the groups' minima: sum over positions of p * min
             acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
@@ -444,17 +494,30 @@ def paged_attention_kernel(
             k_c0 = (k_byte >> 0) & 15
             k_c1 = (k_byte >> 4) & 15
             k_code = tl.reshape(tl.join(k_c0, k_c1), [BLOCK_N, HEAD_PAD])
-            k_tile = k_decode(k_code)
-            # one scale and minimum per channel for the group of 32 tokens each row belongs to (same page)
-            k_grow = off // 32
-            k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (k_grow * NUM_KV_HEADS + head) * K_SCALE_CELL
-            k_zrow = k_cache_ptr + blk * K_ZP_PAGE + K_ZP_BASE + (k_grow * NUM_KV_HEADS + head) * K_ZP_CELL
-            k_gmask = n_mask[:, None] & dmask[None, :]
-            k_gs = k_scale_decode(tl.load((k_srow[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=k_gmask, other=0))
-            k_gm = k_zp_decode(tl.load((k_zrow[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=k_gmask, other=0))
-            k_tile = k_tile * k_gs + k_gm
-            k_op = k_tile
-            scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
+            if DOT_K != 0:  # tensor-core dots: the code's value in their type
+                k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+            else:
+                k_tile = k_decode(k_code)
+            # one scale and minimum per channel for the group of 32 tokens this step holds (steps are
+            # aligned to groups): read once per step at the step's first position
+            k_blk0 = tl.load(block_table_ptr + seq * stride_bt + start // BLOCK_SIZE)
+            if OFFSETS_64:
+                k_blk0 = k_blk0.to(tl.int64)
+            k_grp0 = (start % BLOCK_SIZE) // 32
+            k_srow = k_cache_ptr + k_blk0 * K_SCALE_PAGE + K_SCALE_BASE + (k_grp0 * NUM_KV_HEADS + head) * K_SCALE_CELL
+            k_zrow = k_cache_ptr + k_blk0 * K_ZP_PAGE + K_ZP_BASE + (k_grp0 * NUM_KV_HEADS + head) * K_ZP_CELL
+            k_gs = k_scale_decode(tl.load(k_srow.to(tl.pointer_type(tl.uint16)) + d, mask=dmask, other=0))
+            k_gm = k_zp_decode(tl.load(k_zrow.to(tl.pointer_type(tl.uint16)) + d, mask=dmask, other=0))
+            if DOT_K != 0:
+                # operand: code * (scale / 2**e), exact in two fp16 terms; 2**e (the step's largest scale) scales the scores
+                k_tok = pow2_floor(tl.max(k_gs, axis=0))
+                k_op = k_tile * (k_gs * pow2_inv(k_tok))[None, :]
+            else:
+                k_tok = 1.0
+                k_op = k_tile * k_gs[None, :] + k_gm[None, :]
+                k_gm = tl.zeros_like(k_gm)  # already in the operand
+            # per channel: q . (code * scale + min) = (q . code * scale / 2**e) * 2**e + q . min
+            scores = (mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * k_tok + tl.sum(q * k_gm[None, :], axis=1)[:, None]) * row_scale[:, None]
             visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
             visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
             scores = tl.where(visible, scores, float("-inf"))
@@ -469,16 +532,30 @@ def paged_attention_kernel(
             v_c0 = (v_byte >> 0) & 15
             v_c1 = (v_byte >> 4) & 15
             v_code = tl.reshape(tl.join(v_c0, v_c1), [BLOCK_N, HEAD_PAD])
-            v_tile = v_decode(v_code)
+            if DOT_V != 0:  # tensor-core dots: the code's value in their type
+                v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+            else:
+                v_tile = v_decode(v_code)
             v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
-            v_sidx = d // 32  # the scale of each element's group
-            v_scode = tl.load((v_srow[:, None] + v_sidx[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=n_mask[:, None] & dmask[None, :], other=0)
+            # one scale per 32 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
+            v_gi = tl.arange(0, HEAD_PAD // 32)
+            v_gmask = n_mask[:, None] & (v_gi < HEAD_SIZE // 32)[None, :]
+            v_scode = tl.load(v_srow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], mask=v_gmask, other=0)
+            # the minimum of each group, added after the dot as p @ minima ({p}_min: [BLOCK_N, HEAD_PAD], exact in fp16)
             v_zrow = v_cache_ptr + blk * V_ZP_PAGE + V_ZP_BASE + (off * NUM_KV_HEADS + head) * V_ZP_CELL
-            v_min = v_zp_decode(tl.load((v_zrow[:, None] + v_sidx[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=n_mask[:, None] & dmask[None, :], other=0))
-            v_tile = v_tile * (v_scale_decode(v_scode))
-            v_tile = v_tile + v_min
-            v_op = v_tile
-            pv = mma(p, v_op, DOT_V, P_TERMS, V_TERMS)
+            v_gmin = v_zp_decode(tl.load(v_zrow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], mask=v_gmask, other=0))
+            v_min = tl.reshape(tl.broadcast_to(v_gmin[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+            v_bs = v_scale_decode(v_scode)
+            v_tok = pow2_floor(tl.max(v_bs, axis=1))
+            v_ratio = v_bs * pow2_inv(v_tok)[:, None]
+            v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+            # the per-position value factors enter the probabilities, relative to each query row's largest weight
+            # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
+            pw = p * tl.where(n_mask, v_tok, 0.0)[None, :]
+            pw_top = tl.max(pw, axis=1)
+            pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
+            pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
+            pv = pv + mma(p, v_min, DOT_V, P_TERMS, 1)  # the groups' minima: sum over positions of p * min
             acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new

@@ -14,6 +14,9 @@ CODE_BITS = {"k": 4, "v": 4}  # bits per stored element: the runtime's tile choi
 DOT_OPERANDS = {"k": ("fp16", 1, 32), "v": ("fp16", 1, 32)}
 # dot_precision="quantized": per side, the type of the codes the dots then run on ("": that side keeps its dots)
 QUANTIZED_DOT = {"k": "", "v": ""}
+# KV positions per attention step the kernel requires (keys scaled per channel and token group: one group per step),
+# or None for the runtime's choice
+BLOCK_N_FIXED = None
 
 # ---------------------------------------------------------------------------------------------------------------
 # Codecs. key: fp4_e2m1 by bit manipulation: saturate to +-6, round half to even; scales e8m0 per 32 elements, separate
