@@ -106,8 +106,9 @@ def dot_operand(side: SideSpec, scale: str, zp: str, block: bool, name: str = "k
     sum of one or two fp16 values exactly (hi + lo), provided it stays within fp16's range (e5m2 codes up to 57344
     times a block ratio up to 2 do not). One limit: a block whose scale is far below its token's largest (by more
     than 2**14 / the smallest code) lands in fp16's subnormal range and may lose bits, at most 2**-25 of the token's
-    largest block scale per element (tests/test_dot_operand.py); an exact path for such tiles waits for GPU time. Float zero points and KIVI's per-channel groups do not factor this way, nor
-    do fp32 elements: those sides keep exact fp32 dots ("").
+    largest block scale per element (tests/test_dot_operand.py); an exact path for such tiles waits for GPU time. KIVI's
+    keys (scales per channel and token group) and values with fp16 minima per block factor as described below; other
+    float zero points and fp32 elements keep exact fp32 dots ("").
     """
     info = side.info
     if side.element.value == "fp32":
@@ -115,7 +116,11 @@ def dot_operand(side: SideSpec, scale: str, zp: str, block: bool, name: str = "k
     if scale == "channel_group":
         # KIVI keys: one scale and minimum per channel for a group of tokens. Attention steps hold one group, so the
         # operand is the code times the channel's scale over a power of two per step (like a block ratio along the
-        # head), the power of two multiplies the scores, and the minima add q . min per step (fp32).
+        # head), the power of two multiplies the scores, and the minima add q . min per step (fp32). A step is
+        # then G positions, and a tensor-core dot over positions needs at least 16: smaller groups keep exact
+        # fp32 dots (with 64 positions per step).
+        if side.scale.group_tokens < 16:
+            return "", 0, "none"
         code_bits = side.bits
         ratio_bits = _SCALE_SIGNIFICAND[side.scale.dtype.value]
         terms = -(-(code_bits + ratio_bits) // 11)

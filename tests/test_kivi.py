@@ -77,3 +77,31 @@ def test_long_prefill_then_decode(name):
     case = StreamCase(head_size=64, block_size=32, num_kv_heads=2, group=4, steps=[[300, 45]] + [[1, 1]] * 3,
                       dtype=torch.float32, window=None, pad_rows=2, seed=5)
     assert_stream(fmt, case)
+
+
+STREAMS = [  # (steps, window, splits): group-crossing prefills, chunked prefill past the residual window, decode
+    ([[300, 200], [300, 150]], 200, 3),
+    ([[600, 413, 230], [37, 1, 5]], None, 2),
+]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.parametrize("steps,window,splits", STREAMS)
+def test_fixed_streams_with_tensor_core_dots(name, steps, window, splits):
+    """bf16 and fp16 queries (the tensor-core path; fp32 queries take two-term dots), several quantized groups per
+    sequence, a query tile whose last position falls inside the quantized part (the masked last step), windows and
+    KV splits: every example, where the hypothesis draws cover these combinations only now and then."""
+    import torch
+
+    fmt = kvgen.load(name)
+    for dtype in (torch.bfloat16, torch.float16):
+        case = StreamCase(head_size=64, block_size=64, num_kv_heads=2, group=4, steps=steps, dtype=dtype,
+                          window=window, pad_rows=1, seed=11, splits=splits)
+        assert_stream(fmt, case)
+
+
+def test_small_groups_keep_exact_dots(small_format):
+    """G = 8: a step of 8 positions is below what a tensor-core dot takes (16), so the kernel keeps exact fp32 dots
+    over 64-position steps (kvgen.codegen.render.dot_operand)."""
+    assert small_format._kernels.module.BLOCK_N_FIXED is None
+    assert small_format._kernels.module.DOT_OPERANDS["k"][0] == ""

@@ -480,7 +480,10 @@ def paged_attention_kernel(
             pw_top = tl.max(pw, axis=1)
             pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
             pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
-            pv = pv + mma(p, v_min, DOT_V, P_TERMS, 1)  # the groups' minima: sum over positions of p * min
+            # the groups' minima: sum over positions of p * min, p relative to its row's largest as above
+            p_top = tl.max(p, axis=1)
+            p_top = tl.where(p_top >= 1.1754944e-38, p_top, 1.0)
+            pv = pv + mma(p * (1.0 / p_top)[:, None], v_min, DOT_V, P_TERMS, 1) * p_top[:, None]
             acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
@@ -563,7 +566,10 @@ def paged_attention_kernel(
             pw_top = tl.max(pw, axis=1)
             pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
             pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
-            pv = pv + mma(p, v_min, DOT_V, P_TERMS, 1)  # the groups' minima: sum over positions of p * min
+            # the groups' minima: sum over positions of p * min, p relative to its row's largest as above
+            p_top = tl.max(p, axis=1)
+            p_top = tl.where(p_top >= 1.1754944e-38, p_top, 1.0)
+            pv = pv + mma(p * (1.0 / p_top)[:, None], v_min, DOT_V, P_TERMS, 1) * p_top[:, None]
             acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
