@@ -42,30 +42,36 @@ def _choose_mode() -> None:
 #          KIVI or dot_precision="ieee"; 1 also for int8 dots; 2: hi + lo, e.g. q8_0's codes times block ratios);
 #   block  whether block scales enter the operand;
 #   split  whether the query or the probabilities take two terms (fp32 or rotated queries): a second dot, more
-#          registers.
+#          registers;
+#   rows   the query rows a program holds (BLOCK_M): 16 in decode (one query token, or up to 16 / GROUP of them);
+#          prefill holds 64 and needs the registers a cap would take (the decode caps made the chunked prefill
+#          of 4 x 2048 tokens 35-40% slower on the H200).
 # First matching rule wins (None matches anything). BLOCK_N: KV positions per step; maxnreg: a register cap (the
 # compiler otherwise takes 255 registers, two programs per SM); programs_per_sm: the split-KV target. The tuned rules
-# were measured on the H200 with benchmarks/tune_tiles.py at 64 x 8192 and 4 x 65536 with bf16 queries
+# were measured on the H200 with benchmarks/tune_tiles.py in decode at 64 x 8192 and 4 x 65536 with bf16 queries
 # (benchmarks/RESULTS.md, 2026-11-30; the format named was measured, the others follow its rule); the last two keep
-# the configuration used before that measurement. The interpreter takes 128 positions per step.
+# the configuration used before that measurement, also for every prefill. The interpreter takes 128 positions per
+# step.
+DECODE_ROWS = 16
 ATTENTION_TILES = (
-    # bits, terms, block, split -> tiles
-    ((16, 1, None, False), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)),  # bf16
-    ((8, 1, False, False), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # int8, fp8
-    ((8, 1, True, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # mxfp8
-    ((8, 2, True, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=8)),  # q8_0
-    ((4, 1, True, False), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)),  # nvfp4
-    ((8, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # other 8-bit: as before
-    ((None, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=4)),  # the rest: as before
+    # bits, terms, block, split, rows -> tiles
+    ((16, 1, None, False, 16), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)),  # bf16
+    ((8, 1, False, False, 16), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # fp8
+    ((8, 1, True, None, 16), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # mxfp8
+    ((8, 2, True, None, 16), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=8)),  # q8_0
+    ((4, 1, True, False, 16), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)),  # nvfp4
+    ((8, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # other 8-bit
+    ((None, None, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=4)),  # the rest
 )
 INTERPRETER_TILES = {"BLOCK_N": 128}
 # experiments and tests: tiles used for every format instead of the rules above (None: the rules)
 TILE_OVERRIDE: dict | None = None
 
 
-def attention_tiles(code_bits: dict, dot_operands: dict, dots: dict, block_scaled: bool) -> dict:
-    """The launch configuration of a format's attention kernel for one call's dot constexprs ``dots`` (a new dict:
-    BLOCK_N, num_warps, num_stages, optional maxnreg, programs_per_sm)."""
+def attention_tiles(code_bits: dict, dot_operands: dict, dots: dict, block_scaled: bool,
+                    block_m: int = DECODE_ROWS) -> dict:
+    """The launch configuration of a format's attention kernel for one call's dot constexprs ``dots`` and query rows
+    per program ``block_m`` (a new dict: BLOCK_N, num_warps, num_stages, optional maxnreg, programs_per_sm)."""
     if interpreting():
         return dict(INTERPRETER_TILES, programs_per_sm=4)
     if TILE_OVERRIDE is not None:
@@ -79,7 +85,7 @@ def attention_tiles(code_bits: dict, dot_operands: dict, dots: dict, block_scale
         elif mode != 0:
             terms = max(terms, dot_operands[side.lower()][1])
             split = split or dots[f"{x}_TERMS"] > 1
-    key = (bits, terms, block_scaled, split)
+    key = (bits, terms, block_scaled, split, DECODE_ROWS if block_m <= DECODE_ROWS else block_m)
     for rule, tiles in ATTENTION_TILES:
         if all(r is None or r == k for r, k in zip(rule, key)):
             return dict(tiles)
@@ -196,7 +202,7 @@ class KernelSet:
         if dot_precision == "quantized" and 3 not in (dots["DOT_K"], dots["DOT_V"]):
             raise ValueError(f"dot_precision: 'quantized' has no side to quantize at head size {query.shape[2]}: "
                              "int8 keys need a head of at least 32 elements, and the values are not int8")
-        tiles = attention_tiles(self.module.CODE_BITS, self.module.DOT_OPERANDS, dots, self.block_scaled)
+        tiles = attention_tiles(self.module.CODE_BITS, self.module.DOT_OPERANDS, dots, self.block_scaled, block_m)
         block_n = tiles.pop("BLOCK_N")
         block_n = getattr(self.module, "BLOCK_N_FIXED", None) or block_n  # KIVI keys: one token group per step
         programs_per_sm = tiles.pop("programs_per_sm")
