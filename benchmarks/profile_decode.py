@@ -1,0 +1,131 @@
+"""What limits each format's decode attention on the GPU: Nsight Compute's counters for one attention launch.
+
+    python benchmarks/profile_decode.py                          # a representative set of formats, 64 x 8192
+    python benchmarks/profile_decode.py --formats fp8_e4m3 int8_asym_per_token_head --out prof
+
+For each format, runs ``ncu`` on a child process that sets up benchmarks/bench.py's decode case (32 query heads,
+8 KV heads, head size 128, block size 16; KIVI block 32) and launches attention a few times; the third launch of
+the attention kernel is profiled (the first compiles). Prints one markdown table: kernel time, DRAM throughput
+(fraction of peak), bytes read, registers, achieved occupancy, issue-slot use, instructions per KV position and the
+largest warp stall reasons (cycles per issued instruction). The full raw CSV per format is kept in --out.
+
+ncu runs with ``--clock-control none`` (the clocks stay as the driver sets them), so its kernel time is comparable
+with bench.py's medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import io
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+DEFAULT_FORMATS = ["bf16", "fp8_e4m3", "int8_per_token_head", "int8_per_token_head_separate",
+                   "int8_asym_per_token_head", "mixed_k8_v4", "mxfp8", "q8_0", "nvfp4", "int4_per_token_head",
+                   "kivi_2bit"]
+SECTIONS = ["SpeedOfLight", "LaunchStats", "Occupancy", "WarpStateStats", "MemoryWorkloadAnalysis",
+            "ComputeWorkloadAnalysis", "InstructionStats"]
+STALL = re.compile(r"smsp__average_warps?_issue_stalled_(\w+?)_per_issue_active\.ratio$")
+
+
+def find_ncu() -> str:
+    found = shutil.which("ncu") or next(iter(sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"))), None) \
+        or next(iter(glob.glob("/usr/local/cuda*/bin/ncu")), None)
+    if not found:
+        sys.exit("profile_decode: no ncu (Nsight Compute) on this machine")
+    return found
+
+
+def child(name: str, seqs: int, ctx: int) -> None:
+    """Set up one decode case and launch its attention 4 times (ncu picks one launch)."""
+    import torch
+
+    import kvgen
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench
+
+    fmt = kvgen.load(name)
+    block = fmt.layout.RESIDUAL["group"] if fmt.spec.streaming else 16
+    fn, _ = bench.decode_case(fmt, seqs, ctx, block)
+    for _ in range(4):
+        fn()
+    torch.cuda.synchronize()
+
+
+def number(row: dict, key: str) -> float | None:
+    value = row.get(key, "").replace(",", "")
+    try:
+        return float(value)
+    except ValueError:
+        return None
+
+
+def profile(ncu: str, name: str, seqs: int, ctx: int, out: Path) -> dict:
+    cmd = [ncu, "--clock-control", "none", "--kernel-name", "regex:paged_attention", "--launch-skip", "2",
+           "--launch-count", "1", "--csv", "--page", "raw"]
+    for section in SECTIONS:
+        cmd += ["--section", section]
+    cmd += [sys.executable, str(Path(__file__).resolve()), "--child", name, "--shape", f"{seqs}x{ctx}"]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    (out / f"{name}.csv").write_text(run.stdout)
+    lines = run.stdout.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+    if run.returncode != 0 or start is None:
+        sys.stderr.write(f"{name}: ncu failed (rc {run.returncode})\n{run.stderr[-2000:]}\n{run.stdout[-2000:]}\n")
+        return {}
+    rows = list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
+    return rows[1] if len(rows) > 1 and rows[0].get("ID") == "" else rows[0]  # a units row may follow the header
+
+
+def summary(name: str, row: dict, seqs: int, ctx: int) -> str:
+    def get(key, scale=1.0, fmt="{:.0f}", unit=""):
+        v = number(row, key)
+        return "-" if v is None else fmt.format(v * scale) + unit
+
+    stalls = sorted(((number(row, k) or 0.0, STALL.match(k).group(1)) for k in row if STALL.match(k)), reverse=True)
+    top = ", ".join(f"{reason} {v:.1f}" for v, reason in stalls[:4])
+    inst = number(row, "smsp__inst_executed.sum")
+    per_pos = "-" if inst is None else f"{inst / (seqs * ctx * 8):.1f}"  # warp instructions per (position, KV head)
+    return (f"| {name} | {get('gpu__time_duration.sum', 1e-3)} | "
+            f"{get('dram__throughput.avg.pct_of_peak_sustained_elapsed', unit='%')} | "
+            f"{get('dram__bytes_read.sum', 1e-6)} | {get('launch__registers_per_thread')} | "
+            f"{get('sm__warps_active.avg.pct_of_peak_sustained_active', unit='%')} | "
+            f"{get('smsp__issue_active.avg.pct_of_peak_sustained_active', unit='%')} | {per_pos} | "
+            f"{get('smsp__average_warp_latency_per_inst_issued.ratio', fmt='{:.1f}')} | {top} |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--formats", nargs="+", default=DEFAULT_FORMATS)
+    ap.add_argument("--shape", default="64x8192", help="sequences x context")
+    ap.add_argument("--out", default="profile_out")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    seqs, ctx = (int(x) for x in args.shape.split("x"))
+    if args.child:
+        child(args.child, seqs, ctx)
+        return 0
+    ncu = find_ncu()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"ncu: {ncu}; decode {seqs} x {ctx}, bf16 queries; one launch per format", flush=True)
+    print("| format | kernel us | DRAM of peak | MB read | registers | achieved occupancy | issue slots busy "
+          "| warp instr / KV position | cycles per issue | largest stalls (cycles per issued instruction) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name in args.formats:
+        row = profile(ncu, name, seqs, ctx, out)
+        if row:
+            print(summary(name, row, seqs, ctx), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRITON_INTERPRET", "0")
+    sys.exit(main())
