@@ -7,7 +7,7 @@ For each format, runs ``ncu`` on a child process that sets up benchmarks/bench.p
 8 KV heads, head size 128, block size 16; KIVI block 32) and launches attention a few times; the third launch of
 the attention kernel is profiled (the first compiles). Prints one markdown table: kernel time, DRAM throughput
 (fraction of peak), bytes read, registers, achieved occupancy, issue-slot use, instructions per KV position and the
-largest warp stall reasons (cycles per issued instruction). The full raw CSV per format is kept in --out.
+largest warp stall reasons (cycles per issued instruction). ncu's raw CSV of every format is kept in --out/ncu_raw.csv.
 
 ncu runs with ``--clock-control none`` (the clocks stay as the driver sets them), so its kernel time is comparable
 with bench.py's medians.
@@ -74,31 +74,52 @@ def profile(ncu: str, name: str, seqs: int, ctx: int, out: Path) -> dict:
         cmd += ["--section", section]
     cmd += [sys.executable, str(Path(__file__).resolve()), "--child", name, "--shape", f"{seqs}x{ctx}"]
     run = subprocess.run(cmd, capture_output=True, text=True)
-    (out / f"{name}.csv").write_text(run.stdout)
+    with open(out / "ncu_raw.csv", "a") as raw:  # one file for all formats (fewer files to carry back)
+        raw.write(f"# {name}\n{run.stdout}\n")
     lines = run.stdout.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
     if run.returncode != 0 or start is None:
         sys.stderr.write(f"{name}: ncu failed (rc {run.returncode})\n{run.stderr[-2000:]}\n{run.stdout[-2000:]}\n")
         return {}
     rows = list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
-    return rows[1] if len(rows) > 1 and rows[0].get("ID") == "" else rows[0]  # a units row may follow the header
+    if len(rows) > 1 and rows[0].get("ID") == "":  # the units row that follows the header
+        return {**rows[1], "units": rows[0]}
+    return rows[0]
+
+
+def find(row: dict, *patterns: str) -> float | None:
+    """The value of the first metric whose name matches one of ``patterns`` (regular expressions, in order): ncu
+    versions name some metrics differently."""
+    for pattern in patterns:
+        for key in row:
+            if re.fullmatch(pattern, key) and number(row, key) is not None:
+                return number(row, key)
+    return None
 
 
 def summary(name: str, row: dict, seqs: int, ctx: int) -> str:
-    def get(key, scale=1.0, fmt="{:.0f}", unit=""):
-        v = number(row, key)
-        return "-" if v is None else fmt.format(v * scale) + unit
+    def cell(value, scale=1.0, fmt="{:.0f}", unit=""):
+        return "-" if value is None else fmt.format(value * scale) + unit
 
     stalls = sorted(((number(row, k) or 0.0, STALL.match(k).group(1)) for k in row if STALL.match(k)), reverse=True)
     top = ", ".join(f"{reason} {v:.1f}" for v, reason in stalls[:4])
-    inst = number(row, "smsp__inst_executed.sum")
-    per_pos = "-" if inst is None else f"{inst / (seqs * ctx * 8):.1f}"  # warp instructions per (position, KV head)
-    return (f"| {name} | {get('gpu__time_duration.sum', 1e-3)} | "
-            f"{get('dram__throughput.avg.pct_of_peak_sustained_elapsed', unit='%')} | "
-            f"{get('dram__bytes_read.sum', 1e-6)} | {get('launch__registers_per_thread')} | "
-            f"{get('sm__warps_active.avg.pct_of_peak_sustained_active', unit='%')} | "
-            f"{get('smsp__issue_active.avg.pct_of_peak_sustained_active', unit='%')} | {per_pos} | "
-            f"{get('smsp__average_warp_latency_per_inst_issued.ratio', fmt='{:.1f}')} | {top} |")
+    inst = find(row, r"smsp__inst_executed\.sum")
+    per_pos = cell(inst, 1 / (seqs * ctx * 8), "{:.1f}")  # warp instructions per (position, KV head)
+    time = find(row, r"gpu__time_duration\.sum")
+    dram = find(row, r"dram__throughput\.avg\.pct_of_peak_sustained_elapsed", r"gpu__dram_throughput.*pct.*",
+                r"dram__.*throughput.*pct.*")
+    read = find(row, r"dram__bytes_read\.sum", r"dram__bytes\.sum")
+    occupancy = find(row, r"sm__warps_active\.avg\.pct_of_peak_sustained_active")
+    issue = find(row, r"smsp__issue_active\.avg\.pct_of_peak_sustained_active", r"sm__inst_issued\.avg\.pct.*",
+                 r"smsp__inst_issued\.avg\.pct.*")
+    cpi = find(row, r"smsp__average_warp_latency_per_inst_issued\.ratio", r"smsp__average_warps_.*per_inst_issued.*")
+    unit = row.get("units", {}).get("dram__bytes_read.sum", "byte")
+    read_unit = {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}.get(unit, 1e-6)  # to MB
+    time_unit = row.get("units", {}).get("gpu__time_duration.sum")
+    to_us = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(time_unit, 1e-3)
+    return (f"| {name} | {cell(time, to_us)} | {cell(dram, unit='%')} | {cell(read, read_unit)} | "
+            f"{cell(find(row, r'launch__registers_per_thread'))} | {cell(occupancy, unit='%')} | "
+            f"{cell(issue, unit='%')} | {per_pos} | {cell(cpi, fmt='{:.1f}')} | {top} |")
 
 
 def main() -> int:
