@@ -3,11 +3,15 @@
     python benchmarks/sass_count.py [--quantized] [FORMAT ...]   # default: every shipped format
     python benchmarks/sass_count.py --write [FORMAT ...]         # the reshape-and-cache kernel
 
-Compiles each format's paged_attention_kernel for sm_90 with Triton's own ptxas (the decode configuration the
-runtime picks for bf16 queries: 32 query heads over 8 KV heads, head size 128, block size 16, no split), finds the
-main loop in the SASS (the first backward branch spanning more than 200 instructions) and prints its instructions per KV position (per KV head), the
-bytes per position, the instruction mix and local-memory traffic (register spills). A proxy for issue 5's "what
-limits the kernel" when no GPU is at hand: a memory-bound kernel issues few instructions per byte.
+Compiles each format's paged_attention_kernel for sm_90 with Triton's own ptxas exactly as the runtime would launch
+it on an H200 for decode at 64 x 8192 (32 query heads over 8 KV heads, head size 128, block size 16, bf16 queries):
+the call is captured from ``Format.attend`` and bound by Triton's binder, so the tile options, the split and the
+argument specialisation (aligned pointers, integers divisible by 16) are the real ones. Before 2026-11-30 (third
+session) the kernels were compiled without that specialisation, which hid the asynchronous copies of the compiled
+kernels and overstated their instructions. Finds the main loop in the SASS (the first backward branch spanning
+more than 200 instructions) and prints its instructions per KV position (per KV head), the bytes per position, the
+instruction mix and local-memory traffic (register spills). A proxy for issue 5's "what limits the kernel" when no
+GPU is at hand: a memory-bound kernel issues few instructions per byte.
 """
 
 from __future__ import annotations
@@ -92,30 +96,70 @@ def opcode(line: str) -> str:
     return word.split(".")[0]
 
 
-def count(name: str, tile_override: dict | None = None, dot_precision: str = "auto") -> dict:
-    fmt = kvgen.load(name)
+H200_SMS = 132
+
+
+def runtime_source(fmt, seqs: int, ctx: int, block: int, dot_precision: str):
+    """The attention kernel exactly as the runtime would launch it on an H200 for decode of ``seqs`` sequences of
+    ``ctx`` tokens with bf16 queries: the launch is captured from ``Format.attend`` (CPU tensors, the kernel call
+    stubbed) and bound by Triton's own binder, so the constexprs, the tile options and the argument specialisation
+    (16-byte aligned pointers, integers divisible by 16 or equal to 1) match a real launch.
+    Returns (ASTSource, compile options, BLOCK_N)."""
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.jit import create_function_from_signature
+
+    from kvgen.runtime import checks, kernels
+
+    captured = {}
+
+    class Capture:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                captured.setdefault("call", (args, kwargs))
+            return launch
+
+    kset = fmt._kernels
+    fn = kset.module.paged_attention_kernel
     res = fmt.layout.RESIDUAL
-    block = 2 * res["group"] if res else 16
+    blocks_per_seq = -(-ctx // block)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cache = fmt.allocate(4, block, 8, 128, **({"max_seqs": 1} if res else {}))
-    _, consts = fmt._kernel_args(cache)
-    kset = fmt._kernels
-    dots = kset.dot_modes(torch.bfloat16, dot_precision, fmt.spec.key.rotation is not None, consts["HEAD_PAD"])
-    dots["NATIVE_CASTS"] = True
-    if "OFFSETS_64" in kset.module.paged_attention_kernel.arg_names:
-        dots["OFFSETS_64"] = False  # a cache below 2 GiB
+        cache = fmt.allocate(seqs * blocks_per_seq, block, 8, 128, **({"max_seqs": seqs} if res else {}))
+    saved = (kernels.interpreting, kernels.native_fp8, checks.costly_checks_on, kset._check_device,
+             kset.module.paged_attention_kernel, kset.module.reduce_splits_kernel, dict(kset._SMS),
+             dict(kset._dot_modes))
+    try:
+        kernels.interpreting = lambda: False
+        kernels.native_fp8 = lambda device: True
+        checks.costly_checks_on = lambda *tensors: False
+        kset._check_device = lambda t: None
+        kset._SMS[None] = H200_SMS
+        kset._dot_modes.clear()
+        kset.module.paged_attention_kernel = kset.module.reduce_splits_kernel = Capture()
+        q = torch.zeros(seqs, 32, 128, dtype=torch.bfloat16)
+        table = torch.arange(seqs * blocks_per_seq, dtype=torch.int32).reshape(seqs, blocks_per_seq)
+        extra = {"seq_ids": torch.arange(seqs, dtype=torch.int32)} if res else {}
+        fmt.attend(q, cache, table, torch.full((seqs,), ctx, dtype=torch.int32),
+                   torch.arange(seqs + 1, dtype=torch.int32), max_query_len=1, dot_precision=dot_precision, **extra)
+    finally:
+        (kernels.interpreting, kernels.native_fp8, checks.costly_checks_on, kset._check_device,
+         kset.module.paged_attention_kernel, kset.module.reduce_splits_kernel, sms, modes) = saved
+        kset._SMS.clear(), kset._SMS.update(sms), kset._dot_modes.clear(), kset._dot_modes.update(modes)
+    args, kwargs = captured["call"]
+    backend = CUDABackend(GPUTarget("cuda", 90, 32))
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    launch = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
+    return ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs), launch, kwargs["BLOCK_N"]
+
+
+def count(name: str, dot_precision: str = "auto", seqs: int = 64, ctx: int = 8192) -> dict:
+    fmt = kvgen.load(name)
+    res = fmt.layout.RESIDUAL
+    block = res["group"] if res else 16
     os.environ["TRITON_INTERPRET"] = "0"
-    tiles = attention_tiles(kset.module.CODE_BITS, kset.module.DOT_OPERANDS, dots, kset.block_scaled)
-    tiles.update(tile_override or {})
-    tiles.pop("programs_per_sm")
-    block_n = tiles.pop("BLOCK_N")
-    block_n = getattr(kset.module, "BLOCK_N_FIXED", None) or block_n
-    c = dict(consts, GROUP=4, BLOCK_M=16, BLOCK_Q=4, BLOCK_N=block_n, NUM_SPLITS=1, **dots)
-    if res:
-        c.update(TOKEN_GROUP=res["group"], RESIDUAL=res["tokens"], RING=res["ring"])
-    fn = kset.module.paged_attention_kernel
-    src = ASTSource(fn, signature=signature(fn, c), constexprs={(fn.arg_names.index(k),): v for k, v in c.items()})
+    src, tiles, block_n = runtime_source(fmt, seqs, ctx, block, dot_precision)
     kernel, sass, usage = compile_sm90(src, tiles)
     loop = main_loop(sass)
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
