@@ -261,6 +261,7 @@ def check(fmt: Format, examples: int = 20, device: str = "cpu",
 # Random valid specs across the whole format space: "every spec that validates builds and conforms".
 # --------------------------------------------------------------------------------------------------------------
 _QUANTIZED = ["fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "int8", "int4", "int2", "uint8", "uint4", "uint2"]
+_ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}  # the rest take at most one byte
 
 
 @st.composite
@@ -268,6 +269,8 @@ def side_specs(draw) -> dict:
     """A valid side of a spec, as plain YAML data."""
     element = draw(st.sampled_from(["bf16", "fp16", "fp32"] + _QUANTIZED * 3))
     side: dict = {"element": element}
+    if draw(st.integers(0, 3)) == 0:
+        side["data_align"] = draw(st.sampled_from([a for a in (1, 2, 4, 16) if a >= _ELEMENT_BYTES.get(element, 1)]))
     if draw(st.integers(0, 3)) == 0:
         side["rotation"] = {"kind": "hadamard", "seed": draw(st.integers(0, 1000))}
     if element in ("bf16", "fp16", "fp32"):

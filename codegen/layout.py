@@ -110,7 +110,7 @@ def plan(spec: FormatSpec) -> list[FieldPlan]:
         side = spec.side(side_name)
         p = side_name[0]
         tensor = "kv_cache" if interleaved else f"{p}_cache"
-        data = (f"{p}_data", Fraction(side.bits, 8), 0, max(side.bits // 8, 1),
+        data = (f"{p}_data", Fraction(side.bits, 8), 0, side.data_align or max(side.bits // 8, 1),
                 f"{side_name} codes, {side.element.value}" + (f", {8 // side.bits} per byte" if side.bits < 8 else ""))
         placement = side.scale.placement if scale_is_stored(side) else None
         if side.scale is not None and side.scale.granularity == Granularity.per_channel_group:

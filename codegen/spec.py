@@ -245,6 +245,11 @@ class SideSpec(_Strict):
     zero_point: Optional[ZeroPointSpec] = None
     rotation: Optional[RotationSpec] = None
     residual: Optional[ResidualSpec] = None
+    data_align: Optional[int] = Field(
+        None, description="Byte alignment of this side's codes in the cell (default: the element's size, at least 1). "
+        "4 or more lets compiled kernels copy the codes with wide asynchronous loads; codes at an odd offset are read "
+        "byte by byte.", ge=1, le=64
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "SideSpec":
@@ -257,6 +262,11 @@ class SideSpec(_Strict):
             raise ValueError(f"'rounding' applies to integer elements, not {self.element.value}")
         if self.rounding is None and info.kind in ("int", "uint"):
             object.__setattr__(self, "rounding", Rounding.half_even)
+        if self.data_align is not None and self.data_align & (self.data_align - 1):
+            raise ValueError(f"'data_align' must be a power of two, got {self.data_align}")
+        if self.data_align is not None and self.data_align < max(info.bits // 8, 1):
+            raise ValueError(f"'data_align' {self.data_align} is below the size of one {self.element.value} element "
+                             f"({info.bits // 8} bytes)")
         if self.zero_point is not None and info.kind != "uint":
             raise ValueError(f"a zero point needs an unsigned integer element (uint2/4/8), not {self.element.value}")
         if info.kind == "uint" and self.zero_point is None:

@@ -15,9 +15,10 @@ Rules (docs/SEMANTICS.md, "Layout"):
         of their own, ``k_scale_cache`` / ``v_scale_cache``;
       - ``page_end``: a region ``[data]`` and a region ``[scale, zero point]`` are appended to the page; they are
         closed, so a later inline / separate side opens a new cell region after them.
-  * Alignment: a field starts at the next multiple of its alignment (data: its element size, at least 1; scale:
-    ``align``, default the scale's size; zero point: its size, so 1 for uint8); a cell ends at a multiple of the
-    largest alignment of its fields and of its tensor's storage dtype (= the region's alignment). Regions follow
+  * Alignment: a field starts at the next multiple of its alignment (data: ``data_align``, default its element
+    size, at least 1; scale: ``align``, default the scale's size; zero point: its size, so 1 for uint8); a cell
+    ends at a multiple of the largest alignment of its fields and of its tensor's storage dtype (= the region's
+    alignment). Regions follow
     each other, each starting at a multiple of its alignment; a page ends at a multiple of the largest region
     alignment (this padding between regions and at the page end is zero in every format whose region sizes are
     multiples of the next alignment).
@@ -122,6 +123,8 @@ class TensorLayout:
 
 
 def _data_align(side: SideSpec) -> int:
+    if side.data_align is not None:
+        return side.data_align
     return max(ELEMENT_BITS[side.element] // 8, 1)
 
 

@@ -314,6 +314,30 @@ def test_zero_point_on_float_element(tmp_path):
     assert "zero point" in err.message and "fp8_e4m3" in err.message
 
 
+DATA_ALIGN = """\
+name: da
+key:
+  element: {element}
+  data_align: {align}
+  scale:
+    granularity: per_token_head
+value:
+  element: bf16
+"""
+
+
+@pytest.mark.parametrize("element, align, words", [("int8", 3, ["power of two", "3"]),
+                                                   ("fp32", 2, ["below", "fp32", "4 bytes"])])
+def test_bad_data_align(tmp_path, element, align, words):
+    text = DATA_ALIGN.format(element=element, align=align).replace(
+        "  scale:\n    granularity: per_token_head\n" if element == "fp32" else "\0", "")
+    p = write(tmp_path, "da.yaml", text)
+    err = spec_error(p)
+    assert err.field in ("key", "key.data_align"), str(err)
+    assert err.line in (line_of(text, "key:"), line_of(text, "data_align:")), str(err)
+    assert all(w in err.message for w in words), err.message
+
+
 def test_out_of_range_number(tmp_path):
     text = "name: mn\nkey:\n  element: int8\n  scale:\n    granularity: per_token_head\n    min: 0\nvalue:\n  element: bf16\n"
     p = write(tmp_path, "mn.yaml", text)
