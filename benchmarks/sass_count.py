@@ -1,7 +1,7 @@
 """Static instruction counts of the generated attention kernels for the H200 (sm_90), without a GPU.
 
     python benchmarks/sass_count.py [--quantized] [FORMAT ...]   # default: every shipped format
-    python benchmarks/sass_count.py --write [FORMAT ...]         # the reshape-and-cache kernel
+    python benchmarks/sass_count.py --write [FORMAT ...]         # reshape-and-cache, as Format.write launches it
 
 Compiles each format's paged_attention_kernel for sm_90 with Triton's own ptxas exactly as the runtime would launch
 it on an H200 for decode at 64 x 8192 (32 query heads over 8 KV heads, head size 128, block size 16, bf16 queries):
@@ -35,22 +35,6 @@ import kvgen  # noqa: E402
 from kvgen.runtime.kernels import attention_tiles  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-POINTER_TYPES = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "ml_ptr": "*fp32",
-                 "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "seq_ids_ptr": "*i32"}
-
-
-def signature(fn, consts: dict) -> dict:
-    sig = {}
-    for a in fn.arg_names:
-        if a in consts:
-            sig[a] = "constexpr"
-        elif a.endswith("_ptr"):
-            sig[a] = POINTER_TYPES.get(a, "*u8" if any(w in a for w in ("cache", "meta", "res")) else "*fp32")
-        else:
-            sig[a] = "fp32" if a == "qk_scale" else "i32"
-    return sig
-
-
 def main_loop(sass: str) -> list[str]:
     """Instruction lines of the main loop: the first loop (a backward branch, to a label or an address) of more than
     200 instructions in code order (with a separate masked last tile, the unmasked whole-tile loop comes first)."""
@@ -99,35 +83,27 @@ def opcode(line: str) -> str:
 H200_SMS = 132
 
 
-def runtime_source(fmt, seqs: int, ctx: int, block: int, dot_precision: str):
-    """The attention kernel exactly as the runtime would launch it on an H200 for decode of ``seqs`` sequences of
-    ``ctx`` tokens with bf16 queries: the launch is captured from ``Format.attend`` (CPU tensors, the kernel call
-    stubbed) and bound by Triton's own binder, so the constexprs, the tile options and the argument specialisation
-    (16-byte aligned pointers, integers divisible by 16 or equal to 1) match a real launch.
-    Returns (ASTSource, compile options, BLOCK_N)."""
-    from triton.backends.nvidia.compiler import CUDABackend
-    from triton.runtime.jit import create_function_from_signature
-
+def _captured(fmt, call) -> dict:
+    """The launches ``call()`` makes of the format's kernels, as a GPU run would make them (the kernels stubbed, so
+    CPU tensors do): {kernel name: (args, kwargs)} of the first launch of each."""
     from kvgen.runtime import checks, kernels
 
-    captured = {}
+    captured: dict = {}
+    kset = fmt._kernels
+    names = [n for n in ("paged_attention_kernel", "reduce_splits_kernel", "reshape_and_cache_kernel")
+             if hasattr(kset.module, n)]
 
     class Capture:
+        def __init__(self, name):
+            self.name = name
+
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                captured.setdefault("call", (args, kwargs))
+                captured.setdefault(self.name, (args, kwargs))
             return launch
 
-    kset = fmt._kernels
-    fn = kset.module.paged_attention_kernel
-    res = fmt.layout.RESIDUAL
-    blocks_per_seq = -(-ctx // block)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        cache = fmt.allocate(seqs * blocks_per_seq, block, 8, 128, **({"max_seqs": seqs} if res else {}))
     saved = (kernels.interpreting, kernels.native_fp8, checks.costly_checks_on, kset._check_device,
-             kset.module.paged_attention_kernel, kset.module.reduce_splits_kernel, dict(kset._SMS),
-             dict(kset._dot_modes))
+             {n: getattr(kset.module, n) for n in names}, dict(kset._SMS), dict(kset._dot_modes))
     try:
         kernels.interpreting = lambda: False
         kernels.native_fp8 = lambda device: True
@@ -135,23 +111,50 @@ def runtime_source(fmt, seqs: int, ctx: int, block: int, dot_precision: str):
         kset._check_device = lambda t: None
         kset._SMS[None] = H200_SMS
         kset._dot_modes.clear()
-        kset.module.paged_attention_kernel = kset.module.reduce_splits_kernel = Capture()
-        q = torch.zeros(seqs, 32, 128, dtype=torch.bfloat16)
-        table = torch.arange(seqs * blocks_per_seq, dtype=torch.int32).reshape(seqs, blocks_per_seq)
-        extra = {"seq_ids": torch.arange(seqs, dtype=torch.int32)} if res else {}
-        fmt.attend(q, cache, table, torch.full((seqs,), ctx, dtype=torch.int32),
-                   torch.arange(seqs + 1, dtype=torch.int32), max_query_len=1, dot_precision=dot_precision, **extra)
+        for n in names:
+            setattr(kset.module, n, Capture(n))
+        call()
     finally:
-        (kernels.interpreting, kernels.native_fp8, checks.costly_checks_on, kset._check_device,
-         kset.module.paged_attention_kernel, kset.module.reduce_splits_kernel, sms, modes) = saved
-        kset._SMS.clear(), kset._SMS.update(sms), kset._dot_modes.clear(), kset._dot_modes.update(modes)
-    args, kwargs = captured["call"]
+        kernels.interpreting, kernels.native_fp8, checks.costly_checks_on, kset._check_device = saved[:4]
+        for n, k in saved[4].items():
+            setattr(kset.module, n, k)
+        kset._SMS.clear(), kset._SMS.update(saved[5]), kset._dot_modes.clear(), kset._dot_modes.update(saved[6])
+    return captured
+
+
+def _bound_source(fn, args, kwargs):
+    """(ASTSource, compile options) of one captured launch, bound and specialised by Triton's own binder."""
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.jit import create_function_from_signature
+
     backend = CUDABackend(GPUTarget("cuda", 90, 32))
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-    launch = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
-    return ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs), launch, kwargs["BLOCK_N"]
+    _, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    launch = {k: v for k, v in kwargs.items() if k not in fn.arg_names}
+    return ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs), launch
+
+
+def runtime_source(fmt, seqs: int, ctx: int, block: int, dot_precision: str):
+    """The attention kernel exactly as the runtime would launch it on an H200 for decode of ``seqs`` sequences of
+    ``ctx`` tokens with bf16 queries: the launch is captured from ``Format.attend`` (CPU tensors, the kernel call
+    stubbed) and bound by Triton's own binder, so the constexprs, the tile options and the argument specialisation
+    (16-byte aligned pointers, integers divisible by 16 or equal to 1) match a real launch.
+    Returns (ASTSource, compile options, BLOCK_N)."""
+    res = fmt.layout.RESIDUAL
+    blocks_per_seq = -(-ctx // block)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache = fmt.allocate(seqs * blocks_per_seq, block, 8, 128, **({"max_seqs": seqs} if res else {}))
+    q = torch.zeros(seqs, 32, 128, dtype=torch.bfloat16)
+    table = torch.arange(seqs * blocks_per_seq, dtype=torch.int32).reshape(seqs, blocks_per_seq)
+    extra = {"seq_ids": torch.arange(seqs, dtype=torch.int32)} if res else {}
+    launches = _captured(fmt, lambda: fmt.attend(
+        q, cache, table, torch.full((seqs,), ctx, dtype=torch.int32), torch.arange(seqs + 1, dtype=torch.int32),
+        max_query_len=1, dot_precision=dot_precision, **extra))
+    args, kwargs = launches["paged_attention_kernel"]
+    src, launch = _bound_source(fmt._kernels.module.paged_attention_kernel, args, kwargs)
+    return src, launch, kwargs["BLOCK_N"]
 
 
 def count(name: str, dot_precision: str = "auto", seqs: int = 64, ctx: int = 8192) -> dict:
@@ -177,23 +180,24 @@ def count(name: str, dot_precision: str = "auto", seqs: int = 64, ctx: int = 819
                 mix=ops.most_common(8))
 
 
-def count_write(name: str) -> dict:
-    """The reshape-and-cache kernel as the runtime launches it on a GPU (bf16 K/V, 16 tokens per program, one KV
-    head per program): it has no loop, so every instruction counts, per token of that head."""
+def count_write(name: str, tokens: int = 4096) -> dict:
+    """The reshape-and-cache kernel exactly as the runtime would launch it on a GPU for ``tokens`` bf16 tokens
+    (captured from ``Format.write`` like the attention kernel): it has no loop, so every instruction counts, per
+    token of the program's KV head."""
     fmt = kvgen.load(name)
     if fmt.spec.streaming:
         raise ValueError(f"{name}: KIVI writes through its own flush and residual kernels")
+    blocks = -(-tokens // 16) + 1
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cache = fmt.allocate(4, 16, 8, 128)
-    _, consts = fmt._kernel_args(cache)
-    fn = fmt._kernels.module.reshape_and_cache_kernel
-    block_t = 16
-    c = dict(consts, BLOCK_T=block_t)
-    sig = signature(fn, c)
-    sig.update(key_ptr="*bf16", value_ptr="*bf16", slot_mapping_ptr="*i64")
-    src = ASTSource(fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in c.items()})
-    _, sass, usage = compile_sm90(src, dict(num_warps=4, enable_fp_fusion=False))
+        cache = fmt.allocate(blocks, 16, 8, 128)
+    key = torch.zeros(tokens, 8, 128, dtype=torch.bfloat16)
+    slots = torch.arange(tokens, dtype=torch.int64)
+    os.environ["TRITON_INTERPRET"] = "0"
+    args, kwargs = _captured(fmt, lambda: fmt.write(cache, key, key.clone(), slots))["reshape_and_cache_kernel"]
+    src, launch = _bound_source(fmt._kernels.module.reshape_and_cache_kernel, args, kwargs)
+    block_t = kwargs["BLOCK_T"]
+    _, sass, usage = compile_sm90(src, launch)
     lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
     ops = collections.Counter(opcode(line) for line in lines)
     moved = 2 * 128 * 2 + fmt.page_bytes(16, 8, 128) / 16 / 8  # bf16 K and V in, the cell out, per token-head
