@@ -192,6 +192,9 @@ class Format:
             if t is None or tuple(t.shape) != shape or t.dtype != want or not t.is_contiguous():
                 got = "missing" if t is None else f"{tuple(t.shape)} {t.dtype}"
                 raise ValueError(f"cache: tensor {name!r} is {got}, expected a contiguous {shape} {want}")
+            if t.data_ptr() % 16:
+                raise ValueError(f"cache: tensor {name!r} starts at an address that is not a multiple of 16 bytes; "
+                                 "the kernels read its fields as aligned words (allocate() returns aligned tensors)")
 
     def _kernel_args(self, cache: KVCache) -> tuple[dict, dict]:
         """Pointer arguments and constexprs shared by both kernels, from the generated layout."""

@@ -110,6 +110,21 @@ def test_write_rejects_cache_of_a_same_named_format(tmp_path, monkeypatch):
     raises_named("cache", lambda: kvgen.load("bf16").write(foreign, k, v, torch.arange(4)))
 
 
+def test_write_and_attend_reject_a_misaligned_cache_tensor(int8, cache):
+    """A cache tensor replaced by an engine's own storage that starts at an odd address: named, not a fault."""
+    t = cache.tensors["kv_cache"]
+    storage = torch.zeros(t.numel() * t.element_size() + 16, dtype=torch.uint8)
+    shifted = storage[1:1 + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+    assert shifted.is_contiguous() and shifted.data_ptr() % 16
+    cache.tensors["kv_cache"] = shifted
+    k, v = kv()
+    raises_named("cache", lambda: int8.write(cache, k, v, torch.arange(5)), "kv_cache", "16 bytes")
+    q = torch.zeros(1, 2 * H, HS)
+    table, lens, starts = (torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+                           torch.tensor([0, 1], dtype=torch.int32))
+    raises_named("cache", lambda: int8.attend(q, cache, table, lens, starts), "16 bytes")
+
+
 def test_write_minus_one_skips_the_token(int8, cache):
     k, v = kv()
     int8.write(cache, k, v, torch.full((5,), -1, dtype=torch.int64))
