@@ -2,19 +2,23 @@
 
     python benchmarks/launch_overhead.py                      # bf16, fp8_e4m3, int8_per_token_head
     python benchmarks/launch_overhead.py --formats nvfp4 --calls 2000
+    python benchmarks/launch_overhead.py --python-only          # any machine, no GPU: kvgen's own Python per call
 
 For a tiny decode step (4 sequences of 64 tokens, 32 query heads, 8 KV heads, head size 128; the GPU work is a few
 microseconds) it prints, per format: the host time of one ``Format.attend`` and one ``Format.write`` call
 (back-to-back calls without synchronising, averaged), the same step replayed from a CUDA graph (the GPU's time
 alone), and the host time of a bare Triton launch of a kernel with one argument (the floor of any Triton launch on
-this machine).
+this machine). ``--python-only`` times kvgen's own Python around the launches (argument checks, layout, tile and
+split choice) with the kernel launches stubbed out, on CPU tensors, as a GPU run would take it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -44,11 +48,56 @@ def host_us(fn, calls: int) -> float:
     return (time.perf_counter() - t) / calls * 1e6
 
 
+def python_only(names: list, calls: int) -> None:
+    """kvgen's Python per attend / write call, the kernel launches replaced by no-ops (CPU tensors, compiled mode)."""
+    os.environ["TRITON_INTERPRET"] = "0"
+    from kvgen.runtime import checks, kernels
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    kernels.interpreting = lambda: False
+    kernels.native_fp8 = lambda device: True
+    checks.costly_checks_on = lambda *tensors: False  # as on a GPU: no device-to-host range checks
+    print("| format | attend, us per call | write of 4 tokens, us per call |")
+    print("|---|---|---|")
+    for name in names:
+        fmt = kvgen.load(name)
+        kset = fmt._kernels
+        for kernel in ("paged_attention_kernel", "reduce_splits_kernel", "reshape_and_cache_kernel"):
+            setattr(kset.module, kernel, NoLaunch())
+        kset._check_device = lambda t: None
+        kset._SMS[None] = 132
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cache = fmt.allocate(8, 16, 8, 128)
+        q = torch.randn(4, 32, 128, dtype=torch.bfloat16)
+        table = torch.arange(8, dtype=torch.int32).reshape(4, 2)
+        lens, starts = torch.full((4,), 20, dtype=torch.int32), torch.arange(5, dtype=torch.int32)
+        kv = torch.randn(4, 8, 128, dtype=torch.bfloat16)
+        attend = lambda: fmt.attend(q, cache, table, lens, starts, max_query_len=1)  # noqa: E731
+        write = lambda: fmt.write(cache, kv, kv, torch.arange(4))  # noqa: E731
+        times = []
+        for fn in (attend, write):
+            for _ in range(100):
+                fn()
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times.append((time.perf_counter() - t) / calls * 1e6)
+        print(f"| {name} | {times[0]:.1f} | {times[1]:.1f} |", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--formats", nargs="+", default=["bf16", "fp8_e4m3", "int8_per_token_head"])
     ap.add_argument("--calls", type=int, default=1000)
+    ap.add_argument("--python-only", action="store_true", help="kvgen's own Python per call, launches stubbed")
     args = ap.parse_args()
+    if args.python_only:
+        python_only(args.formats, args.calls)
+        return 0
     x = torch.zeros(1, device="cuda")
     print(f"bare Triton launch (one argument): {host_us(lambda: _empty_kernel[(1,)](x), args.calls):.1f} us")
     print(f"torch.empty_like (a [4, 32, 128] bf16 tensor): "

@@ -198,8 +198,9 @@ class Format:
 
     def _kernel_args(self, cache: KVCache) -> tuple[dict, dict]:
         """Pointer arguments and constexprs shared by both kernels, from the generated layout."""
-        key = (cache.block_size, cache.num_kv_heads, cache.head_size, cache.device)
-        consts = self._consts.get(key[:3])
+        device = cache.device
+        key = (cache.block_size, cache.num_kv_heads, cache.head_size)
+        consts = self._consts.get(key)
         if consts is None:
             lay = self.layout.page_layout(cache.block_size, cache.num_kv_heads, cache.head_size)
             consts = dict(NUM_KV_HEADS=cache.num_kv_heads, HEAD_SIZE=cache.head_size,
@@ -213,10 +214,9 @@ class Format:
             for side in ("key", "value"):
                 consts[f"{side[0].upper()}_LOG_B"] = rotation_log_b(cache.head_size) \
                     if self.spec.side(side).rotation is not None else 0
-            self._consts[key[:3]] = consts
+            self._consts[key] = consts
             self._tensor_of = {f: lay["fields"][f]["tensor"] for f in lay["fields"]}
         t = cache.tensors
-        ones = None
         ptrs = {}
         for p, side in (("k", "key"), ("v", "value")):
             data = t[self._tensor_of[f"{p}_data"]].view(torch.uint8)
@@ -225,12 +225,10 @@ class Format:
             ptrs[f"{p}_meta_ptr"] = t[meta].view(torch.uint8) if meta else data
             scale = t.get(f"{p}_scale")
             if scale is None:
-                if ones is None:
-                    ones = torch.ones(1, dtype=torch.float32, device=cache.device)
-                scale = ones
+                scale = unit_scale(device)
             ptrs[f"{p}_scale_ptr"] = scale
             rot = self.spec.side(side).rotation
-            ptrs[f"{p}_signs_ptr"] = rotation_signs(rot.seed, cache.head_size, cache.device) if rot else scale
+            ptrs[f"{p}_signs_ptr"] = rotation_signs(rot.seed, cache.head_size, device) if rot else scale
             if self.layout.RESIDUAL is not None:
                 ptrs[f"{p}_res_ptr"] = t[f"{p}_residual"].view(torch.uint8)
         return ptrs, consts
@@ -474,6 +472,16 @@ def rotation_log_b(head_size: int) -> int:
 
 
 _SIGNS: dict = {}
+_UNIT_SCALES: dict = {}
+
+
+def unit_scale(device: torch.device) -> torch.Tensor:
+    """A read-only fp32 1.0 per device: the scale pointer of formats without static scales (allocating it per call
+    cost a tensor and a fill kernel on the GPU for every attend and write)."""
+    key = str(device)
+    if key not in _UNIT_SCALES:
+        _UNIT_SCALES[key] = torch.ones(1, dtype=torch.float32, device=device)
+    return _UNIT_SCALES[key]
 
 
 def rotation_signs(seed: int, head_size: int, device: torch.device) -> torch.Tensor:
