@@ -51,24 +51,12 @@ def host_us(fn, calls: int) -> float:
 def python_only(names: list, calls: int) -> None:
     """kvgen's Python per attend / write call, the kernel launches replaced by no-ops (CPU tensors, compiled mode)."""
     os.environ["TRITON_INTERPRET"] = "0"
-    from kvgen.runtime import checks, kernels
+    from sass_count import stubbed_launches
 
-    class NoLaunch:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: None
-
-    kernels.interpreting = lambda: False
-    kernels.native_fp8 = lambda device: True
-    checks.costly_checks_on = lambda *tensors: False  # as on a GPU: no device-to-host range checks
     print("| format | attend, us per call | write of 4 tokens, us per call |")
     print("|---|---|---|")
     for name in names:
         fmt = kvgen.load(name)
-        kset = fmt._kernels
-        for kernel in ("paged_attention_kernel", "reduce_splits_kernel", "reshape_and_cache_kernel"):
-            setattr(kset.module, kernel, NoLaunch())
-        kset._check_device = lambda t: None
-        kset._SMS[None] = 132
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             cache = fmt.allocate(8, 16, 8, 128)
@@ -79,13 +67,14 @@ def python_only(names: list, calls: int) -> None:
         attend = lambda: fmt.attend(q, cache, table, lens, starts, max_query_len=1)  # noqa: E731
         write = lambda: fmt.write(cache, kv, kv, torch.arange(4))  # noqa: E731
         times = []
-        for fn in (attend, write):
-            for _ in range(100):
-                fn()
-            t = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times.append((time.perf_counter() - t) / calls * 1e6)
+        with stubbed_launches(fmt):
+            for fn in (attend, write):
+                for _ in range(100):
+                    fn()
+                t = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                times.append((time.perf_counter() - t) / calls * 1e6)
         print(f"| {name} | {times[0]:.1f} | {times[1]:.1f} |", flush=True)
 
 

@@ -17,6 +17,7 @@ GPU is at hand: a memory-bound kernel issues few instructions per byte.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import re
 import subprocess
@@ -83,9 +84,10 @@ def opcode(line: str) -> str:
 H200_SMS = 132
 
 
-def _captured(fmt, call) -> dict:
-    """The launches ``call()`` makes of the format's kernels, as a GPU run would make them (the kernels stubbed, so
-    CPU tensors do): {kernel name: (args, kwargs)} of the first launch of each."""
+@contextlib.contextmanager
+def stubbed_launches(fmt):
+    """Within it, the format's calls take the compiled (GPU) path on CPU tensors with every kernel launch replaced by
+    a no-op that records it: yields {kernel name: (args, kwargs) of its first launch}. Restores everything after."""
     from kvgen.runtime import checks, kernels
 
     captured: dict = {}
@@ -107,18 +109,24 @@ def _captured(fmt, call) -> dict:
     try:
         kernels.interpreting = lambda: False
         kernels.native_fp8 = lambda device: True
-        checks.costly_checks_on = lambda *tensors: False
+        checks.costly_checks_on = lambda *tensors: False  # as on a GPU: no device-to-host range checks
         kset._check_device = lambda t: None
         kset._SMS[None] = H200_SMS
         kset._dot_modes.clear()
         for n in names:
             setattr(kset.module, n, Capture(n))
-        call()
+        yield captured
     finally:
         kernels.interpreting, kernels.native_fp8, checks.costly_checks_on, kset._check_device = saved[:4]
         for n, k in saved[4].items():
             setattr(kset.module, n, k)
         kset._SMS.clear(), kset._SMS.update(saved[5]), kset._dot_modes.clear(), kset._dot_modes.update(saved[6])
+
+
+def _captured(fmt, call) -> dict:
+    """The launches ``call()`` makes of the format's kernels, as a GPU run would make them."""
+    with stubbed_launches(fmt) as captured:
+        call()
     return captured
 
 

@@ -342,9 +342,9 @@ class Format:
         dots; ``"ieee"`` always exact fp32 dots (slow on a GPU); ``"quantized"`` computes in the cache's quantized
         domain where the format offers it (``quantized_dot``: int8 codes): the query quantized per row to int8 for
         int8 dots on the key codes, the probabilities per row for int8 dots on the value codes; faster at long
-        contexts on the H200, at an accuracy cost (docs/accuracy.md, benchmarks/RESULTS.md). ``max_seq_len`` (optional) bounds the KV length
-        for splitting long sequences across programs (default: what the block table can address); ``num_splits``
-        overrides that split (1 = none).
+        contexts on the H200, at an accuracy cost (docs/accuracy.md, benchmarks/RESULTS.md). ``max_seq_len``
+        (optional) bounds the KV length for splitting long sequences across programs (default: what the block table
+        can address); ``num_splits`` overrides that split (1 = none).
         """
         self._check_cache(cache)
         dev = cache.device

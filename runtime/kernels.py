@@ -117,7 +117,6 @@ class KernelSet:
         self.block_scaled = block_scaled  # a side's scale covers blocks of elements: enters the tile choice
         self._module = None
         self._dot_modes: dict = {}  # (query dtype, precision, rotated keys, head pad, device) -> constexprs
-        self._tiles: dict = {}  # (that key, BLOCK_M) -> attention_tiles(...), for the rules (not overrides)
 
     @property
     def module(self) -> types.ModuleType:
@@ -203,14 +202,7 @@ class KernelSet:
         if dot_precision == "quantized" and 3 not in (dots["DOT_K"], dots["DOT_V"]):
             raise ValueError(f"dot_precision: 'quantized' has no side to quantize at head size {query.shape[2]}: "
                              "int8 keys need a head of at least 32 elements, and the values are not int8")
-        if TILE_OVERRIDE is None and not interpreting():  # the rules depend on the call's key alone: cached
-            tiles = self._tiles.get((key, block_m))
-            if tiles is None:
-                tiles = self._tiles[(key, block_m)] = attention_tiles(self.module.CODE_BITS, self.module.DOT_OPERANDS,
-                                                                      dots, self.block_scaled, block_m)
-            tiles = dict(tiles)
-        else:
-            tiles = attention_tiles(self.module.CODE_BITS, self.module.DOT_OPERANDS, dots, self.block_scaled, block_m)
+        tiles = attention_tiles(self.module.CODE_BITS, self.module.DOT_OPERANDS, dots, self.block_scaled, block_m)
         block_n = tiles.pop("BLOCK_N")
         block_n = getattr(self.module, "BLOCK_N_FIXED", None) or block_n  # KIVI keys: one token group per step
         programs_per_sm = tiles.pop("programs_per_sm")
