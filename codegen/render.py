@@ -67,6 +67,7 @@ class SideContext:
     scale_summary: str
     dot: str  # tensor-core type whose values hold the attention operand exactly ("" = exact fp32 dots only)
     op_terms: int  # how many values of that type sum to one operand element (hi + lo)
+    ratio_in_tile: bool  # block ratios multiply the codes in the tile's (fp16) type: every ratio is an fp16 value
     tok: str  # how the scale leaves the dot: none / const (one scalar) / token (one per row) / block / channel
     qdot: str  # quantized compute domain: "int8" dots on the codes themselves ("" = not offered)
     qdot_max: str  # fp32 literal: the largest code value of that type (127), what a row's largest maps to
@@ -95,6 +96,14 @@ def render_codec(codec: Codec, prefix: str, dot: bool = False, qdot: str = "") -
 
 def _float_codec_for(dtype: str) -> Codec:
     return scale_codec(ScaleDType(dtype))
+
+
+# Block-scale dtypes whose every ratio to a power of two at or above the token's largest scale (in [2**-17, 2) for
+# fp8_e4m3: 4 significant bits, smallest 2**-9 over at most 2**8) is an fp16 value, normal or subnormal. With one
+# dot term the attention kernel multiplies the codes by such ratios in fp16 (one rounding of the exact product, as
+# the fp32 product's conversion to the dot's fp16 would give). e8m0 ratios reach 2**-254, fp16 / bf16 ones 2**-39:
+# they stay fp32. tests/test_dot_operand.py enumerates the claim.
+RATIOS_IN_FP16 = ("fp8_e4m3",)
 
 
 def dot_operand(side: SideSpec, scale: str, zp: str, block: bool, name: str = "key") -> tuple[str, int, str]:
@@ -215,6 +224,7 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
         + (f", the {side.zero_point.dtype} minimum as offset" if zp == "float" else "") if dynamic else "",
         codec_summary=codec.summary,
         **dict(zip(("dot", "op_terms", "tok"), dot)),
+        ratio_in_tile=bool(dot[0]) and dot[1] == 1 and dot[2] == "block" and sc.dtype.value in RATIOS_IN_FP16,
         qdot=qdot, qdot_max={"int8": "127.0"}.get(qdot, "0.0"),
         scale_summary=(f"{sc.dtype.value} per " + (f"{sc.block} elements" if sc.block else (
             f"channel over {sc.group_tokens} tokens" if sc.group_tokens else "token and head"))

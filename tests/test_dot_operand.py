@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kvgen.codegen.render import dot_operand
+from kvgen.codegen.render import RATIOS_IN_FP16, dot_operand
 from kvgen.codegen.spec import FormatSpec
 
 ELEMENT_VALUES = {
@@ -142,3 +142,33 @@ def test_kivi_operands_are_exact(name):
         assert terms == 2 and exact_in_fp16_terms(ops, 2) and not exact_in_fp16_terms(ops, 1)
     # a float minimum anywhere else keeps exact dots (keys with token or block scales, fp32 minima)
     assert dot_operand(spec.value, "dynamic", "float", True, "key")[0] == ""
+
+
+def test_block_ratios_in_fp16():
+    """RATIOS_IN_FP16 names exactly the block-scale dtypes whose ratios (a scale over the power of two at or below its
+    token's largest scale: in (0, 2)) are all fp16 values; for those, every code a one-term side holds times a ratio
+    rounds to fp16 the same whether the ratio is fp16 first or not (the kernel multiplies in fp16)."""
+    qualifying = []
+    for dtype in ("fp8_e4m3", "e8m0", "fp16", "bf16"):
+        if dtype == "e8m0":
+            ratios = 2.0 ** -np.arange(0, 255)  # 2**-127 over 2**127 at the extremes
+        else:
+            s = finite_values(SCALE_VALUES[dtype], 16 if dtype in ("fp16", "bf16") else 8)
+            s = s[s > 0]
+            tops = np.unique(2.0 ** np.floor(np.log2(s)))
+            ratios = np.divide.outer(s, tops).ravel()
+            ratios = np.unique(ratios[ratios < 2])
+        if np.all(ratios.astype(np.float16).astype(np.float64) == ratios):
+            qualifying.append(dtype)
+            for element in ELEMENTS:
+                try:
+                    dot, terms, _ = side_of(element, {"granularity": "per_block", "block": 16, "dtype": dtype})
+                except Exception:
+                    continue
+                if dot != "fp16" or terms != 1:
+                    continue
+                codes = code_values(element)
+                exact = np.multiply.outer(codes, ratios)
+                in_fp16 = np.multiply.outer(codes.astype(np.float16), ratios.astype(np.float16))  # one rounding
+                assert np.array_equal(in_fp16, exact.astype(np.float16)), (dtype, element)
+    assert tuple(qualifying) == RATIOS_IN_FP16

@@ -284,11 +284,11 @@ GOLDEN = [
     ),
     Golden(
         "int8_asym_per_token_head", torch.uint8,
-        # K 0..127 | K scale (align 4) 128..131 | K zp 132 | V 133..260 | V scale (align 4) 264..267 | V zp 268;
-        # end 269 -> the cell ends at a multiple of 4: 272
+        # K 0..127 | K scale (align 4) 128..131 | K zp 132 | V (data_align 4) 136..263 | V scale (align 4)
+        # 264..267 | V zp 268; end 269 -> the cell ends at a multiple of 4: 272
         cell_128=272,
         page_128=34816,  # 16 * 8 * 272
-        # K 0..31 | K scale 32..35 | K zp 36 | V 37..68 | V scale 72..75 | V zp 76; end 77 -> 80
+        # K 0..31 | K scale 32..35 | K zp 36 | V 40..71 | V scale 72..75 | V zp 76; end 77 -> 80
         cell_32=80,
         sides_128=(133, 133),  # 128 + 4 + 1
         key={
@@ -309,7 +309,7 @@ GOLDEN = [
             (0, 32): "00 00 00 3C 80",
             (1, 32): "BD 37 86 35 00",
             (0, 72): "BD 37 86 35 00",
-            (1, 37): "00 FF 80" + " 60" * 29,
+            (1, 40): "00 FF 80" + " 60" * 29,
             (1, 72): "00 00 00 3D 60",
         },
     ),

@@ -404,7 +404,9 @@ def paged_attention_kernel(
             k_bs = k_scale_decode(k_scode)
             k_tok = pow2_floor(tl.max(k_bs, axis=1))
             k_ratio = k_bs * pow2_inv(k_tok)[:, None]
-            k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 16, 16]), [BLOCK_N, HEAD_PAD])
+            # one dot term, fp8_e4m3 scales: every ratio is an fp16 value; the multiply runs in the tile's
+            # type (two elements per instruction), rounding the exact product once as converting an fp32 one would
+            k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio.to(k_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 16, 16]), [BLOCK_N, HEAD_PAD])
             k_tok = k_tok * k_g
             scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
             scores = scores * k_tok[None, :]
@@ -434,7 +436,9 @@ def paged_attention_kernel(
             v_bs = v_scale_decode(v_scode)
             v_tok = pow2_floor(tl.max(v_bs, axis=1))
             v_ratio = v_bs * pow2_inv(v_tok)[:, None]
-            v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 16, 16]), [BLOCK_N, HEAD_PAD])
+            # one dot term, fp8_e4m3 scales: every ratio is an fp16 value; the multiply runs in the tile's
+            # type (two elements per instruction), rounding the exact product once as converting an fp32 one would
+            v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio.to(v_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 16, 16]), [BLOCK_N, HEAD_PAD])
             v_tok = v_tok * v_g
             # the per-position value factors enter the probabilities, relative to each query row's largest weight
             # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
@@ -471,7 +475,9 @@ def paged_attention_kernel(
             k_bs = k_scale_decode(k_scode)
             k_tok = pow2_floor(tl.max(k_bs, axis=1))
             k_ratio = k_bs * pow2_inv(k_tok)[:, None]
-            k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 16, 16]), [BLOCK_N, HEAD_PAD])
+            # one dot term, fp8_e4m3 scales: every ratio is an fp16 value; the multiply runs in the tile's
+            # type (two elements per instruction), rounding the exact product once as converting an fp32 one would
+            k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio.to(k_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 16, 16]), [BLOCK_N, HEAD_PAD])
             k_tok = k_tok * k_g
             scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
             scores = scores * k_tok[None, :]
@@ -501,7 +507,9 @@ def paged_attention_kernel(
             v_bs = v_scale_decode(v_scode)
             v_tok = pow2_floor(tl.max(v_bs, axis=1))
             v_ratio = v_bs * pow2_inv(v_tok)[:, None]
-            v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 16, 16]), [BLOCK_N, HEAD_PAD])
+            # one dot term, fp8_e4m3 scales: every ratio is an fp16 value; the multiply runs in the tile's
+            # type (two elements per instruction), rounding the exact product once as converting an fp32 one would
+            v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio.to(v_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 16, 16]), [BLOCK_N, HEAD_PAD])
             v_tok = v_tok * v_g
             # the per-position value factors enter the probabilities, relative to each query row's largest weight
             # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
