@@ -192,8 +192,7 @@ class KernelSet:
         self._check_device(tensors["k_cache_ptr"])
         num_tokens, num_q_heads, _ = query.shape
         group = num_q_heads // consts["NUM_KV_HEADS"]
-        max_rows = 128 if interpreting() else 64
-        block_m = max(16, _next_pow2(group * min(max_query_len, max(1, max_rows // group))))
+        block_m = query_rows(group, max_query_len, consts["HEAD_PAD"])
         block_q = max(1, block_m // group)
         key = (query.dtype, dot_precision, rotated_keys, consts["HEAD_PAD"], query.device)
         dots = self._dot_modes.get(key)
@@ -202,6 +201,8 @@ class KernelSet:
         if dot_precision == "quantized" and 3 not in (dots["DOT_K"], dots["DOT_V"]):
             raise ValueError(f"dot_precision: 'quantized' has no side to quantize at head size {query.shape[2]}: "
                              "int8 keys need a head of at least 32 elements, and the values are not int8")
+        if not tensor_core_rows_ok(block_m, consts["HEAD_PAD"]):
+            dots = self.dot_modes(query.dtype, "ieee", rotated_keys, consts["HEAD_PAD"], query.device)
         tiles = attention_tiles(self.module.CODE_BITS, self.module.DOT_OPERANDS, dots, self.block_scaled, block_m)
         block_n = tiles.pop("BLOCK_N")
         block_n = getattr(self.module, "BLOCK_N_FIXED", None) or block_n  # KIVI keys: one token group per step
@@ -286,6 +287,29 @@ class KernelSet:
         splits = min(triton_cdiv(programs_per_sm * sms, programs), max(1, max_kv // 512))
         splits = min(splits, max(1, (64 << 20) // (num_tokens * num_q_heads * head_pad * 4)))
         return max(1, splits)
+
+
+# Triton 3.6 on Hopper miscompiles some warpgroup (wgmma) dots whose head dimension is 32 or less: the kernel reads
+# shared memory out of range (compute-sanitizer: "Out-of-range shared or local address" at the score dot), an illegal
+# access or wrong scores on the H200 (found by tests/test_random_specs.py on 2026-11-30; uint2 / uint4 keys with
+# block scales at head size 32 in chunked prefill; triton-lang/triton#11366 reports the same class of fault). Dots
+# take wgmma only from 64 query rows per program, so such heads take at most 32 rows (mma.sync); where a GQA group
+# alone fills 64 rows, their dots go exact in fp32 without tensor cores.
+SMALL_HEAD_PAD = 32
+SMALL_HEAD_ROWS = 32
+
+
+def query_rows(group: int, max_query_len: int, head_pad: int) -> int:
+    """BLOCK_M, the (query token, query head) rows one attention program holds: all ``group`` query heads of a KV
+    head times as many query tokens as fit in 64 rows (128 in the interpreter; 32 for heads of SMALL_HEAD_PAD or
+    fewer elements on a GPU), a power of two of at least 16."""
+    max_rows = 128 if interpreting() else (SMALL_HEAD_ROWS if head_pad <= SMALL_HEAD_PAD else 64)
+    return max(16, _next_pow2(group * min(max_query_len, max(1, max_rows // group))))
+
+
+def tensor_core_rows_ok(block_m: int, head_pad: int) -> bool:
+    """Whether tensor-core dots are safe for ``block_m`` rows at this head (see SMALL_HEAD_PAD)."""
+    return interpreting() or head_pad > SMALL_HEAD_PAD or block_m <= SMALL_HEAD_ROWS
 
 
 def triton_cdiv(a: int, b: int) -> int:

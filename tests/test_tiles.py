@@ -86,3 +86,22 @@ def test_prefill_takes_no_decode_cap(compiled):
     dots = fmt._kernels.dot_modes(torch.bfloat16, "auto", False, 128, None)
     assert K.attention_tiles(fmt._kernels.module.CODE_BITS, fmt._kernels.module.DOT_OPERANDS, dots, False,
                              block_m=16)["maxnreg"] == 168
+
+
+def test_small_heads_stay_off_warpgroup_dots(compiled):
+    """Heads of 32 or fewer elements never meet a tensor-core dot in a program of 64 or more query rows (warpgroup
+    dots, which Triton 3.6 miscompiles there on Hopper: kvgen.runtime.kernels.SMALL_HEAD_PAD); larger heads keep
+    their 64 rows. Every row count holds the whole GQA group of a KV head."""
+    for head_pad in (16, 32, 64, 128):
+        for group in (1, 2, 3, 4, 5, 8, 16, 32, 64):
+            for q_len in (1, 2, 7, 22, 100):
+                rows = K.query_rows(group, q_len, head_pad)
+                where = f"head_pad {head_pad} group {group} q_len {q_len}"
+                assert rows >= group and rows & (rows - 1) == 0, where
+                if head_pad <= 32:
+                    assert rows <= 32 or rows == K._next_pow2(group), where
+                    assert K.tensor_core_rows_ok(rows, head_pad) == (rows <= 32), where
+                else:
+                    assert K.tensor_core_rows_ok(rows, head_pad), where
+                    if group * q_len >= 64 and group <= 64:  # prefill fills its 64 rows
+                        assert rows == 64, where
