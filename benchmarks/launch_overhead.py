@@ -3,6 +3,7 @@
     python benchmarks/launch_overhead.py                      # bf16, fp8_e4m3, int8_per_token_head
     python benchmarks/launch_overhead.py --formats nvfp4 --calls 2000
     python benchmarks/launch_overhead.py --python-only          # any machine, no GPU: kvgen's own Python per call
+    python benchmarks/launch_overhead.py --profile --formats fp8_e4m3   # where one attend call's host time goes
 
 For a tiny decode step (4 sequences of 64 tokens, 32 query heads, 8 KV heads, head size 128; the GPU work is a few
 microseconds) it prints, per format: the host time of one ``Format.attend`` and one ``Format.write`` call
@@ -78,12 +79,47 @@ def python_only(names: list, calls: int) -> None:
         print(f"| {name} | {times[0]:.1f} | {times[1]:.1f} |", flush=True)
 
 
+def profile(names: list, calls: int, top: int = 18) -> None:
+    """cProfile of back-to-back attend calls (the tiny decode step): the functions that take the host's time, in us
+    per call (own time and with callees), so the launch path's cost can be split between kvgen, Triton's binder and
+    launcher, and torch."""
+    import cProfile
+    import pstats
+
+    for name in names:
+        fmt = kvgen.load(name)
+        block = fmt.layout.RESIDUAL["group"] if fmt.spec.streaming else 16
+        bench.GRAPHS = False
+        attend, _ = bench.decode_case(fmt, 4, 64, block)
+        for _ in range(50):
+            attend()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            attend()
+        prof.disable()
+        torch.cuda.synchronize()
+        stats = pstats.Stats(prof).stats  # (file, line, function) -> (calls, primitive calls, own s, total s, callers)
+        rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+        print(f"\n{name}: attend, {calls} calls, profiled (the profiler itself adds time to each Python call)")
+        print("| function | calls per attend | own us per attend | with callees, us per attend |")
+        print("|---|---|---|---|")
+        for (file, line, func), (n, _, own, total, _) in rows:
+            where = f"{Path(file).name}:{line} {func}" if line else func
+            print(f"| `{where}` | {n / calls:.1f} | {own / calls * 1e6:.1f} | {total / calls * 1e6:.1f} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--formats", nargs="+", default=["bf16", "fp8_e4m3", "int8_per_token_head"])
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--python-only", action="store_true", help="kvgen's own Python per call, launches stubbed")
+    ap.add_argument("--profile", action="store_true", help="cProfile of attend calls on the GPU: where the time goes")
     args = ap.parse_args()
+    if args.profile:
+        profile(args.formats, args.calls)
+        return 0
     if args.python_only:
         python_only(args.formats, args.calls)
         return 0
