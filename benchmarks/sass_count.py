@@ -228,6 +228,9 @@ def main_write(names: list) -> int:
 
 def main() -> int:
     args = sys.argv[1:]
+    if args[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
     if args[:1] == ["--write"]:  # the reshape-and-cache kernel instead
         return main_write(args[1:] or kvgen.shipped_names())
     precision = "auto"
