@@ -100,12 +100,12 @@ def profile(names: list, calls: int, top: int = 18) -> None:
             attend()
         prof.disable()
         torch.cuda.synchronize()
-        stats = pstats.Stats(prof).stats  # (file, line, function) -> (calls, primitive calls, own s, total s, callers)
+        stats = pstats.Stats(prof).stats  # (file, line, function) -> (primitive calls, calls, own s, total s, callers)
         rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
         print(f"\n{name}: attend, {calls} calls, profiled (the profiler itself adds time to each Python call)")
         print("| function | calls per attend | own us per attend | with callees, us per attend |")
         print("|---|---|---|---|")
-        for (file, line, func), (n, _, own, total, _) in rows:
+        for (file, line, func), (_, n, own, total, _) in rows:
             where = f"{Path(file).name}:{line} {func}" if line else func
             print(f"| `{where}` | {n / calls:.1f} | {own / calls * 1e6:.1f} | {total / calls * 1e6:.1f} |")
 
