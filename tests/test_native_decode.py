@@ -1,0 +1,129 @@
+"""The compiled-only decode paths against the portable ones, bit for bit, for every code of every shipped format.
+
+A side's ``decode_dot(code, NATIVE)`` turns stored codes into the tensor-core operand. With ``NATIVE`` (compiled
+for sm_89 or newer) it may use what only compiled code has: hardware fp8 conversions, or inline PTX that converts
+four int8 codes per register with byte permutes and one packed subtract. The interpreter has neither, so the
+conformance suite on the CPU never runs those paths; this test runs them on a GPU (``TRITON_INTERPRET=0``) against
+the portable path of the same function, over every code, in a tile shaped like the attention kernel's.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import kvgen
+
+on_gpu = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "0" or not torch.cuda.is_available(),
+                            reason="compiled-only decode paths: run with TRITON_INTERPRET=0 on a GPU")
+
+ROWS, COLS = 64, 128  # a KV tile: positions x head
+
+
+@triton.jit
+def _decode_both(codes_ptr, native_ptr, portable_ptr, decode: tl.constexpr, ROWS: tl.constexpr,
+                 COLS: tl.constexpr):
+    i = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    code = tl.load(codes_ptr + i)
+    tl.store(native_ptr + i, decode(code, True).to(tl.float32))
+    tl.store(portable_ptr + i, decode(code, False).to(tl.float32))
+
+
+def sides():
+    for name in kvgen.shipped_names():
+        module = kvgen.load(name)._kernels.module
+        for side in ("k", "v"):
+            if hasattr(module, f"{side}_decode_dot"):
+                yield name, side, module
+
+
+@on_gpu
+def test_native_decode_matches_portable():
+    for name, side, module in sides():
+        check_side(name, side, module)
+
+
+def check_side(name, side, module):
+    bits = module.CODE_BITS[side]
+    # codes as the attention kernel holds them: loaded bytes for 8-bit codes, unpacked uint32 below a byte
+    dtype = torch.uint8 if bits == 8 else torch.int32
+    codes = (torch.arange(ROWS * COLS, device="cuda") % (1 << bits)).to(dtype)
+    # neighbours differ from one tile to the next: codes shuffled within each row, so that every register of four
+    # packed codes holds a mix
+    codes = codes.reshape(ROWS, COLS)[:, torch.randperm(COLS, device="cuda")].contiguous()
+    native = torch.empty(ROWS, COLS, dtype=torch.float32, device="cuda")
+    portable = torch.empty_like(native)
+    _decode_both[(1,)](codes, native, portable, getattr(module, f"{side}_decode_dot"), ROWS, COLS)
+    both_nan = native.isnan() & portable.isnan()
+    same = (native == portable) | both_nan
+    assert bool(same.all()), (f"{name} {side}: native decode differs for codes "
+                              f"{codes[~same][:8].tolist()}: {native[~same][:8].tolist()} vs {portable[~same][:8].tolist()}")
+
+
+# -- the inline PTX itself, modelled on the CPU -------------------------------------------------------------------
+# The int8 codec's PTX (codegen/templates/codecs/int.py.jinja) read from a generated module and executed by a model
+# of the four instructions it uses, as the PTX ISA defines them: checks the byte selectors and constants for all
+# 256 codes on any machine. The GPU test above checks what the compiler does with it (register packing).
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    pool = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
+    return sum(pool[(sel >> 4 * i) & 0x7] << 8 * i for i in range(4))  # default mode, no sign replication
+
+
+def _f16x2(x: int):
+    import numpy as np
+    return np.array([x & 0xFFFF, x >> 16], dtype=np.uint16).view(np.float16)
+
+
+def run_ptx(asm: str, inputs: dict) -> dict:
+    import re
+
+    import numpy as np
+    regs = dict(inputs)
+    val = lambda t: regs[t] if t in regs else int(t, 0)  # noqa: E731
+    for ins in asm.strip("{} ").split(";"):
+        ins = ins.strip()
+        if not ins or ins.startswith(".reg"):
+            continue
+        op, args = ins.split(None, 1)
+        a = [x.strip() for x in args.split(",")]
+        if op == "mov.b32":
+            regs[a[0]] = val(a[1])
+        elif op == "xor.b32":
+            regs[a[0]] = val(a[1]) ^ val(a[2])
+        elif op == "prmt.b32":
+            regs[a[0]] = _prmt(val(a[1]), val(a[2]), val(a[3]))
+        elif op == "sub.f16x2":
+            r = (_f16x2(val(a[1])) - _f16x2(val(a[2]))).astype(np.float16).view(np.uint16)
+            regs[a[0]] = int(r[0]) | int(r[1]) << 16
+        else:
+            raise AssertionError(f"the model does not know {op!r}")
+    assert all(re.fullmatch(r"\$\d+|[a-z]+", k) for k in regs)
+    return regs
+
+
+def int8_ptx(module, side: str) -> str:
+    import inspect
+    import re
+    src = inspect.getsource(getattr(module, f"{side}_decode_dot").fn)
+    parts = re.findall(r'"([^"]*)"', src.split("inline_asm_elementwise(", 1)[1].split("\"=r", 1)[0])
+    return "".join(parts)
+
+
+@pytest.mark.parametrize("name", ["int8_per_token_head", "int8_asym_per_token_head"])
+def test_int8_ptx_model(name):
+    import numpy as np
+    module = kvgen.load(name)._kernels.module
+    signed = kvgen.load(name).spec.key.element.value == "int8"
+    asm = int8_ptx(module, "k")
+    for word in range(0, 256, 4):  # four codes per register, every code once, in each byte position over the loop
+        codes = [(word + i * 67) % 256 for i in range(4)]
+        reg = sum(c << 8 * i for i, c in enumerate(codes))
+        out = run_ptx(asm, {"$2": reg})
+        got = list(_f16x2(out["$0"])) + list(_f16x2(out["$1"]))
+        want = [np.int8(np.uint8(c)) if signed else c for c in codes]
+        assert [float(g) for g in got] == [float(w) for w in want], (name, codes, got)
