@@ -40,6 +40,15 @@ class Codec:
         return ""
 
     @property
+    def byte_decode(self) -> bool:
+        """Whether the codec renders ``{prefix}decode_dot_bytes(byte)``: compiled code's decode of both 4-bit codes of
+        each byte straight to fp16 (inline PTX; 4-bit integers and 4-bit minifloats without special values)."""
+        if self.bits != 4:
+            return False
+        return self.template == "int.py.jinja" or (self.template == "minifloat.py.jinja"
+                                                    and self.params.get("special") == "none")
+
+    @property
     def unit(self) -> str:
         return {32: "tl.uint32", 16: "tl.uint16"}.get(self.bits, "tl.uint8")
 

@@ -33,6 +33,23 @@ def _decode_both(codes_ptr, native_ptr, portable_ptr, decode: tl.constexpr, ROWS
     tl.store(portable_ptr + i, decode(code, False).to(tl.float32))
 
 
+@triton.jit
+def _decode_bytes_both(bytes_ptr, native_ptr, portable_ptr, decode_bytes: tl.constexpr, decode: tl.constexpr,
+                       HI_FIRST: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    # native: both codes of each byte at once; portable: each code unpacked and decoded alone. Output [ROWS, 2 * COLS]
+    # in element order.
+    i = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    byte = tl.load(bytes_ptr + i)
+    lo, hi = decode_bytes(byte)
+    o = tl.arange(0, ROWS)[:, None] * (2 * COLS) + tl.arange(0, 2 * COLS)[None, :]
+    first, second = (hi, lo) if HI_FIRST else (lo, hi)
+    tl.store(native_ptr + o, tl.reshape(tl.join(first, second), [ROWS, 2 * COLS]).to(tl.float32))
+    b = byte.to(tl.uint32)
+    c_first, c_second = ((b >> 4) & 15, b & 15) if HI_FIRST else (b & 15, (b >> 4) & 15)
+    codes = tl.reshape(tl.join(c_first, c_second), [ROWS, 2 * COLS])
+    tl.store(portable_ptr + o, decode(codes, False).to(tl.float32))
+
+
 def sides():
     for name in kvgen.shipped_names():
         module = kvgen.load(name)._kernels.module
@@ -45,6 +62,22 @@ def sides():
 def test_native_decode_matches_portable():
     for name, side, module in sides():
         check_side(name, side, module)
+        if hasattr(module, f"{side}_decode_dot_bytes"):
+            check_byte_decode(name, side, module)
+
+
+def check_byte_decode(name, side, module):
+    fmt = kvgen.load(name)
+    hi_first = fmt.spec.side("key" if side == "k" else "value").packing == "msb_first"
+    data = (torch.arange(ROWS * COLS // 2, device="cuda") % 256).to(torch.uint8).reshape(ROWS, COLS // 2)
+    data = data[:, torch.randperm(COLS // 2, device="cuda")].contiguous()
+    native = torch.empty(ROWS, COLS, dtype=torch.float32, device="cuda")
+    portable = torch.empty_like(native)
+    _decode_bytes_both[(1,)](data, native, portable, getattr(module, f"{side}_decode_dot_bytes"),
+                             getattr(module, f"{side}_decode_dot"), hi_first, ROWS, COLS // 2)
+    same = (native == portable) | (native.isnan() & portable.isnan())
+    assert bool(same.all()), (f"{name} {side}: byte decode differs: {native[~same][:8].tolist()} vs "
+                              f"{portable[~same][:8].tolist()}")
 
 
 def check_side(name, side, module):
@@ -93,6 +126,17 @@ def run_ptx(asm: str, inputs: dict) -> dict:
         a = [x.strip() for x in args.split(",")]
         if op == "mov.b32":
             regs[a[0]] = val(a[1])
+        elif op == "and.b32":
+            regs[a[0]] = val(a[1]) & val(a[2])
+        elif op == "or.b32":
+            regs[a[0]] = val(a[1]) | val(a[2])
+        elif op == "shl.b32":
+            regs[a[0]] = (val(a[1]) << val(a[2])) & 0xFFFFFFFF
+        elif op == "shr.b32":
+            regs[a[0]] = val(a[1]) >> val(a[2])
+        elif op == "mul.f16x2":
+            r = (_f16x2(val(a[1])) * _f16x2(val(a[2]))).astype(np.float16).view(np.uint16)
+            regs[a[0]] = int(r[0]) | int(r[1]) << 16
         elif op == "xor.b32":
             regs[a[0]] = val(a[1]) ^ val(a[2])
         elif op == "prmt.b32":
@@ -106,10 +150,10 @@ def run_ptx(asm: str, inputs: dict) -> dict:
     return regs
 
 
-def int8_ptx(module, side: str) -> str:
+def int8_ptx(module, side: str, helper: str = "decode_dot") -> str:
     import inspect
     import re
-    src = inspect.getsource(getattr(module, f"{side}_decode_dot").fn)
+    src = inspect.getsource(getattr(module, f"{side}_{helper}").fn)
     parts = re.findall(r'"([^"]*)"', src.split("inline_asm_elementwise(", 1)[1].split("\"=r", 1)[0])
     return "".join(parts)
 
@@ -127,3 +171,32 @@ def test_int8_ptx_model(name):
         got = list(_f16x2(out["$0"])) + list(_f16x2(out["$1"]))
         want = [np.int8(np.uint8(c)) if signed else c for c in codes]
         assert [float(g) for g in got] == [float(w) for w in want], (name, codes, got)
+
+
+def _e2m1(code: int) -> float:
+    import ml_dtypes
+    import numpy as np
+    return float(np.array([code], dtype=np.uint8).view(ml_dtypes.float4_e2m1fn)[0])
+
+
+@pytest.mark.parametrize("name,side,value_of", [
+    ("nvfp4", "k", _e2m1), ("mxfp4", "v", _e2m1),
+    ("int4_per_token_head", "k", lambda c: c),  # uint4
+    ("q4_0", "k", lambda c: c - 16 if c >= 8 else c),  # int4, two's complement
+])
+def test_byte_decode_ptx_model(name, side, value_of):
+    """Both codes of every byte, four bytes per register, through the byte decoder's PTX as modelled: the low codes
+    in $0-$1 and the high codes in $2-$3, each lane the code's value (oracle: ml_dtypes for e2m1, integer
+    arithmetic for int4)."""
+    fmt = kvgen.load(name)
+    element = fmt.spec.side("key" if side == "k" else "value").element.value
+    if value_of is not _e2m1:
+        assert element == ("int4" if name == "q4_0" else "uint4"), element  # the oracle matches the spec's element
+    asm = int8_ptx(fmt._kernels.module, side, "decode_dot_bytes")
+    for word in range(0, 256, 4):
+        data = [(word + i * 67) % 256 for i in range(4)]
+        out = run_ptx(asm, {"$4": sum(b << 8 * i for i, b in enumerate(data))})
+        lo = list(_f16x2(out["$0"])) + list(_f16x2(out["$1"]))
+        hi = list(_f16x2(out["$2"])) + list(_f16x2(out["$3"]))
+        assert [float(x) for x in lo] == [value_of(b & 15) for b in data], (name, data, lo)
+        assert [float(x) for x in hi] == [value_of(b >> 4) for b in data], (name, data, hi)

@@ -411,7 +411,8 @@ def paged_attention_kernel(
             k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
             # 4 codes per byte: load the bytes, split them and interleave the codes back in element order
             k_db = tl.arange(0, HEAD_PAD // 4)
-            k_byte = tl.load(k_row[:, None] + k_db[None, :], mask=(k_db < HEAD_SIZE // 4)[None, :], other=0).to(tl.uint32)
+            k_byte = tl.load(k_row[:, None] + k_db[None, :], mask=(k_db < HEAD_SIZE // 4)[None, :], other=0)
+            k_byte = k_byte.to(tl.uint32)
             k_c0 = (k_byte >> 0) & 3
             k_c1 = (k_byte >> 2) & 3
             k_c2 = (k_byte >> 4) & 3
@@ -451,7 +452,8 @@ def paged_attention_kernel(
             v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
             # 4 codes per byte: load the bytes, split them and interleave the codes back in element order
             v_db = tl.arange(0, HEAD_PAD // 4)
-            v_byte = tl.load(v_row[:, None] + v_db[None, :], mask=(v_db < HEAD_SIZE // 4)[None, :], other=0).to(tl.uint32)
+            v_byte = tl.load(v_row[:, None] + v_db[None, :], mask=(v_db < HEAD_SIZE // 4)[None, :], other=0)
+            v_byte = v_byte.to(tl.uint32)
             v_c0 = (v_byte >> 0) & 3
             v_c1 = (v_byte >> 2) & 3
             v_c2 = (v_byte >> 4) & 3
@@ -497,7 +499,8 @@ def paged_attention_kernel(
             k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
             # 4 codes per byte: load the bytes, split them and interleave the codes back in element order
             k_db = tl.arange(0, HEAD_PAD // 4)
-            k_byte = tl.load(k_row[:, None] + k_db[None, :], mask=n_mask[:, None] & (k_db < HEAD_SIZE // 4)[None, :], other=0).to(tl.uint32)
+            k_byte = tl.load(k_row[:, None] + k_db[None, :], mask=n_mask[:, None] & (k_db < HEAD_SIZE // 4)[None, :], other=0)
+            k_byte = k_byte.to(tl.uint32)
             k_c0 = (k_byte >> 0) & 3
             k_c1 = (k_byte >> 2) & 3
             k_c2 = (k_byte >> 4) & 3
@@ -537,7 +540,8 @@ def paged_attention_kernel(
             v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
             # 4 codes per byte: load the bytes, split them and interleave the codes back in element order
             v_db = tl.arange(0, HEAD_PAD // 4)
-            v_byte = tl.load(v_row[:, None] + v_db[None, :], mask=n_mask[:, None] & (v_db < HEAD_SIZE // 4)[None, :], other=0).to(tl.uint32)
+            v_byte = tl.load(v_row[:, None] + v_db[None, :], mask=n_mask[:, None] & (v_db < HEAD_SIZE // 4)[None, :], other=0)
+            v_byte = v_byte.to(tl.uint32)
             v_c0 = (v_byte >> 0) & 3
             v_c1 = (v_byte >> 2) & 3
             v_c2 = (v_byte >> 4) & 3

@@ -47,6 +47,21 @@ def k_decode_dot(code, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def k_decode_dot_bytes(byte):
+    # compiled only (inline PTX): both codes of each byte -> fp16, four bytes per register: each code
+    # is masked into a byte, byte permutes put it under 0x64 in an fp16 lane (1024 + u), one packed subtract per
+    # two codes. Returns (low codes, high codes), each shaped like `byte`.
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 x, l, h, m, b; "
+        "mov.b32 x, $4; "
+        "and.b32 l, x, 0x0F0F0F0F; shr.b32 h, x, 4; and.b32 h, h, 0x0F0F0F0F; mov.b32 m, 0x64646464; "
+        "prmt.b32 $0, l, m, 0x4140; prmt.b32 $1, l, m, 0x4342; prmt.b32 $2, h, m, 0x4140; prmt.b32 $3, h, m, 0x4342; "
+        "mov.b32 b, 0x64006400; "  # 1024 in both lanes
+        "sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; sub.f16x2 $2, $2, b; sub.f16x2 $3, $3, b; }",
+        "=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+
+
+@triton.jit
 def k_scale_encode(v):
     # fp32 -> fp16 rounds to nearest even in both the interpreter and compiled code; NaN -> 0x7E00 with its sign
     # (the GPU's conversion would give a canonical 0x7FFF)
@@ -91,6 +106,21 @@ def v_decode_dot(code, NATIVE: tl.constexpr):
     # u < 1024; u is the code itself
     u = code.to(tl.uint16) & 15
     return (u | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
+def v_decode_dot_bytes(byte):
+    # compiled only (inline PTX): both codes of each byte -> fp16, four bytes per register: each code
+    # is masked into a byte, byte permutes put it under 0x64 in an fp16 lane (1024 + u), one packed subtract per
+    # two codes. Returns (low codes, high codes), each shaped like `byte`.
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 x, l, h, m, b; "
+        "mov.b32 x, $4; "
+        "and.b32 l, x, 0x0F0F0F0F; shr.b32 h, x, 4; and.b32 h, h, 0x0F0F0F0F; mov.b32 m, 0x64646464; "
+        "prmt.b32 $0, l, m, 0x4140; prmt.b32 $1, l, m, 0x4342; prmt.b32 $2, h, m, 0x4140; prmt.b32 $3, h, m, 0x4342; "
+        "mov.b32 b, 0x64006400; "  # 1024 in both lanes
+        "sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; sub.f16x2 $2, $2, b; sub.f16x2 $3, $3, b; }",
+        "=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
 
 
 @triton.jit
@@ -411,14 +441,19 @@ def paged_attention_kernel(
             k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
             # 2 codes per byte: load the bytes, split them and interleave the codes back in element order
             k_db = tl.arange(0, HEAD_PAD // 2)
-            k_byte = tl.load(k_row[:, None] + k_db[None, :], mask=(k_db < HEAD_SIZE // 2)[None, :], other=0).to(tl.uint32)
-            k_c0 = (k_byte >> 0) & 15
-            k_c1 = (k_byte >> 4) & 15
-            k_code = tl.reshape(tl.join(k_c0, k_c1), [BLOCK_N, HEAD_PAD])
-            if DOT_K != 0:  # tensor-core dots: the code's value in their type
-                k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+            k_byte = tl.load(k_row[:, None] + k_db[None, :], mask=(k_db < HEAD_SIZE // 2)[None, :], other=0)
+            if (DOT_K != 0) & NATIVE_CASTS:  # compiled: both codes of each byte straight to fp16 (inline PTX)
+                k_lo, k_hi = k_decode_dot_bytes(k_byte)
+                k_tile = tl.reshape(tl.join(k_lo, k_hi), [BLOCK_N, HEAD_PAD])
             else:
-                k_tile = k_decode(k_code)
+                k_byte = k_byte.to(tl.uint32)
+                k_c0 = (k_byte >> 0) & 15
+                k_c1 = (k_byte >> 4) & 15
+                k_code = tl.reshape(tl.join(k_c0, k_c1), [BLOCK_N, HEAD_PAD])
+                if DOT_K != 0:  # tensor-core dots: the code's value in their type
+                    k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+                else:
+                    k_tile = k_decode(k_code)
             # one scale and minimum per channel for the group of 32 tokens this step holds (steps are
             # aligned to groups): read once per step at the step's first position
             k_blk0 = tl.load(block_table_ptr + seq * stride_bt + start // BLOCK_SIZE)
@@ -449,14 +484,19 @@ def paged_attention_kernel(
             v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
             # 2 codes per byte: load the bytes, split them and interleave the codes back in element order
             v_db = tl.arange(0, HEAD_PAD // 2)
-            v_byte = tl.load(v_row[:, None] + v_db[None, :], mask=(v_db < HEAD_SIZE // 2)[None, :], other=0).to(tl.uint32)
-            v_c0 = (v_byte >> 0) & 15
-            v_c1 = (v_byte >> 4) & 15
-            v_code = tl.reshape(tl.join(v_c0, v_c1), [BLOCK_N, HEAD_PAD])
-            if DOT_V != 0:  # tensor-core dots: the code's value in their type
-                v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+            v_byte = tl.load(v_row[:, None] + v_db[None, :], mask=(v_db < HEAD_SIZE // 2)[None, :], other=0)
+            if (DOT_V != 0) & NATIVE_CASTS:  # compiled: both codes of each byte straight to fp16 (inline PTX)
+                v_lo, v_hi = v_decode_dot_bytes(v_byte)
+                v_tile = tl.reshape(tl.join(v_lo, v_hi), [BLOCK_N, HEAD_PAD])
             else:
-                v_tile = v_decode(v_code)
+                v_byte = v_byte.to(tl.uint32)
+                v_c0 = (v_byte >> 0) & 15
+                v_c1 = (v_byte >> 4) & 15
+                v_code = tl.reshape(tl.join(v_c0, v_c1), [BLOCK_N, HEAD_PAD])
+                if DOT_V != 0:  # tensor-core dots: the code's value in their type
+                    v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+                else:
+                    v_tile = v_decode(v_code)
             v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
             # one scale per 32 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
             v_gi = tl.arange(0, HEAD_PAD // 32)
@@ -493,14 +533,19 @@ def paged_attention_kernel(
             k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
             # 2 codes per byte: load the bytes, split them and interleave the codes back in element order
             k_db = tl.arange(0, HEAD_PAD // 2)
-            k_byte = tl.load(k_row[:, None] + k_db[None, :], mask=n_mask[:, None] & (k_db < HEAD_SIZE // 2)[None, :], other=0).to(tl.uint32)
-            k_c0 = (k_byte >> 0) & 15
-            k_c1 = (k_byte >> 4) & 15
-            k_code = tl.reshape(tl.join(k_c0, k_c1), [BLOCK_N, HEAD_PAD])
-            if DOT_K != 0:  # tensor-core dots: the code's value in their type
-                k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+            k_byte = tl.load(k_row[:, None] + k_db[None, :], mask=n_mask[:, None] & (k_db < HEAD_SIZE // 2)[None, :], other=0)
+            if (DOT_K != 0) & NATIVE_CASTS:  # compiled: both codes of each byte straight to fp16 (inline PTX)
+                k_lo, k_hi = k_decode_dot_bytes(k_byte)
+                k_tile = tl.reshape(tl.join(k_lo, k_hi), [BLOCK_N, HEAD_PAD])
             else:
-                k_tile = k_decode(k_code)
+                k_byte = k_byte.to(tl.uint32)
+                k_c0 = (k_byte >> 0) & 15
+                k_c1 = (k_byte >> 4) & 15
+                k_code = tl.reshape(tl.join(k_c0, k_c1), [BLOCK_N, HEAD_PAD])
+                if DOT_K != 0:  # tensor-core dots: the code's value in their type
+                    k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+                else:
+                    k_tile = k_decode(k_code)
             # one scale and minimum per channel for the group of 32 tokens this step holds (steps are
             # aligned to groups): read once per step at the step's first position
             k_blk0 = tl.load(block_table_ptr + seq * stride_bt + start // BLOCK_SIZE)
@@ -531,14 +576,19 @@ def paged_attention_kernel(
             v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
             # 2 codes per byte: load the bytes, split them and interleave the codes back in element order
             v_db = tl.arange(0, HEAD_PAD // 2)
-            v_byte = tl.load(v_row[:, None] + v_db[None, :], mask=n_mask[:, None] & (v_db < HEAD_SIZE // 2)[None, :], other=0).to(tl.uint32)
-            v_c0 = (v_byte >> 0) & 15
-            v_c1 = (v_byte >> 4) & 15
-            v_code = tl.reshape(tl.join(v_c0, v_c1), [BLOCK_N, HEAD_PAD])
-            if DOT_V != 0:  # tensor-core dots: the code's value in their type
-                v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+            v_byte = tl.load(v_row[:, None] + v_db[None, :], mask=n_mask[:, None] & (v_db < HEAD_SIZE // 2)[None, :], other=0)
+            if (DOT_V != 0) & NATIVE_CASTS:  # compiled: both codes of each byte straight to fp16 (inline PTX)
+                v_lo, v_hi = v_decode_dot_bytes(v_byte)
+                v_tile = tl.reshape(tl.join(v_lo, v_hi), [BLOCK_N, HEAD_PAD])
             else:
-                v_tile = v_decode(v_code)
+                v_byte = v_byte.to(tl.uint32)
+                v_c0 = (v_byte >> 0) & 15
+                v_c1 = (v_byte >> 4) & 15
+                v_code = tl.reshape(tl.join(v_c0, v_c1), [BLOCK_N, HEAD_PAD])
+                if DOT_V != 0:  # tensor-core dots: the code's value in their type
+                    v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+                else:
+                    v_tile = v_decode(v_code)
             v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
             # one scale per 32 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
             v_gi = tl.arange(0, HEAD_PAD // 32)

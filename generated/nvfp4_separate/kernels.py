@@ -66,6 +66,24 @@ def k_decode_dot(code, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def k_decode_dot_bytes(byte):
+    # compiled only (inline PTX): both codes of each byte -> fp16, four bytes per register. The fp16 bits of a code
+    # are (magnitude << 9) | (sign << 15), all in the high byte: per byte, magnitude << 1 | sign << 7
+    # for the low and the high code at once (shifts and masks on the whole register), then byte permutes put each
+    # under a zero low byte and a packed multiply by 2**14 restores the exponent bias. Returns (low codes,
+    # high codes), each shaped like `byte`.
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 l, h, t, z, k; mov.b32 z, 0; mov.b32 k, 0x74007400; "
+        "shl.b32 l, $4, 1; and.b32 l, l, 0x0E0E0E0E; "
+        "shl.b32 t, $4, 4; and.b32 t, t, 0x80808080; or.b32 l, l, t; "
+        "shr.b32 h, $4, 3; and.b32 h, h, 0x0E0E0E0E; "
+        "and.b32 t, $4, 0x80808080; or.b32 h, h, t; "
+        "prmt.b32 $0, l, z, 0x1404; prmt.b32 $1, l, z, 0x3424; prmt.b32 $2, h, z, 0x1404; prmt.b32 $3, h, z, 0x3424; "
+        "mul.f16x2 $0, $0, k; mul.f16x2 $1, $1, k; mul.f16x2 $2, $2, k; mul.f16x2 $3, $3, k; }",
+        "=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+
+
+@triton.jit
 def k_scale_encode(v):
     # fp32 -> fp8_e4m3 code by bit manipulation (the interpreter's low-precision casts are wrong):
     # saturate |v| to 448.0, find its binade e (clamped to the subnormal binade -6),
@@ -136,6 +154,24 @@ def v_decode_dot(code, NATIVE: tl.constexpr):
     bits = ((c & 7) << 9) | ((c & 8) << 12)
     x = bits.to(tl.float16, bitcast=True) * 16384.0
     return x
+
+
+@triton.jit
+def v_decode_dot_bytes(byte):
+    # compiled only (inline PTX): both codes of each byte -> fp16, four bytes per register. The fp16 bits of a code
+    # are (magnitude << 9) | (sign << 15), all in the high byte: per byte, magnitude << 1 | sign << 7
+    # for the low and the high code at once (shifts and masks on the whole register), then byte permutes put each
+    # under a zero low byte and a packed multiply by 2**14 restores the exponent bias. Returns (low codes,
+    # high codes), each shaped like `byte`.
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 l, h, t, z, k; mov.b32 z, 0; mov.b32 k, 0x74007400; "
+        "shl.b32 l, $4, 1; and.b32 l, l, 0x0E0E0E0E; "
+        "shl.b32 t, $4, 4; and.b32 t, t, 0x80808080; or.b32 l, l, t; "
+        "shr.b32 h, $4, 3; and.b32 h, h, 0x0E0E0E0E; "
+        "and.b32 t, $4, 0x80808080; or.b32 h, h, t; "
+        "prmt.b32 $0, l, z, 0x1404; prmt.b32 $1, l, z, 0x3424; prmt.b32 $2, h, z, 0x1404; prmt.b32 $3, h, z, 0x3424; "
+        "mul.f16x2 $0, $0, k; mul.f16x2 $1, $1, k; mul.f16x2 $2, $2, k; mul.f16x2 $3, $3, k; }",
+        "=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
 
 
 @triton.jit
@@ -388,14 +424,19 @@ def paged_attention_kernel(
             k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
             # 2 codes per byte: load the bytes, split them and interleave the codes back in element order
             k_db = tl.arange(0, HEAD_PAD // 2)
-            k_byte = tl.load(k_row[:, None] + k_db[None, :], mask=(k_db < HEAD_SIZE // 2)[None, :], other=0).to(tl.uint32)
-            k_c0 = (k_byte >> 0) & 15
-            k_c1 = (k_byte >> 4) & 15
-            k_code = tl.reshape(tl.join(k_c0, k_c1), [BLOCK_N, HEAD_PAD])
-            if DOT_K != 0:  # tensor-core dots: the code's value in their type
-                k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+            k_byte = tl.load(k_row[:, None] + k_db[None, :], mask=(k_db < HEAD_SIZE // 2)[None, :], other=0)
+            if (DOT_K != 0) & NATIVE_CASTS:  # compiled: both codes of each byte straight to fp16 (inline PTX)
+                k_lo, k_hi = k_decode_dot_bytes(k_byte)
+                k_tile = tl.reshape(tl.join(k_lo, k_hi), [BLOCK_N, HEAD_PAD])
             else:
-                k_tile = k_decode(k_code)
+                k_byte = k_byte.to(tl.uint32)
+                k_c0 = (k_byte >> 0) & 15
+                k_c1 = (k_byte >> 4) & 15
+                k_code = tl.reshape(tl.join(k_c0, k_c1), [BLOCK_N, HEAD_PAD])
+                if DOT_K != 0:  # tensor-core dots: the code's value in their type
+                    k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+                else:
+                    k_tile = k_decode(k_code)
             k_srow = k_meta_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
             # one scale per 16 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
             k_gi = tl.arange(0, HEAD_PAD // 16)
@@ -420,14 +461,19 @@ def paged_attention_kernel(
             v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
             # 2 codes per byte: load the bytes, split them and interleave the codes back in element order
             v_db = tl.arange(0, HEAD_PAD // 2)
-            v_byte = tl.load(v_row[:, None] + v_db[None, :], mask=(v_db < HEAD_SIZE // 2)[None, :], other=0).to(tl.uint32)
-            v_c0 = (v_byte >> 0) & 15
-            v_c1 = (v_byte >> 4) & 15
-            v_code = tl.reshape(tl.join(v_c0, v_c1), [BLOCK_N, HEAD_PAD])
-            if DOT_V != 0:  # tensor-core dots: the code's value in their type
-                v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+            v_byte = tl.load(v_row[:, None] + v_db[None, :], mask=(v_db < HEAD_SIZE // 2)[None, :], other=0)
+            if (DOT_V != 0) & NATIVE_CASTS:  # compiled: both codes of each byte straight to fp16 (inline PTX)
+                v_lo, v_hi = v_decode_dot_bytes(v_byte)
+                v_tile = tl.reshape(tl.join(v_lo, v_hi), [BLOCK_N, HEAD_PAD])
             else:
-                v_tile = v_decode(v_code)
+                v_byte = v_byte.to(tl.uint32)
+                v_c0 = (v_byte >> 0) & 15
+                v_c1 = (v_byte >> 4) & 15
+                v_code = tl.reshape(tl.join(v_c0, v_c1), [BLOCK_N, HEAD_PAD])
+                if DOT_V != 0:  # tensor-core dots: the code's value in their type
+                    v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+                else:
+                    v_tile = v_decode(v_code)
             v_srow = v_meta_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
             # one scale per 16 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
             v_gi = tl.arange(0, HEAD_PAD // 16)
@@ -459,14 +505,19 @@ def paged_attention_kernel(
             k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
             # 2 codes per byte: load the bytes, split them and interleave the codes back in element order
             k_db = tl.arange(0, HEAD_PAD // 2)
-            k_byte = tl.load(k_row[:, None] + k_db[None, :], mask=n_mask[:, None] & (k_db < HEAD_SIZE // 2)[None, :], other=0).to(tl.uint32)
-            k_c0 = (k_byte >> 0) & 15
-            k_c1 = (k_byte >> 4) & 15
-            k_code = tl.reshape(tl.join(k_c0, k_c1), [BLOCK_N, HEAD_PAD])
-            if DOT_K != 0:  # tensor-core dots: the code's value in their type
-                k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+            k_byte = tl.load(k_row[:, None] + k_db[None, :], mask=n_mask[:, None] & (k_db < HEAD_SIZE // 2)[None, :], other=0)
+            if (DOT_K != 0) & NATIVE_CASTS:  # compiled: both codes of each byte straight to fp16 (inline PTX)
+                k_lo, k_hi = k_decode_dot_bytes(k_byte)
+                k_tile = tl.reshape(tl.join(k_lo, k_hi), [BLOCK_N, HEAD_PAD])
             else:
-                k_tile = k_decode(k_code)
+                k_byte = k_byte.to(tl.uint32)
+                k_c0 = (k_byte >> 0) & 15
+                k_c1 = (k_byte >> 4) & 15
+                k_code = tl.reshape(tl.join(k_c0, k_c1), [BLOCK_N, HEAD_PAD])
+                if DOT_K != 0:  # tensor-core dots: the code's value in their type
+                    k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+                else:
+                    k_tile = k_decode(k_code)
             k_srow = k_meta_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
             # one scale per 16 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
             k_gi = tl.arange(0, HEAD_PAD // 16)
@@ -491,14 +542,19 @@ def paged_attention_kernel(
             v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
             # 2 codes per byte: load the bytes, split them and interleave the codes back in element order
             v_db = tl.arange(0, HEAD_PAD // 2)
-            v_byte = tl.load(v_row[:, None] + v_db[None, :], mask=n_mask[:, None] & (v_db < HEAD_SIZE // 2)[None, :], other=0).to(tl.uint32)
-            v_c0 = (v_byte >> 0) & 15
-            v_c1 = (v_byte >> 4) & 15
-            v_code = tl.reshape(tl.join(v_c0, v_c1), [BLOCK_N, HEAD_PAD])
-            if DOT_V != 0:  # tensor-core dots: the code's value in their type
-                v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+            v_byte = tl.load(v_row[:, None] + v_db[None, :], mask=n_mask[:, None] & (v_db < HEAD_SIZE // 2)[None, :], other=0)
+            if (DOT_V != 0) & NATIVE_CASTS:  # compiled: both codes of each byte straight to fp16 (inline PTX)
+                v_lo, v_hi = v_decode_dot_bytes(v_byte)
+                v_tile = tl.reshape(tl.join(v_lo, v_hi), [BLOCK_N, HEAD_PAD])
             else:
-                v_tile = v_decode(v_code)
+                v_byte = v_byte.to(tl.uint32)
+                v_c0 = (v_byte >> 0) & 15
+                v_c1 = (v_byte >> 4) & 15
+                v_code = tl.reshape(tl.join(v_c0, v_c1), [BLOCK_N, HEAD_PAD])
+                if DOT_V != 0:  # tensor-core dots: the code's value in their type
+                    v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+                else:
+                    v_tile = v_decode(v_code)
             v_srow = v_meta_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
             # one scale per 16 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
             v_gi = tl.arange(0, HEAD_PAD // 16)
