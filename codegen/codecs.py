@@ -41,12 +41,11 @@ class Codec:
 
     @property
     def byte_decode(self) -> bool:
-        """Whether the codec renders ``{prefix}decode_dot_bytes(byte)``: compiled code's decode of both 4-bit codes of
-        each byte straight to fp16 (inline PTX; 4-bit integers and 4-bit minifloats without special values)."""
-        if self.bits != 4:
-            return False
-        return self.template == "int.py.jinja" or (self.template == "minifloat.py.jinja"
-                                                    and self.params.get("special") == "none")
+        """Whether the codec renders ``{prefix}decode_dot_bytes(byte)``: compiled code's decode of all codes of each
+        byte straight to fp16 (inline PTX; 2- and 4-bit integers, 4-bit minifloats without special values)."""
+        if self.template == "int.py.jinja":
+            return self.bits in (2, 4)
+        return self.template == "minifloat.py.jinja" and self.bits == 4 and self.params.get("special") == "none"
 
     @property
     def unit(self) -> str:

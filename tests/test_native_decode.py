@@ -35,19 +35,38 @@ def _decode_both(codes_ptr, native_ptr, portable_ptr, decode: tl.constexpr, ROWS
 
 @triton.jit
 def _decode_bytes_both(bytes_ptr, native_ptr, portable_ptr, decode_bytes: tl.constexpr, decode: tl.constexpr,
-                       HI_FIRST: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
-    # native: both codes of each byte at once; portable: each code unpacked and decoded alone. Output [ROWS, 2 * COLS]
-    # in element order.
+                       BITS: tl.constexpr, MSB_FIRST: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    # native: all codes of each byte at once; portable: each code unpacked and decoded alone. Output
+    # [ROWS, COLS * 8 // BITS] in element order (element i of a byte: bit position i, or the reverse for MSB_FIRST).
     i = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
     byte = tl.load(bytes_ptr + i)
-    lo, hi = decode_bytes(byte)
-    o = tl.arange(0, ROWS)[:, None] * (2 * COLS) + tl.arange(0, 2 * COLS)[None, :]
-    first, second = (hi, lo) if HI_FIRST else (lo, hi)
-    tl.store(native_ptr + o, tl.reshape(tl.join(first, second), [ROWS, 2 * COLS]).to(tl.float32))
+    OUT: tl.constexpr = COLS * 8 // BITS
+    o = tl.arange(0, ROWS)[:, None] * OUT + tl.arange(0, OUT)[None, :]
     b = byte.to(tl.uint32)
-    c_first, c_second = ((b >> 4) & 15, b & 15) if HI_FIRST else (b & 15, (b >> 4) & 15)
-    codes = tl.reshape(tl.join(c_first, c_second), [ROWS, 2 * COLS])
-    tl.store(portable_ptr + o, decode(codes, False).to(tl.float32))
+    if BITS == 4:
+        f0, f1 = decode_bytes(byte)
+        c0 = b & 15
+        c1 = (b >> 4) & 15
+        if MSB_FIRST:
+            native = tl.join(f1, f0)
+            codes = tl.join(c1, c0)
+        else:
+            native = tl.join(f0, f1)
+            codes = tl.join(c0, c1)
+    else:
+        f0, f1, f2, f3 = decode_bytes(byte)
+        c0 = b & 3
+        c1 = (b >> 2) & 3
+        c2 = (b >> 4) & 3
+        c3 = (b >> 6) & 3
+        if MSB_FIRST:
+            native = tl.join(tl.join(f3, f1), tl.join(f2, f0))
+            codes = tl.join(tl.join(c3, c1), tl.join(c2, c0))
+        else:
+            native = tl.join(tl.join(f0, f2), tl.join(f1, f3))
+            codes = tl.join(tl.join(c0, c2), tl.join(c1, c3))
+    tl.store(native_ptr + o, tl.reshape(native, [ROWS, OUT]).to(tl.float32))
+    tl.store(portable_ptr + o, decode(tl.reshape(codes, [ROWS, OUT]), False).to(tl.float32))
 
 
 def sides():
@@ -67,14 +86,15 @@ def test_native_decode_matches_portable():
 
 
 def check_byte_decode(name, side, module):
-    fmt = kvgen.load(name)
-    hi_first = fmt.spec.side("key" if side == "k" else "value").packing == "msb_first"
-    data = (torch.arange(ROWS * COLS // 2, device="cuda") % 256).to(torch.uint8).reshape(ROWS, COLS // 2)
-    data = data[:, torch.randperm(COLS // 2, device="cuda")].contiguous()
+    spec = kvgen.load(name).spec.side("key" if side == "k" else "value")
+    bits = module.CODE_BITS[side]
+    cols = ROWS * COLS * bits // 8 // ROWS
+    data = (torch.arange(ROWS * cols, device="cuda") % 256).to(torch.uint8).reshape(ROWS, cols)
+    data = data[:, torch.randperm(cols, device="cuda")].contiguous()
     native = torch.empty(ROWS, COLS, dtype=torch.float32, device="cuda")
     portable = torch.empty_like(native)
     _decode_bytes_both[(1,)](data, native, portable, getattr(module, f"{side}_decode_dot_bytes"),
-                             getattr(module, f"{side}_decode_dot"), hi_first, ROWS, COLS // 2)
+                             getattr(module, f"{side}_decode_dot"), bits, spec.packing == "msb_first", ROWS, cols)
     same = (native == portable) | (native.isnan() & portable.isnan())
     assert bool(same.all()), (f"{name} {side}: byte decode differs: {native[~same][:8].tolist()} vs "
                               f"{portable[~same][:8].tolist()}")
@@ -183,20 +203,23 @@ def _e2m1(code: int) -> float:
     ("nvfp4", "k", _e2m1), ("mxfp4", "v", _e2m1),
     ("int4_per_token_head", "k", lambda c: c),  # uint4
     ("q4_0", "k", lambda c: c - 16 if c >= 8 else c),  # int4, two's complement
+    ("kivi_2bit", "k", lambda c: c),  # uint2
 ])
 def test_byte_decode_ptx_model(name, side, value_of):
-    """Both codes of every byte, four bytes per register, through the byte decoder's PTX as modelled: the low codes
-    in $0-$1 and the high codes in $2-$3, each lane the code's value (oracle: ml_dtypes for e2m1, integer
-    arithmetic for int4)."""
+    """All codes of every byte, four bytes per register, through the byte decoder's PTX as modelled: the codes at
+    bit position j of the four bytes in registers $2j and $2j+1, each lane the code's value (oracle: ml_dtypes for
+    e2m1, integer arithmetic for integers)."""
     fmt = kvgen.load(name)
     element = fmt.spec.side("key" if side == "k" else "value").element.value
+    bits = {"int4": 4, "uint4": 4, "uint2": 2, "fp4_e2m1": 4}[element]
     if value_of is not _e2m1:
-        assert element == ("int4" if name == "q4_0" else "uint4"), element  # the oracle matches the spec's element
+        assert element == {"q4_0": "int4", "kivi_2bit": "uint2"}.get(name, "uint4"), element  # oracle fits the spec
+    per = 8 // bits
     asm = int8_ptx(fmt._kernels.module, side, "decode_dot_bytes")
     for word in range(0, 256, 4):
         data = [(word + i * 67) % 256 for i in range(4)]
-        out = run_ptx(asm, {"$4": sum(b << 8 * i for i, b in enumerate(data))})
-        lo = list(_f16x2(out["$0"])) + list(_f16x2(out["$1"]))
-        hi = list(_f16x2(out["$2"])) + list(_f16x2(out["$3"]))
-        assert [float(x) for x in lo] == [value_of(b & 15) for b in data], (name, data, lo)
-        assert [float(x) for x in hi] == [value_of(b >> 4) for b in data], (name, data, hi)
+        out = run_ptx(asm, {f"${2 * per}": sum(b << 8 * i for i, b in enumerate(data))})
+        for j in range(per):
+            got = list(_f16x2(out[f"${2 * j}"])) + list(_f16x2(out[f"${2 * j + 1}"]))
+            want = [value_of((b >> bits * j) & ((1 << bits) - 1)) for b in data]
+            assert [float(x) for x in got] == want, (name, data, j, got)

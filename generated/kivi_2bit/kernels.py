@@ -47,6 +47,32 @@ def k_decode_dot(code, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def k_decode_dot_bytes(byte):
+    # compiled only (inline PTX): all 4 codes of each byte -> fp16, four bytes per register. The codes at each bit
+    # position are masked into bytes byte permutes put each under 0x64 in an fp16
+    # lane (1024 + u), and one packed subtract per two codes leaves the value. Returns the codes by bit position in
+    # the byte (lowest first), each shaped like `byte`.
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 x, c, m, b; "
+        "mov.b32 x, $8; "
+        "mov.b32 m, 0x64646464; mov.b32 b, 0x64006400; "  # 1024 in both lanes
+        "and.b32 c, x, 0x03030303; "
+        "prmt.b32 $0, c, m, 0x4140; prmt.b32 $1, c, m, 0x4342; "
+        "sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; "
+        "shr.b32 c, x, 2; and.b32 c, c, 0x03030303; "
+        "prmt.b32 $2, c, m, 0x4140; prmt.b32 $3, c, m, 0x4342; "
+        "sub.f16x2 $2, $2, b; sub.f16x2 $3, $3, b; "
+        "shr.b32 c, x, 4; and.b32 c, c, 0x03030303; "
+        "prmt.b32 $4, c, m, 0x4140; prmt.b32 $5, c, m, 0x4342; "
+        "sub.f16x2 $4, $4, b; sub.f16x2 $5, $5, b; "
+        "shr.b32 c, x, 6; and.b32 c, c, 0x03030303; "
+        "prmt.b32 $6, c, m, 0x4140; prmt.b32 $7, c, m, 0x4342; "
+        "sub.f16x2 $6, $6, b; sub.f16x2 $7, $7, b; "
+        "}",
+        "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
+
+
+@triton.jit
 def k_scale_encode(v):
     # fp32 -> fp16 rounds to nearest even in both the interpreter and compiled code; NaN -> 0x7E00 with its sign
     # (the GPU's conversion would give a canonical 0x7FFF)
@@ -91,6 +117,32 @@ def v_decode_dot(code, NATIVE: tl.constexpr):
     # u < 1024; u is the code itself
     u = code.to(tl.uint16) & 3
     return (u | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
+def v_decode_dot_bytes(byte):
+    # compiled only (inline PTX): all 4 codes of each byte -> fp16, four bytes per register. The codes at each bit
+    # position are masked into bytes byte permutes put each under 0x64 in an fp16
+    # lane (1024 + u), and one packed subtract per two codes leaves the value. Returns the codes by bit position in
+    # the byte (lowest first), each shaped like `byte`.
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 x, c, m, b; "
+        "mov.b32 x, $8; "
+        "mov.b32 m, 0x64646464; mov.b32 b, 0x64006400; "  # 1024 in both lanes
+        "and.b32 c, x, 0x03030303; "
+        "prmt.b32 $0, c, m, 0x4140; prmt.b32 $1, c, m, 0x4342; "
+        "sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; "
+        "shr.b32 c, x, 2; and.b32 c, c, 0x03030303; "
+        "prmt.b32 $2, c, m, 0x4140; prmt.b32 $3, c, m, 0x4342; "
+        "sub.f16x2 $2, $2, b; sub.f16x2 $3, $3, b; "
+        "shr.b32 c, x, 4; and.b32 c, c, 0x03030303; "
+        "prmt.b32 $4, c, m, 0x4140; prmt.b32 $5, c, m, 0x4342; "
+        "sub.f16x2 $4, $4, b; sub.f16x2 $5, $5, b; "
+        "shr.b32 c, x, 6; and.b32 c, c, 0x03030303; "
+        "prmt.b32 $6, c, m, 0x4140; prmt.b32 $7, c, m, 0x4342; "
+        "sub.f16x2 $6, $6, b; sub.f16x2 $7, $7, b; "
+        "}",
+        "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
 
 
 @triton.jit
@@ -412,16 +464,20 @@ def paged_attention_kernel(
             # 4 codes per byte: load the bytes, split them and interleave the codes back in element order
             k_db = tl.arange(0, HEAD_PAD // 4)
             k_byte = tl.load(k_row[:, None] + k_db[None, :], mask=(k_db < HEAD_SIZE // 4)[None, :], other=0)
-            k_byte = k_byte.to(tl.uint32)
-            k_c0 = (k_byte >> 0) & 3
-            k_c1 = (k_byte >> 2) & 3
-            k_c2 = (k_byte >> 4) & 3
-            k_c3 = (k_byte >> 6) & 3
-            k_code = tl.reshape(tl.join(tl.join(k_c0, k_c2), tl.join(k_c1, k_c3)), [BLOCK_N, HEAD_PAD])
-            if DOT_K != 0:  # tensor-core dots: the code's value in their type
-                k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+            if (DOT_K != 0) & NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX)
+                k_f0, k_f1, k_f2, k_f3 = k_decode_dot_bytes(k_byte)
+                k_tile = tl.reshape(tl.join(tl.join(k_f0, k_f2), tl.join(k_f1, k_f3)), [BLOCK_N, HEAD_PAD])
             else:
-                k_tile = k_decode(k_code)
+                k_byte = k_byte.to(tl.uint32)
+                k_c0 = (k_byte >> 0) & 3
+                k_c1 = (k_byte >> 2) & 3
+                k_c2 = (k_byte >> 4) & 3
+                k_c3 = (k_byte >> 6) & 3
+                k_code = tl.reshape(tl.join(tl.join(k_c0, k_c2), tl.join(k_c1, k_c3)), [BLOCK_N, HEAD_PAD])
+                if DOT_K != 0:  # tensor-core dots: the code's value in their type
+                    k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+                else:
+                    k_tile = k_decode(k_code)
             # one scale and minimum per channel for the group of 32 tokens this step holds (steps are
             # aligned to groups): read once per step at the step's first position
             k_blk0 = tl.load(block_table_ptr + seq * stride_bt + start // BLOCK_SIZE)
@@ -453,16 +509,20 @@ def paged_attention_kernel(
             # 4 codes per byte: load the bytes, split them and interleave the codes back in element order
             v_db = tl.arange(0, HEAD_PAD // 4)
             v_byte = tl.load(v_row[:, None] + v_db[None, :], mask=(v_db < HEAD_SIZE // 4)[None, :], other=0)
-            v_byte = v_byte.to(tl.uint32)
-            v_c0 = (v_byte >> 0) & 3
-            v_c1 = (v_byte >> 2) & 3
-            v_c2 = (v_byte >> 4) & 3
-            v_c3 = (v_byte >> 6) & 3
-            v_code = tl.reshape(tl.join(tl.join(v_c0, v_c2), tl.join(v_c1, v_c3)), [BLOCK_N, HEAD_PAD])
-            if DOT_V != 0:  # tensor-core dots: the code's value in their type
-                v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+            if (DOT_V != 0) & NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX)
+                v_f0, v_f1, v_f2, v_f3 = v_decode_dot_bytes(v_byte)
+                v_tile = tl.reshape(tl.join(tl.join(v_f0, v_f2), tl.join(v_f1, v_f3)), [BLOCK_N, HEAD_PAD])
             else:
-                v_tile = v_decode(v_code)
+                v_byte = v_byte.to(tl.uint32)
+                v_c0 = (v_byte >> 0) & 3
+                v_c1 = (v_byte >> 2) & 3
+                v_c2 = (v_byte >> 4) & 3
+                v_c3 = (v_byte >> 6) & 3
+                v_code = tl.reshape(tl.join(tl.join(v_c0, v_c2), tl.join(v_c1, v_c3)), [BLOCK_N, HEAD_PAD])
+                if DOT_V != 0:  # tensor-core dots: the code's value in their type
+                    v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+                else:
+                    v_tile = v_decode(v_code)
             v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
             # one scale per 32 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
             v_gi = tl.arange(0, HEAD_PAD // 32)
@@ -500,16 +560,20 @@ def paged_attention_kernel(
             # 4 codes per byte: load the bytes, split them and interleave the codes back in element order
             k_db = tl.arange(0, HEAD_PAD // 4)
             k_byte = tl.load(k_row[:, None] + k_db[None, :], mask=n_mask[:, None] & (k_db < HEAD_SIZE // 4)[None, :], other=0)
-            k_byte = k_byte.to(tl.uint32)
-            k_c0 = (k_byte >> 0) & 3
-            k_c1 = (k_byte >> 2) & 3
-            k_c2 = (k_byte >> 4) & 3
-            k_c3 = (k_byte >> 6) & 3
-            k_code = tl.reshape(tl.join(tl.join(k_c0, k_c2), tl.join(k_c1, k_c3)), [BLOCK_N, HEAD_PAD])
-            if DOT_K != 0:  # tensor-core dots: the code's value in their type
-                k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+            if (DOT_K != 0) & NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX)
+                k_f0, k_f1, k_f2, k_f3 = k_decode_dot_bytes(k_byte)
+                k_tile = tl.reshape(tl.join(tl.join(k_f0, k_f2), tl.join(k_f1, k_f3)), [BLOCK_N, HEAD_PAD])
             else:
-                k_tile = k_decode(k_code)
+                k_byte = k_byte.to(tl.uint32)
+                k_c0 = (k_byte >> 0) & 3
+                k_c1 = (k_byte >> 2) & 3
+                k_c2 = (k_byte >> 4) & 3
+                k_c3 = (k_byte >> 6) & 3
+                k_code = tl.reshape(tl.join(tl.join(k_c0, k_c2), tl.join(k_c1, k_c3)), [BLOCK_N, HEAD_PAD])
+                if DOT_K != 0:  # tensor-core dots: the code's value in their type
+                    k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+                else:
+                    k_tile = k_decode(k_code)
             # one scale and minimum per channel for the group of 32 tokens this step holds (steps are
             # aligned to groups): read once per step at the step's first position
             k_blk0 = tl.load(block_table_ptr + seq * stride_bt + start // BLOCK_SIZE)
@@ -541,16 +605,20 @@ def paged_attention_kernel(
             # 4 codes per byte: load the bytes, split them and interleave the codes back in element order
             v_db = tl.arange(0, HEAD_PAD // 4)
             v_byte = tl.load(v_row[:, None] + v_db[None, :], mask=n_mask[:, None] & (v_db < HEAD_SIZE // 4)[None, :], other=0)
-            v_byte = v_byte.to(tl.uint32)
-            v_c0 = (v_byte >> 0) & 3
-            v_c1 = (v_byte >> 2) & 3
-            v_c2 = (v_byte >> 4) & 3
-            v_c3 = (v_byte >> 6) & 3
-            v_code = tl.reshape(tl.join(tl.join(v_c0, v_c2), tl.join(v_c1, v_c3)), [BLOCK_N, HEAD_PAD])
-            if DOT_V != 0:  # tensor-core dots: the code's value in their type
-                v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+            if (DOT_V != 0) & NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX)
+                v_f0, v_f1, v_f2, v_f3 = v_decode_dot_bytes(v_byte)
+                v_tile = tl.reshape(tl.join(tl.join(v_f0, v_f2), tl.join(v_f1, v_f3)), [BLOCK_N, HEAD_PAD])
             else:
-                v_tile = v_decode(v_code)
+                v_byte = v_byte.to(tl.uint32)
+                v_c0 = (v_byte >> 0) & 3
+                v_c1 = (v_byte >> 2) & 3
+                v_c2 = (v_byte >> 4) & 3
+                v_c3 = (v_byte >> 6) & 3
+                v_code = tl.reshape(tl.join(tl.join(v_c0, v_c2), tl.join(v_c1, v_c3)), [BLOCK_N, HEAD_PAD])
+                if DOT_V != 0:  # tensor-core dots: the code's value in their type
+                    v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+                else:
+                    v_tile = v_decode(v_code)
             v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
             # one scale per 32 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
             v_gi = tl.arange(0, HEAD_PAD // 32)

@@ -390,9 +390,9 @@ def paged_attention_kernel(
             # 2 codes per byte: load the bytes, split them and interleave the codes back in element order
             k_db = tl.arange(0, HEAD_PAD // 2)
             k_byte = tl.load(k_row[:, None] + k_db[None, :], mask=(k_db < HEAD_SIZE // 2)[None, :], other=0)
-            if (DOT_K != 0) & NATIVE_CASTS:  # compiled: both codes of each byte straight to fp16 (inline PTX)
-                k_lo, k_hi = k_decode_dot_bytes(k_byte)
-                k_tile = tl.reshape(tl.join(k_lo, k_hi), [BLOCK_N, HEAD_PAD])
+            if (DOT_K != 0) & NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX)
+                k_f0, k_f1 = k_decode_dot_bytes(k_byte)
+                k_tile = tl.reshape(tl.join(k_f0, k_f1), [BLOCK_N, HEAD_PAD])
             else:
                 k_byte = k_byte.to(tl.uint32)
                 k_c0 = (k_byte >> 0) & 15
@@ -424,9 +424,9 @@ def paged_attention_kernel(
             # 2 codes per byte: load the bytes, split them and interleave the codes back in element order
             v_db = tl.arange(0, HEAD_PAD // 2)
             v_byte = tl.load(v_row[:, None] + v_db[None, :], mask=(v_db < HEAD_SIZE // 2)[None, :], other=0)
-            if (DOT_V != 0) & NATIVE_CASTS:  # compiled: both codes of each byte straight to fp16 (inline PTX)
-                v_lo, v_hi = v_decode_dot_bytes(v_byte)
-                v_tile = tl.reshape(tl.join(v_lo, v_hi), [BLOCK_N, HEAD_PAD])
+            if (DOT_V != 0) & NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX)
+                v_f0, v_f1 = v_decode_dot_bytes(v_byte)
+                v_tile = tl.reshape(tl.join(v_f0, v_f1), [BLOCK_N, HEAD_PAD])
             else:
                 v_byte = v_byte.to(tl.uint32)
                 v_c0 = (v_byte >> 0) & 15
@@ -465,9 +465,9 @@ def paged_attention_kernel(
             # 2 codes per byte: load the bytes, split them and interleave the codes back in element order
             k_db = tl.arange(0, HEAD_PAD // 2)
             k_byte = tl.load(k_row[:, None] + k_db[None, :], mask=n_mask[:, None] & (k_db < HEAD_SIZE // 2)[None, :], other=0)
-            if (DOT_K != 0) & NATIVE_CASTS:  # compiled: both codes of each byte straight to fp16 (inline PTX)
-                k_lo, k_hi = k_decode_dot_bytes(k_byte)
-                k_tile = tl.reshape(tl.join(k_lo, k_hi), [BLOCK_N, HEAD_PAD])
+            if (DOT_K != 0) & NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX)
+                k_f0, k_f1 = k_decode_dot_bytes(k_byte)
+                k_tile = tl.reshape(tl.join(k_f0, k_f1), [BLOCK_N, HEAD_PAD])
             else:
                 k_byte = k_byte.to(tl.uint32)
                 k_c0 = (k_byte >> 0) & 15
@@ -499,9 +499,9 @@ def paged_attention_kernel(
             # 2 codes per byte: load the bytes, split them and interleave the codes back in element order
             v_db = tl.arange(0, HEAD_PAD // 2)
             v_byte = tl.load(v_row[:, None] + v_db[None, :], mask=n_mask[:, None] & (v_db < HEAD_SIZE // 2)[None, :], other=0)
-            if (DOT_V != 0) & NATIVE_CASTS:  # compiled: both codes of each byte straight to fp16 (inline PTX)
-                v_lo, v_hi = v_decode_dot_bytes(v_byte)
-                v_tile = tl.reshape(tl.join(v_lo, v_hi), [BLOCK_N, HEAD_PAD])
+            if (DOT_V != 0) & NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX)
+                v_f0, v_f1 = v_decode_dot_bytes(v_byte)
+                v_tile = tl.reshape(tl.join(v_f0, v_f1), [BLOCK_N, HEAD_PAD])
             else:
                 v_byte = v_byte.to(tl.uint32)
                 v_c0 = (v_byte >> 0) & 15

@@ -49,16 +49,21 @@ def k_decode_dot(code, NATIVE: tl.constexpr):
 
 @triton.jit
 def k_decode_dot_bytes(byte):
-    # compiled only (inline PTX): both codes of each byte -> fp16, four bytes per register: each code offset to unsigned (xor 8)
-    # is masked into a byte, byte permutes put it under 0x64 in an fp16 lane (1024 + u), one packed subtract per
-    # two codes. Returns (low codes, high codes), each shaped like `byte`.
+    # compiled only (inline PTX): all 2 codes of each byte -> fp16, four bytes per register. The codes at each bit
+    # position are masked into bytes, offset to unsigned (xor 8), byte permutes put each under 0x64 in an fp16
+    # lane (1024 + u), and one packed subtract per two codes leaves the value. Returns the codes by bit position in
+    # the byte (lowest first), each shaped like `byte`.
     return tl.inline_asm_elementwise(
-        "{ .reg .b32 x, l, h, m, b; "
+        "{ .reg .b32 x, c, m, b; "
         "xor.b32 x, $4, 0x88888888; "
-        "and.b32 l, x, 0x0F0F0F0F; shr.b32 h, x, 4; and.b32 h, h, 0x0F0F0F0F; mov.b32 m, 0x64646464; "
-        "prmt.b32 $0, l, m, 0x4140; prmt.b32 $1, l, m, 0x4342; prmt.b32 $2, h, m, 0x4140; prmt.b32 $3, h, m, 0x4342; "
-        "mov.b32 b, 0x64086408; "  # 1032 in both lanes
-        "sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; sub.f16x2 $2, $2, b; sub.f16x2 $3, $3, b; }",
+        "mov.b32 m, 0x64646464; mov.b32 b, 0x64086408; "  # 1032 in both lanes
+        "and.b32 c, x, 0x0F0F0F0F; "
+        "prmt.b32 $0, c, m, 0x4140; prmt.b32 $1, c, m, 0x4342; "
+        "sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; "
+        "shr.b32 c, x, 4; and.b32 c, c, 0x0F0F0F0F; "
+        "prmt.b32 $2, c, m, 0x4140; prmt.b32 $3, c, m, 0x4342; "
+        "sub.f16x2 $2, $2, b; sub.f16x2 $3, $3, b; "
+        "}",
         "=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
 
 
@@ -100,16 +105,21 @@ def v_decode_dot(code, NATIVE: tl.constexpr):
 
 @triton.jit
 def v_decode_dot_bytes(byte):
-    # compiled only (inline PTX): both codes of each byte -> fp16, four bytes per register: each code offset to unsigned (xor 8)
-    # is masked into a byte, byte permutes put it under 0x64 in an fp16 lane (1024 + u), one packed subtract per
-    # two codes. Returns (low codes, high codes), each shaped like `byte`.
+    # compiled only (inline PTX): all 2 codes of each byte -> fp16, four bytes per register. The codes at each bit
+    # position are masked into bytes, offset to unsigned (xor 8), byte permutes put each under 0x64 in an fp16
+    # lane (1024 + u), and one packed subtract per two codes leaves the value. Returns the codes by bit position in
+    # the byte (lowest first), each shaped like `byte`.
     return tl.inline_asm_elementwise(
-        "{ .reg .b32 x, l, h, m, b; "
+        "{ .reg .b32 x, c, m, b; "
         "xor.b32 x, $4, 0x88888888; "
-        "and.b32 l, x, 0x0F0F0F0F; shr.b32 h, x, 4; and.b32 h, h, 0x0F0F0F0F; mov.b32 m, 0x64646464; "
-        "prmt.b32 $0, l, m, 0x4140; prmt.b32 $1, l, m, 0x4342; prmt.b32 $2, h, m, 0x4140; prmt.b32 $3, h, m, 0x4342; "
-        "mov.b32 b, 0x64086408; "  # 1032 in both lanes
-        "sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; sub.f16x2 $2, $2, b; sub.f16x2 $3, $3, b; }",
+        "mov.b32 m, 0x64646464; mov.b32 b, 0x64086408; "  # 1032 in both lanes
+        "and.b32 c, x, 0x0F0F0F0F; "
+        "prmt.b32 $0, c, m, 0x4140; prmt.b32 $1, c, m, 0x4342; "
+        "sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; "
+        "shr.b32 c, x, 4; and.b32 c, c, 0x0F0F0F0F; "
+        "prmt.b32 $2, c, m, 0x4140; prmt.b32 $3, c, m, 0x4342; "
+        "sub.f16x2 $2, $2, b; sub.f16x2 $3, $3, b; "
+        "}",
         "=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
 
 
@@ -342,9 +352,9 @@ def paged_attention_kernel(
             # 2 codes per byte: load the bytes, split them and interleave the codes back in element order
             k_db = tl.arange(0, HEAD_PAD // 2)
             k_byte = tl.load(k_row[:, None] + k_db[None, :], mask=(k_db < HEAD_SIZE // 2)[None, :], other=0)
-            if (DOT_K != 0) & NATIVE_CASTS:  # compiled: both codes of each byte straight to fp16 (inline PTX)
-                k_lo, k_hi = k_decode_dot_bytes(k_byte)
-                k_tile = tl.reshape(tl.join(k_lo, k_hi), [BLOCK_N, HEAD_PAD])
+            if (DOT_K != 0) & NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX)
+                k_f0, k_f1 = k_decode_dot_bytes(k_byte)
+                k_tile = tl.reshape(tl.join(k_f0, k_f1), [BLOCK_N, HEAD_PAD])
             else:
                 k_byte = k_byte.to(tl.uint32)
                 k_c0 = (k_byte >> 0) & 15
@@ -376,9 +386,9 @@ def paged_attention_kernel(
             # 2 codes per byte: load the bytes, split them and interleave the codes back in element order
             v_db = tl.arange(0, HEAD_PAD // 2)
             v_byte = tl.load(v_row[:, None] + v_db[None, :], mask=(v_db < HEAD_SIZE // 2)[None, :], other=0)
-            if (DOT_V != 0) & NATIVE_CASTS:  # compiled: both codes of each byte straight to fp16 (inline PTX)
-                v_lo, v_hi = v_decode_dot_bytes(v_byte)
-                v_tile = tl.reshape(tl.join(v_lo, v_hi), [BLOCK_N, HEAD_PAD])
+            if (DOT_V != 0) & NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX)
+                v_f0, v_f1 = v_decode_dot_bytes(v_byte)
+                v_tile = tl.reshape(tl.join(v_f0, v_f1), [BLOCK_N, HEAD_PAD])
             else:
                 v_byte = v_byte.to(tl.uint32)
                 v_c0 = (v_byte >> 0) & 15
@@ -417,9 +427,9 @@ def paged_attention_kernel(
             # 2 codes per byte: load the bytes, split them and interleave the codes back in element order
             k_db = tl.arange(0, HEAD_PAD // 2)
             k_byte = tl.load(k_row[:, None] + k_db[None, :], mask=n_mask[:, None] & (k_db < HEAD_SIZE // 2)[None, :], other=0)
-            if (DOT_K != 0) & NATIVE_CASTS:  # compiled: both codes of each byte straight to fp16 (inline PTX)
-                k_lo, k_hi = k_decode_dot_bytes(k_byte)
-                k_tile = tl.reshape(tl.join(k_lo, k_hi), [BLOCK_N, HEAD_PAD])
+            if (DOT_K != 0) & NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX)
+                k_f0, k_f1 = k_decode_dot_bytes(k_byte)
+                k_tile = tl.reshape(tl.join(k_f0, k_f1), [BLOCK_N, HEAD_PAD])
             else:
                 k_byte = k_byte.to(tl.uint32)
                 k_c0 = (k_byte >> 0) & 15
@@ -451,9 +461,9 @@ def paged_attention_kernel(
             # 2 codes per byte: load the bytes, split them and interleave the codes back in element order
             v_db = tl.arange(0, HEAD_PAD // 2)
             v_byte = tl.load(v_row[:, None] + v_db[None, :], mask=n_mask[:, None] & (v_db < HEAD_SIZE // 2)[None, :], other=0)
-            if (DOT_V != 0) & NATIVE_CASTS:  # compiled: both codes of each byte straight to fp16 (inline PTX)
-                v_lo, v_hi = v_decode_dot_bytes(v_byte)
-                v_tile = tl.reshape(tl.join(v_lo, v_hi), [BLOCK_N, HEAD_PAD])
+            if (DOT_V != 0) & NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX)
+                v_f0, v_f1 = v_decode_dot_bytes(v_byte)
+                v_tile = tl.reshape(tl.join(v_f0, v_f1), [BLOCK_N, HEAD_PAD])
             else:
                 v_byte = v_byte.to(tl.uint32)
                 v_c0 = (v_byte >> 0) & 15
