@@ -2,9 +2,10 @@
 
 A side's ``decode_dot(code, NATIVE)`` turns stored codes into the tensor-core operand. With ``NATIVE`` (compiled
 for sm_89 or newer) it may use what only compiled code has: hardware fp8 conversions, or inline PTX that converts
-four int8 codes per register with byte permutes and one packed subtract. The interpreter has neither, so the
-conformance suite on the CPU never runs those paths; this test runs them on a GPU (``TRITON_INTERPRET=0``) against
-the portable path of the same function, over every code, in a tile shaped like the attention kernel's.
+four int8 codes per register with byte permutes and packed subtracts; ``decode_dot_bytes(byte)`` (2- and 4-bit
+codes) decodes all codes of four bytes per register the same way. The interpreter has neither, so the conformance
+suite on the CPU never runs those paths; the GPU test runs them (``TRITON_INTERPRET=0``) against the portable path,
+over every code, in a tile shaped like the attention kernel's; the model test runs the PTX text on any machine.
 """
 
 from __future__ import annotations
@@ -22,6 +23,41 @@ on_gpu = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "0" or not tor
                             reason="compiled-only decode paths: run with TRITON_INTERPRET=0 on a GPU")
 
 ROWS, COLS = 64, 128  # a KV tile: positions x head
+
+# no shipped format packs msb_first or stores signed 2-bit codes: this spec does both, on both sides
+SIGNED_MSB_FIRST = """
+kvgen_spec: 1
+name: signed_msb_first
+cache: {layout: interleaved}
+key:
+  element: int2
+  packing: msb_first
+  scale: {granularity: per_token_head, dtype: fp32, placement: inline}
+value:
+  element: int4
+  packing: msb_first
+  scale: {granularity: per_block, block: 16, dtype: fp16, placement: page_end}
+"""
+
+
+@pytest.fixture(scope="module")
+def extra_formats(tmp_path_factory):
+    root = tmp_path_factory.mktemp("native_decode")
+    path = root / "signed_msb_first.yaml"
+    path.write_text(SIGNED_MSB_FIRST)
+    before = os.environ.get("KVGEN_CACHE_DIR")
+    os.environ["KVGEN_CACHE_DIR"] = str(root / "cache")
+    try:
+        return {"signed_msb_first": kvgen.load(path)}
+    finally:
+        if before is None:
+            del os.environ["KVGEN_CACHE_DIR"]
+        else:
+            os.environ["KVGEN_CACHE_DIR"] = before
+
+
+def load(name: str, extra: dict):
+    return extra[name] if name in extra else kvgen.load(name)
 
 
 @triton.jit
@@ -69,24 +105,25 @@ def _decode_bytes_both(bytes_ptr, native_ptr, portable_ptr, decode_bytes: tl.con
     tl.store(portable_ptr + o, decode(tl.reshape(codes, [ROWS, OUT]), False).to(tl.float32))
 
 
-def sides():
-    for name in kvgen.shipped_names():
-        module = kvgen.load(name)._kernels.module
+def sides(extra: dict):
+    for name in list(kvgen.shipped_names()) + list(extra):
+        fmt = load(name, extra)
         for side in ("k", "v"):
-            if hasattr(module, f"{side}_decode_dot"):
-                yield name, side, module
+            if hasattr(fmt._kernels.module, f"{side}_decode_dot"):
+                yield fmt, side
 
 
 @on_gpu
-def test_native_decode_matches_portable():
-    for name, side, module in sides():
-        check_side(name, side, module)
-        if hasattr(module, f"{side}_decode_dot_bytes"):
-            check_byte_decode(name, side, module)
+def test_native_decode_matches_portable(extra_formats):
+    for fmt, side in sides(extra_formats):
+        check_side(fmt.name, side, fmt._kernels.module)
+        if hasattr(fmt._kernels.module, f"{side}_decode_dot_bytes"):
+            check_byte_decode(fmt, side)
 
 
-def check_byte_decode(name, side, module):
-    spec = kvgen.load(name).spec.side("key" if side == "k" else "value")
+def check_byte_decode(fmt, side):
+    name, module = fmt.name, fmt._kernels.module
+    spec = fmt.spec.side("key" if side == "k" else "value")
     bits = module.CODE_BITS[side]
     cols = ROWS * COLS * bits // 8 // ROWS
     data = (torch.arange(ROWS * cols, device="cuda") % 256).to(torch.uint8).reshape(ROWS, cols)
@@ -118,11 +155,15 @@ def check_side(name, side, module):
 
 
 # -- the inline PTX itself, modelled on the CPU -------------------------------------------------------------------
-# The int8 codec's PTX (codegen/templates/codecs/int.py.jinja) read from a generated module and executed by a model
-# of the four instructions it uses, as the PTX ISA defines them: checks the byte selectors and constants for all
-# 256 codes on any machine. The GPU test above checks what the compiler does with it (register packing).
+# The decoders' PTX (codegen/templates/codecs/int.py.jinja, minifloat.py.jinja) read from a generated module and
+# executed by a model of the instructions they use, as the PTX ISA defines them: checks the byte selectors, shifts,
+# masks and constants for every code on any machine. The GPU test above checks what the compiler does with it
+# (register packing, the tile's layout).
 
 def _prmt(a: int, b: int, sel: int) -> int:
+    # default mode: selector nibble i picks result byte i from a (0-3) or b (4-7); its bit 3 would replicate the
+    # picked byte's sign instead, which the decoders never want
+    assert all(not (sel >> 4 * i) & 0x8 for i in range(4)), f"prmt selector {sel:#x} replicates a sign"
     pool = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
     return sum(pool[(sel >> 4 * i) & 0x7] << 8 * i for i in range(4))  # default mode, no sign replication
 
@@ -204,16 +245,19 @@ def _e2m1(code: int) -> float:
     ("int4_per_token_head", "k", lambda c: c),  # uint4
     ("q4_0", "k", lambda c: c - 16 if c >= 8 else c),  # int4, two's complement
     ("kivi_2bit", "k", lambda c: c),  # uint2
+    ("signed_msb_first", "k", lambda c: c - 4 if c >= 2 else c),  # int2
+    ("signed_msb_first", "v", lambda c: c - 16 if c >= 8 else c),  # int4
 ])
-def test_byte_decode_ptx_model(name, side, value_of):
+def test_byte_decode_ptx_model(name, side, value_of, extra_formats):
     """All codes of every byte, four bytes per register, through the byte decoder's PTX as modelled: the codes at
     bit position j of the four bytes in registers $2j and $2j+1, each lane the code's value (oracle: ml_dtypes for
     e2m1, integer arithmetic for integers)."""
-    fmt = kvgen.load(name)
+    fmt = load(name, extra_formats)
     element = fmt.spec.side("key" if side == "k" else "value").element.value
-    bits = {"int4": 4, "uint4": 4, "uint2": 2, "fp4_e2m1": 4}[element]
+    bits = {"int4": 4, "uint4": 4, "int2": 2, "uint2": 2, "fp4_e2m1": 4}[element]
+    expected = {"q4_0": "int4", "kivi_2bit": "uint2", "signed_msb_first": {"k": "int2", "v": "int4"}[side]}
     if value_of is not _e2m1:
-        assert element == {"q4_0": "int4", "kivi_2bit": "uint2"}.get(name, "uint4"), element  # oracle fits the spec
+        assert element == expected.get(name, "uint4"), element  # the oracle fits the spec
     per = 8 // bits
     asm = int8_ptx(fmt._kernels.module, side, "decode_dot_bytes")
     for word in range(0, 256, 4):

@@ -49,7 +49,7 @@ def k_decode_dot(code, NATIVE: tl.constexpr):
 @triton.jit
 def k_decode_dot_bytes(byte):
     # compiled only (inline PTX): all 4 codes of each byte -> fp16, four bytes per register. The codes at each bit
-    # position are masked into bytes byte permutes put each under 0x64 in an fp16
+    # position are masked into bytes; byte permutes put each under 0x64 in an fp16
     # lane (1024 + u), and one packed subtract per two codes leaves the value. Returns the codes by bit position in
     # the byte (lowest first), each shaped like `byte`.
     return tl.inline_asm_elementwise(
@@ -122,7 +122,7 @@ def v_decode_dot(code, NATIVE: tl.constexpr):
 @triton.jit
 def v_decode_dot_bytes(byte):
     # compiled only (inline PTX): all 4 codes of each byte -> fp16, four bytes per register. The codes at each bit
-    # position are masked into bytes byte permutes put each under 0x64 in an fp16
+    # position are masked into bytes; byte permutes put each under 0x64 in an fp16
     # lane (1024 + u), and one packed subtract per two codes leaves the value. Returns the codes by bit position in
     # the byte (lowest first), each shaped like `byte`.
     return tl.inline_asm_elementwise(
