@@ -249,7 +249,7 @@ def run_ptx(asm: str, inputs: dict) -> dict:
     return regs
 
 
-def int8_ptx(module, side: str, helper: str = "decode_dot") -> str:
+def inline_ptx(module, side: str, helper: str = "decode_dot") -> str:
     import inspect
     import re
     src = inspect.getsource(getattr(module, f"{side}_{helper}").fn)
@@ -262,7 +262,7 @@ def test_int8_ptx_model(name):
     import numpy as np
     module = kvgen.load(name)._kernels.module
     signed = kvgen.load(name).spec.key.element.value == "int8"
-    asm = int8_ptx(module, "k")
+    asm = inline_ptx(module, "k")
     for word in range(0, 256, 4):  # four codes per register, every code once, in each byte position over the loop
         codes = [(word + i * 67) % 256 for i in range(4)]
         reg = sum(c << 8 * i for i, c in enumerate(codes))
@@ -297,7 +297,7 @@ def test_byte_decode_ptx_model(name, side, value_of, extra_formats):
     if value_of is not _e2m1:
         assert element == expected.get(name, "uint4"), element  # the oracle fits the spec
     per = 8 // bits
-    asm = int8_ptx(fmt._kernels.module, side, "decode_dot_bytes")
+    asm = inline_ptx(fmt._kernels.module, side, "decode_dot_bytes")
     for word in range(0, 256, 4):
         data = [(word + i * 67) % 256 for i in range(4)]
         out = run_ptx(asm, {f"${2 * per}": sum(b << 8 * i for i, b in enumerate(data))})
@@ -315,7 +315,7 @@ def test_pair_decode_ptx_model(name):
     import numpy as np
     fmt = kvgen.load(name)
     element = fmt.spec.value.element.value
-    asm = int8_ptx(fmt._kernels.module, "v", "decode_dot_pairs")
+    asm = inline_ptx(fmt._kernels.module, "v", "decode_dot_pairs")
 
     def value(code):
         if element.startswith("fp8"):
