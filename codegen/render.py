@@ -86,13 +86,11 @@ def _float_literal(x: float) -> str:
     return repr(float(x))
 
 
-def render_codec(codec: Codec, prefix: str, dot: bool = False, qdot: str = "", pairs: bool = False) -> str:
+def render_codec(codec: Codec, prefix: str, dot: bool = False, qdot: str = "") -> str:
     """``dot``: also render ``{prefix}decode_dot`` (code -> the attention dot operand: fp16 or bf16, exactly);
-    ``qdot``: also ``{prefix}as_qdot`` (code -> itself as that tensor-core type: the quantized compute domain);
-    ``pairs``: also ``{prefix}decode_dot_pairs`` where the codec has it (8-bit value codes two at a time)."""
+    ``qdot``: also ``{prefix}as_qdot`` (code -> itself as that tensor-core type: the quantized compute domain)."""
     template = _ENV.get_template(f"codecs/{codec.template}")
-    source = template.render(prefix=prefix, element=codec.name, bits=codec.bits, dot=dot, pairs=pairs,
-                             **codec.params).strip()
+    source = template.render(prefix=prefix, element=codec.name, bits=codec.bits, dot=dot, **codec.params).strip()
     if qdot:
         source += "\n\n\n" + _ENV.get_template("codecs/as_qdot.py.jinja").render(prefix=prefix, qdot=qdot).strip()
     return source
@@ -197,7 +195,7 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
         zp = "float"
     dot = dot_operand(side, scale, zp, bool(dynamic and sc.block), name)
     qdot = quantized_dot(codec, dot[2], asym)
-    sources = [render_codec(codec, f"{p}_", dot=bool(dot[0]), qdot=qdot, pairs=name == "value")]
+    sources = [render_codec(codec, f"{p}_", dot=bool(dot[0]), qdot=qdot)]
     if scodec is not None:
         sources.append(render_codec(scodec, f"{p}_scale_"))
     if float_zp:
