@@ -48,15 +48,6 @@ class Codec:
         return self.template == "minifloat.py.jinja" and self.bits == 4 and self.params.get("special") == "none"
 
     @property
-    def pair_decode(self) -> bool:
-        """Whether the codec renders ``{prefix}decode_dot_pairs(pair)``: compiled code's decode of 8-bit codes two per
-        16-bit element into the first and the second codes (inline PTX; 8-bit integers and fp8 with a hardware
-        conversion)."""
-        if self.bits != 8:
-            return False
-        return self.template == "int.py.jinja" or bool(self.params.get("native"))
-
-    @property
     def unit(self) -> str:
         return {32: "tl.uint32", 16: "tl.uint16"}.get(self.bits, "tl.uint8")
 

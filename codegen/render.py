@@ -69,7 +69,6 @@ class SideContext:
     op_terms: int  # how many values of that type sum to one operand element (hi + lo)
     ratio_in_tile: bool  # block ratios multiply the codes in the tile's (fp16) type: every ratio is an fp16 value
     byte_decode: bool  # compiled attention decodes all codes of a byte at once ({p}_decode_dot_bytes)
-    pair_decode: bool  # compiled attention loads 8-bit value codes two at a time ({p}_decode_dot_pairs)
     tok: str  # how the scale leaves the dot: none / const (one scalar) / token (one per row) / block / channel
     qdot: str  # quantized compute domain: "int8" dots on the codes themselves ("" = not offered)
     qdot_max: str  # fp32 literal: the largest code value of that type (127), what a row's largest maps to
@@ -228,7 +227,6 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
         **dict(zip(("dot", "op_terms", "tok"), dot)),
         ratio_in_tile=bool(dot[0]) and dot[1] == 1 and dot[2] == "block" and sc.dtype.value in RATIOS_IN_FP16,
         byte_decode=bool(dot[0]) and codec.byte_decode,
-        pair_decode=bool(dot[0]) and codec.pair_decode and name == "value",
         qdot=qdot, qdot_max={"int8": "127.0"}.get(qdot, "0.0"),
         scale_summary=(f"{sc.dtype.value} per " + (f"{sc.block} elements" if sc.block else (
             f"channel over {sc.group_tokens} tokens" if sc.group_tokens else "token and head"))

@@ -119,34 +119,6 @@ def test_native_decode_matches_portable(extra_formats):
         check_side(fmt.name, side, fmt._kernels.module)
         if hasattr(fmt._kernels.module, f"{side}_decode_dot_bytes"):
             check_byte_decode(fmt, side)
-        if hasattr(fmt._kernels.module, f"{side}_decode_dot_pairs"):
-            check_pair_decode(fmt, side)
-
-
-@triton.jit
-def _decode_pairs_both(pairs_ptr, native_ptr, portable_ptr, decode_pairs: tl.constexpr, decode: tl.constexpr,
-                       ROWS: tl.constexpr, COLS: tl.constexpr):
-    # native: two codes per 16-bit element; portable: each byte decoded alone. Output [ROWS, 2 * COLS], element order
-    i = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
-    pair = tl.load(pairs_ptr + i)
-    first, second = decode_pairs(pair)
-    o = tl.arange(0, ROWS)[:, None] * (2 * COLS) + tl.arange(0, 2 * COLS)[None, :]
-    tl.store(native_ptr + o, tl.reshape(tl.join(first, second), [ROWS, 2 * COLS]).to(tl.float32))
-    codes = tl.reshape(tl.join((pair & 255).to(tl.uint8), (pair >> 8).to(tl.uint8)), [ROWS, 2 * COLS])
-    tl.store(portable_ptr + o, decode(codes, False).to(tl.float32))
-
-
-def check_pair_decode(fmt, side):
-    module = fmt._kernels.module
-    data = (torch.arange(ROWS * COLS, device="cuda") % 256).to(torch.uint8).reshape(ROWS, COLS)
-    data = data[:, torch.randperm(COLS, device="cuda")].contiguous().view(torch.int16)  # [ROWS, COLS // 2]
-    native = torch.empty(ROWS, COLS, dtype=torch.float32, device="cuda")
-    portable = torch.empty_like(native)
-    _decode_pairs_both[(1,)](data, native, portable, getattr(module, f"{side}_decode_dot_pairs"),
-                             getattr(module, f"{side}_decode_dot"), ROWS, COLS // 2)
-    same = (native == portable) | (native.isnan() & portable.isnan())
-    assert bool(same.all()), (f"{fmt.name} {side}: pair decode differs: {native[~same][:8].tolist()} vs "
-                              f"{portable[~same][:8].tolist()}")
 
 
 def check_byte_decode(fmt, side):
@@ -207,23 +179,13 @@ def run_ptx(asm: str, inputs: dict) -> dict:
     import numpy as np
     regs = dict(inputs)
     val = lambda t: regs[t] if t in regs else int(t, 0)  # noqa: E731
-    for ins in asm.strip().removeprefix("{").removesuffix("}").split(";"):
+    for ins in asm.strip("{} ").split(";"):
         ins = ins.strip()
         if not ins or ins.startswith(".reg"):
             continue
         op, args = ins.split(None, 1)
-        if op == "mov.b32" and args.lstrip().startswith("{"):  # split a register into its two 16-bit halves
-            halves, src = args.split("}")
-            lo, hi = (x.strip() for x in halves.strip(" {").split(","))
-            regs[lo], regs[hi] = val(src.strip(" ,")) & 0xFFFF, val(src.strip(" ,")) >> 16
-            continue
         a = [x.strip() for x in args.split(",")]
-        if op in ("cvt.rn.f16x2.e4m3x2", "cvt.rn.f16x2.e5m2x2"):  # two fp8 (low byte first) -> f16x2 (low half first)
-            import ml_dtypes
-            t = ml_dtypes.float8_e4m3fn if "e4m3" in op else ml_dtypes.float8_e5m2
-            x = np.array([val(a[1]) & 0xFF, val(a[1]) >> 8], dtype=np.uint8).view(t).astype(np.float16).view(np.uint16)
-            regs[a[0]] = int(x[0]) | int(x[1]) << 16
-        elif op == "mov.b32":
+        if op == "mov.b32":
             regs[a[0]] = val(a[1])
         elif op == "and.b32":
             regs[a[0]] = val(a[1]) & val(a[2])
@@ -305,29 +267,3 @@ def test_byte_decode_ptx_model(name, side, value_of, extra_formats):
             got = list(_f16x2(out[f"${2 * j}"])) + list(_f16x2(out[f"${2 * j + 1}"]))
             want = [value_of((b >> bits * j) & ((1 << bits) - 1)) for b in data]
             assert [float(x) for x in got] == want, (name, data, j, got)
-
-
-@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "int8_asym_per_token_head"])
-def test_pair_decode_ptx_model(name):
-    """The value side's pair decoder: two 16-bit elements per register, each holding two codes (first in the low
-    byte); $0 gets the first codes of both elements, $1 the second codes (oracle: ml_dtypes, integer arithmetic)."""
-    import ml_dtypes
-    import numpy as np
-    fmt = kvgen.load(name)
-    element = fmt.spec.value.element.value
-    asm = inline_ptx(fmt._kernels.module, "v", "decode_dot_pairs")
-
-    def value(code):
-        if element.startswith("fp8"):
-            t = ml_dtypes.float8_e4m3fn if element == "fp8_e4m3" else ml_dtypes.float8_e5m2
-            return float(np.array([code], dtype=np.uint8).view(t)[0])
-        return float(code - 256 if element == "int8" and code >= 128 else code)
-
-    for word in range(0, 256, 4):
-        data = [(word + i * 67) % 256 for i in range(4)]  # bytes 0-1: element 0, bytes 2-3: element 1
-        out = run_ptx(asm, {"$2": sum(b << 8 * i for i, b in enumerate(data))})
-        first, second = list(_f16x2(out["$0"])), list(_f16x2(out["$1"]))
-        for got, want in ((first, [data[0], data[2]]), (second, [data[1], data[3]])):
-            for g, c in zip(got, want):
-                v = value(c)
-                assert (np.isnan(g) and np.isnan(v)) or float(g) == v, (name, data, got)

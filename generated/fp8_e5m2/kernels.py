@@ -70,17 +70,6 @@ def k_decode_dot(code, NATIVE: tl.constexpr):
 
 
 @triton.jit
-def k_decode_dot_pairs(pair):
-    # compiled only (inline PTX): two codes per 16-bit element -> fp16, two elements per register. A byte permute
-    # gathers the first codes of both elements and the second codes into 16 bits each, and the hardware converts
-    # each pair (exact, NaN included). Returns (first codes, second codes), each shaped like `pair`.
-    return tl.inline_asm_elementwise(
-        "{ .reg .b32 t, z; .reg .b16 a, b; mov.b32 z, 0; prmt.b32 t, $2, z, 0x3120; mov.b32 {a, b}, t; "
-        "cvt.rn.f16x2.e5m2x2 $0, a; cvt.rn.f16x2.e5m2x2 $1, b; }",
-        "=r,=r,r", [pair], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
-
-
-@triton.jit
 def v_encode(v):
     # fp32 -> fp8_e5m2 code by bit manipulation (the interpreter's low-precision casts are wrong):
     # saturate |v| to 57344.0, find its binade e (clamped to the subnormal binade -14),
@@ -123,17 +112,6 @@ def v_decode_dot(code, NATIVE: tl.constexpr):
     bits = ((c & 127) << 8) | ((c & 128) << 8)
     x = bits.to(tl.float16, bitcast=True)  # same exponent bias as fp16: infinities and NaN carry over too
     return x
-
-
-@triton.jit
-def v_decode_dot_pairs(pair):
-    # compiled only (inline PTX): two codes per 16-bit element -> fp16, two elements per register. A byte permute
-    # gathers the first codes of both elements and the second codes into 16 bits each, and the hardware converts
-    # each pair (exact, NaN included). Returns (first codes, second codes), each shaped like `pair`.
-    return tl.inline_asm_elementwise(
-        "{ .reg .b32 t, z; .reg .b16 a, b; mov.b32 z, 0; prmt.b32 t, $2, z, 0x3120; mov.b32 {a, b}, t; "
-        "cvt.rn.f16x2.e5m2x2 $0, a; cvt.rn.f16x2.e5m2x2 $1, b; }",
-        "=r,=r,r", [pair], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -328,21 +306,11 @@ def paged_attention_kernel(
             p = tl.exp2(scores - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
-            # compiled, fp16 / bf16 dots, codes at even bytes: two codes per 16-bit load, decoded apart (inline PTX) and
-            # interleaved back. As the B operand of p @ v a thread needs consecutive positions, rows apart in the cache:
-            # 8-bit codes would be read from shared memory one byte per load; the decoded fp16 tile instead goes through
-            # shared memory and back transposed (ldmatrix)
-            if ((DOT_V == 1) | (DOT_V == 2)) & NATIVE_CASTS & (HEAD_SIZE % 2 == 0) & (V_DATA_BASE % 2 == 0) & (V_DATA_CELL % 2 == 0) & (V_DATA_PAGE % 2 == 0):
-                v_d2 = tl.arange(0, HEAD_PAD // 2)
-                v_pair = tl.load(v_row.to(tl.pointer_type(tl.uint16))[:, None] + v_d2[None, :], mask=(v_d2 < HEAD_SIZE // 2)[None, :], other=0)
-                v_even, v_odd = v_decode_dot_pairs(v_pair)
-                v_tile = tl.reshape(tl.join(v_even, v_odd), [BLOCK_N, HEAD_PAD])
+            v_code = tl.load(v_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
+            if DOT_V != 0:  # tensor-core dots: the code's value in their type
+                v_tile = v_decode_dot(v_code, NATIVE_CASTS)
             else:
-                v_code = tl.load(v_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
-                if DOT_V != 0:  # tensor-core dots: the code's value in their type
-                    v_tile = v_decode_dot(v_code, NATIVE_CASTS)
-                else:
-                    v_tile = v_decode(v_code)
+                v_tile = v_decode(v_code)
             v_op = v_tile
             pv = mma(p, v_op, DOT_V, P_TERMS, V_TERMS)
             acc = acc * alpha[:, None] + pv
@@ -371,21 +339,11 @@ def paged_attention_kernel(
             p = tl.exp2(scores - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
-            # compiled, fp16 / bf16 dots, codes at even bytes: two codes per 16-bit load, decoded apart (inline PTX) and
-            # interleaved back. As the B operand of p @ v a thread needs consecutive positions, rows apart in the cache:
-            # 8-bit codes would be read from shared memory one byte per load; the decoded fp16 tile instead goes through
-            # shared memory and back transposed (ldmatrix)
-            if ((DOT_V == 1) | (DOT_V == 2)) & NATIVE_CASTS & (HEAD_SIZE % 2 == 0) & (V_DATA_BASE % 2 == 0) & (V_DATA_CELL % 2 == 0) & (V_DATA_PAGE % 2 == 0):
-                v_d2 = tl.arange(0, HEAD_PAD // 2)
-                v_pair = tl.load(v_row.to(tl.pointer_type(tl.uint16))[:, None] + v_d2[None, :], mask=n_mask[:, None] & (v_d2 < HEAD_SIZE // 2)[None, :], other=0)
-                v_even, v_odd = v_decode_dot_pairs(v_pair)
-                v_tile = tl.reshape(tl.join(v_even, v_odd), [BLOCK_N, HEAD_PAD])
+            v_code = tl.load(v_row[:, None] + d[None, :], mask=n_mask[:, None] & dmask[None, :], other=0)
+            if DOT_V != 0:  # tensor-core dots: the code's value in their type
+                v_tile = v_decode_dot(v_code, NATIVE_CASTS)
             else:
-                v_code = tl.load(v_row[:, None] + d[None, :], mask=n_mask[:, None] & dmask[None, :], other=0)
-                if DOT_V != 0:  # tensor-core dots: the code's value in their type
-                    v_tile = v_decode_dot(v_code, NATIVE_CASTS)
-                else:
-                    v_tile = v_decode(v_code)
+                v_tile = v_decode(v_code)
             v_op = v_tile
             pv = mma(p, v_op, DOT_V, P_TERMS, V_TERMS)
             acc = acc * alpha[:, None] + pv

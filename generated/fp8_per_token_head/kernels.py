@@ -72,17 +72,6 @@ def k_decode_dot(code, NATIVE: tl.constexpr):
 
 
 @triton.jit
-def k_decode_dot_pairs(pair):
-    # compiled only (inline PTX): two codes per 16-bit element -> fp16, two elements per register. A byte permute
-    # gathers the first codes of both elements and the second codes into 16 bits each, and the hardware converts
-    # each pair (exact, NaN included). Returns (first codes, second codes), each shaped like `pair`.
-    return tl.inline_asm_elementwise(
-        "{ .reg .b32 t, z; .reg .b16 a, b; mov.b32 z, 0; prmt.b32 t, $2, z, 0x3120; mov.b32 {a, b}, t; "
-        "cvt.rn.f16x2.e4m3x2 $0, a; cvt.rn.f16x2.e4m3x2 $1, b; }",
-        "=r,=r,r", [pair], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
-
-
-@triton.jit
 def k_scale_encode(v):
     return v.to(tl.uint32, bitcast=True)
 
@@ -136,17 +125,6 @@ def v_decode_dot(code, NATIVE: tl.constexpr):
     x = bits.to(tl.float16, bitcast=True) * 256.0
     x = tl.where((c & 127) == 127, float("nan"), x)  # the NaN code
     return x
-
-
-@triton.jit
-def v_decode_dot_pairs(pair):
-    # compiled only (inline PTX): two codes per 16-bit element -> fp16, two elements per register. A byte permute
-    # gathers the first codes of both elements and the second codes into 16 bits each, and the hardware converts
-    # each pair (exact, NaN included). Returns (first codes, second codes), each shaped like `pair`.
-    return tl.inline_asm_elementwise(
-        "{ .reg .b32 t, z; .reg .b16 a, b; mov.b32 z, 0; prmt.b32 t, $2, z, 0x3120; mov.b32 {a, b}, t; "
-        "cvt.rn.f16x2.e4m3x2 $0, a; cvt.rn.f16x2.e4m3x2 $1, b; }",
-        "=r,=r,r", [pair], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
 
 
 @triton.jit
@@ -378,21 +356,11 @@ def paged_attention_kernel(
             p = tl.exp2(scores - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
-            # compiled, fp16 / bf16 dots, codes at even bytes: two codes per 16-bit load, decoded apart (inline PTX) and
-            # interleaved back. As the B operand of p @ v a thread needs consecutive positions, rows apart in the cache:
-            # 8-bit codes would be read from shared memory one byte per load; the decoded fp16 tile instead goes through
-            # shared memory and back transposed (ldmatrix)
-            if ((DOT_V == 1) | (DOT_V == 2)) & NATIVE_CASTS & (HEAD_SIZE % 2 == 0) & (V_DATA_BASE % 2 == 0) & (V_DATA_CELL % 2 == 0) & (V_DATA_PAGE % 2 == 0):
-                v_d2 = tl.arange(0, HEAD_PAD // 2)
-                v_pair = tl.load(v_row.to(tl.pointer_type(tl.uint16))[:, None] + v_d2[None, :], mask=(v_d2 < HEAD_SIZE // 2)[None, :], other=0)
-                v_even, v_odd = v_decode_dot_pairs(v_pair)
-                v_tile = tl.reshape(tl.join(v_even, v_odd), [BLOCK_N, HEAD_PAD])
+            v_code = tl.load(v_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
+            if DOT_V != 0:  # tensor-core dots: the code's value in their type
+                v_tile = v_decode_dot(v_code, NATIVE_CASTS)
             else:
-                v_code = tl.load(v_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
-                if DOT_V != 0:  # tensor-core dots: the code's value in their type
-                    v_tile = v_decode_dot(v_code, NATIVE_CASTS)
-                else:
-                    v_tile = v_decode(v_code)
+                v_tile = v_decode(v_code)
             v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
             # one scale per row: it multiplies the row after the dot
             v_scode = tl.load(v_srow.to(tl.pointer_type(tl.uint32)))
@@ -435,21 +403,11 @@ def paged_attention_kernel(
             p = tl.exp2(scores - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
-            # compiled, fp16 / bf16 dots, codes at even bytes: two codes per 16-bit load, decoded apart (inline PTX) and
-            # interleaved back. As the B operand of p @ v a thread needs consecutive positions, rows apart in the cache:
-            # 8-bit codes would be read from shared memory one byte per load; the decoded fp16 tile instead goes through
-            # shared memory and back transposed (ldmatrix)
-            if ((DOT_V == 1) | (DOT_V == 2)) & NATIVE_CASTS & (HEAD_SIZE % 2 == 0) & (V_DATA_BASE % 2 == 0) & (V_DATA_CELL % 2 == 0) & (V_DATA_PAGE % 2 == 0):
-                v_d2 = tl.arange(0, HEAD_PAD // 2)
-                v_pair = tl.load(v_row.to(tl.pointer_type(tl.uint16))[:, None] + v_d2[None, :], mask=n_mask[:, None] & (v_d2 < HEAD_SIZE // 2)[None, :], other=0)
-                v_even, v_odd = v_decode_dot_pairs(v_pair)
-                v_tile = tl.reshape(tl.join(v_even, v_odd), [BLOCK_N, HEAD_PAD])
+            v_code = tl.load(v_row[:, None] + d[None, :], mask=n_mask[:, None] & dmask[None, :], other=0)
+            if DOT_V != 0:  # tensor-core dots: the code's value in their type
+                v_tile = v_decode_dot(v_code, NATIVE_CASTS)
             else:
-                v_code = tl.load(v_row[:, None] + d[None, :], mask=n_mask[:, None] & dmask[None, :], other=0)
-                if DOT_V != 0:  # tensor-core dots: the code's value in their type
-                    v_tile = v_decode_dot(v_code, NATIVE_CASTS)
-                else:
-                    v_tile = v_decode(v_code)
+                v_tile = v_decode(v_code)
             v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
             # one scale per row: it multiplies the row after the dot
             v_scode = tl.load(v_srow.to(tl.pointer_type(tl.uint32)), mask=n_mask, other=0)

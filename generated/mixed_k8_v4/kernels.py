@@ -58,20 +58,6 @@ def k_decode_dot(code, NATIVE: tl.constexpr):
 
 
 @triton.jit
-def k_decode_dot_pairs(pair):
-    # compiled only (inline PTX): two codes per 16-bit element -> fp16, two elements per register: byte permutes
-    # put the first codes of both elements, and the second codes, under 0x64 in fp16 lanes (1024 + u, u = c xor 128), one
-    # packed subtract each. Returns (first codes, second codes), each shaped like `pair`.
-    return tl.inline_asm_elementwise(
-        "{ .reg .b32 t, m, b; "
-        "xor.b32 t, $2, 0x80808080; "
-        "mov.b32 m, 0x64646464; prmt.b32 $0, t, m, 0x4240; prmt.b32 $1, t, m, 0x4341; "
-        "mov.b32 b, 0x64806480; "  # 1152 in both lanes
-        "sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; }",
-        "=r,=r,r", [pair], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
-
-
-@triton.jit
 def k_as_qdot(code):
     # the stored code as int8, bit for bit: an operand of the quantized compute domain's tensor-core dots
     return code.to(tl.uint8).to(tl.int8, bitcast=True)
