@@ -7,7 +7,8 @@
 
 For a tiny decode step (4 sequences of 64 tokens, 32 query heads, 8 KV heads, head size 128; the GPU work is a few
 microseconds) it prints, per format: the host time of one ``Format.attend`` and one ``Format.write`` call
-(back-to-back calls without synchronising, averaged), the same step replayed from a CUDA graph (the GPU's time
+(back-to-back calls without synchronising, averaged), through kvgen's direct launch of the compiled kernels and
+through Triton's own launch, the same step replayed from a CUDA graph (the GPU's time
 alone), and the host time of a bare Triton launch of a kernel with one argument (the floor of any Triton launch on
 this machine). ``--python-only`` times kvgen's own Python around the launches (argument checks, layout, tile and
 split choice) with the kernel launches stubbed out, on CPU tensors, as a GPU run would take it.
@@ -27,7 +28,9 @@ import triton
 import triton.language as tl
 
 import kvgen
+from kvgen.runtime import launch
 
+FAST = launch.FAST_LAUNCH
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
 
@@ -127,8 +130,11 @@ def main() -> int:
     print(f"bare Triton launch (one argument): {host_us(lambda: _empty_kernel[(1,)](x), args.calls):.1f} us")
     print(f"torch.empty_like (a [4, 32, 128] bf16 tensor): "
           f"{host_us(lambda: torch.empty((4, 32, 128), dtype=torch.bfloat16, device='cuda'), args.calls):.1f} us")
-    print("| format | attend, host us per call | attend, CUDA graph replay us | write 4 tokens, host us per call |")
-    print("|---|---|---|---|")
+    print("Host us per call; \"direct\": kvgen's launch of the compiled binary (runtime/launch.py), \"Triton\": "
+          "Triton's own launch (KVGEN_FAST_LAUNCH=0)\n")
+    print("| format | attend, direct | attend, Triton | attend, CUDA graph replay | write 4 tokens, direct | "
+          "write 4 tokens, Triton |")
+    print("|---|---|---|---|---|---|")
     for name in args.formats:
         fmt = kvgen.load(name)
         block = fmt.layout.RESIDUAL["group"] if fmt.spec.streaming else 16
@@ -136,8 +142,13 @@ def main() -> int:
         attend, _ = bench.decode_case(fmt, 4, 64, block)
         write, _ = bench.write_case(fmt, 4, block)
         graph = bench.graphed(attend)
-        print(f"| {name} | {host_us(attend, args.calls):.1f} | {host_us(graph, args.calls):.1f} | "
-              f"{host_us(write, args.calls):.1f} |", flush=True)
+        times = {}
+        for fast in (True, False):
+            launch.FAST_LAUNCH = fast
+            times[fast] = host_us(attend, args.calls), host_us(write, args.calls)
+        launch.FAST_LAUNCH = FAST
+        print(f"| {name} | {times[True][0]:.1f} | {times[False][0]:.1f} | {host_us(graph, args.calls):.1f} | "
+              f"{times[True][1]:.1f} | {times[False][1]:.1f} |", flush=True)
     return 0
 
 

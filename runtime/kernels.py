@@ -13,6 +13,7 @@ try:
     from ..codegen.errors import KvgenError
 except ImportError:
     from codegen.errors import KvgenError
+from .launch import FastLaunch
 
 LOG2E = 1.4426950408889634
 
@@ -117,6 +118,7 @@ class KernelSet:
         self.block_scaled = block_scaled  # a side's scale covers blocks of elements: enters the tile choice
         self._module = None
         self._dot_modes: dict = {}  # (query dtype, precision, rotated keys, head pad, device) -> constexprs
+        self._launchers: dict = {}  # kernel name -> FastLaunch
 
     @property
     def module(self) -> types.ModuleType:
@@ -137,6 +139,14 @@ class KernelSet:
             self._module = mod
         return self._module
 
+    def launch(self, kernel: str) -> FastLaunch:
+        """``launch(name)(grid, *args, **kwargs)``: the module's kernel ``name`` launched like ``kernel[grid](...)``,
+        with less host work per call (runtime/launch.py)."""
+        launcher = self._launchers.get(kernel)
+        if launcher is None:
+            launcher = self._launchers[kernel] = FastLaunch(getattr(self.module, kernel))
+        return launcher
+
     def _check_device(self, t: torch.Tensor) -> None:
         _choose_mode()
         if interpreting():
@@ -154,8 +164,8 @@ class KernelSet:
         block_t = 64 if interpreting() else 16
         block_t = min(block_t, _next_pow2(num_tokens))
         grid = (triton_cdiv(num_tokens, block_t), consts["NUM_KV_HEADS"])
-        self.module.reshape_and_cache_kernel[grid](
-            key, value, slot_mapping_ptr=slot_mapping, num_tokens=num_tokens,
+        self.launch("reshape_and_cache_kernel")(
+            grid, key, value, slot_mapping_ptr=slot_mapping, num_tokens=num_tokens,
             stride_kt=key.stride(0), stride_kh=key.stride(1), stride_vt=value.stride(0), stride_vh=value.stride(1),
             BLOCK_T=block_t, **tensors, **consts,
             # stored bytes must not depend on the compiler contracting x * inv + c into one rounding
@@ -173,15 +183,17 @@ class KernelSet:
         strides = dict(stride_kt=key.stride(0), stride_kh=key.stride(1), stride_vt=value.stride(0),
                        stride_vh=value.stride(1))
         fusion = {} if interpreting() else {"enable_fp_fusion": False}
-        self.module.kivi_flush_kernel[(num_seqs, max_groups, consts["NUM_KV_HEADS"])](
-            key, value, **tensors, seq_ids_ptr=seq_ids, query_start_loc_ptr=query_start_loc, seq_lens_ptr=seq_lens,
+        self.launch("kivi_flush_kernel")(
+            (num_seqs, max_groups, consts["NUM_KV_HEADS"]), key, value, **tensors, seq_ids_ptr=seq_ids,
+            query_start_loc_ptr=query_start_loc, seq_lens_ptr=seq_lens,
             block_table_ptr=block_table, stride_bt=block_table.stride(0), **strides, **consts,
             BLOCK_T=group, RESIDUAL=residual["tokens"], RING=ring, **fusion,
         )
         block_t = min(64 if interpreting() else 16, _next_pow2(max_query_len))
         num_q_tiles = triton_cdiv(max_query_len, block_t)
-        self.module.kivi_residual_kernel[(num_seqs * num_q_tiles, consts["NUM_KV_HEADS"])](
-            key, value, tensors["k_res_ptr"], tensors["v_res_ptr"], seq_ids, query_start_loc, seq_lens,
+        self.launch("kivi_residual_kernel")(
+            (num_seqs * num_q_tiles, consts["NUM_KV_HEADS"]), key, value, tensors["k_res_ptr"], tensors["v_res_ptr"],
+            seq_ids, query_start_loc, seq_lens,
             **strides, num_q_tiles=num_q_tiles, NUM_KV_HEADS=consts["NUM_KV_HEADS"], HEAD_SIZE=consts["HEAD_SIZE"],
             HEAD_PAD=consts["HEAD_PAD"], TOKEN_GROUP=group, RESIDUAL=residual["tokens"], RING=ring, BLOCK_T=block_t,
         )
@@ -223,8 +235,9 @@ class KernelSet:
             ml = torch.empty((num_tokens, num_q_heads, num_splits, 2), dtype=torch.float32, device=query.device)
         else:
             part = ml = out  # not read
-        self.module.paged_attention_kernel[(num_seqs * num_q_tiles, consts["NUM_KV_HEADS"], num_splits)](
-            query, out, part, ml, block_table_ptr=block_table, seq_lens_ptr=seq_lens,
+        self.launch("paged_attention_kernel")(
+            (num_seqs * num_q_tiles, consts["NUM_KV_HEADS"], num_splits), query, out, part, ml,
+            block_table_ptr=block_table, seq_lens_ptr=seq_lens,
             query_start_loc_ptr=query_start_loc, qk_scale=qk_scale * LOG2E, window=window, num_q_tiles=num_q_tiles,
             chunk=chunk, stride_qt=query.stride(0), stride_qh=query.stride(1), stride_ot=out.stride(0),
             stride_oh=out.stride(1), stride_bt=block_table.stride(0), GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q,
@@ -232,8 +245,9 @@ class KernelSet:
             **tiles,
         )
         if num_splits > 1:
-            self.module.reduce_splits_kernel[(num_tokens, num_q_heads)](
-                part, ml, out, out.stride(0), out.stride(1), num_q_heads, NUM_SPLITS=num_splits,
+            self.launch("reduce_splits_kernel")(
+                (num_tokens, num_q_heads), part, ml, out, out.stride(0), out.stride(1), num_q_heads,
+                NUM_SPLITS=num_splits,
                 SPLITS_PAD=_next_pow2(num_splits), HEAD_SIZE=consts["HEAD_SIZE"], HEAD_PAD=consts["HEAD_PAD"],
             )
 

@@ -1,0 +1,201 @@
+"""runtime/launch.py: the direct launch of compiled kernels reuses a binary only where Triton would have chosen the
+same one.
+
+On the CPU a real ``JITFunction`` (Triton's class, built directly: the interpreter would otherwise wrap the kernel)
+stands in with its compile step recorded instead of run, so the tests see which calls go through Triton and what the
+direct launch passes to the binary. On a GPU (``TRITON_INTERPRET=0``) attention through the direct launch equals
+attention through Triton's own launch, bit for bit, also for a misaligned query after an aligned one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import triton.language as tl
+from triton.backends.compiler import BaseBackend
+from triton.knobs import HookChain
+from triton.runtime.jit import JITFunction
+
+import kvgen
+from kvgen.runtime import launch
+
+on_gpu = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "0" or not torch.cuda.is_available(),
+                            reason="compiled kernels: run with TRITON_INTERPRET=0 on a GPU")
+
+
+def kernel_source(x_ptr, y_ptr, n, stride, FLAG: tl.constexpr, m=7, BLOCK: tl.constexpr = 64):
+    pass
+
+
+def kernel_no_spec(x_ptr, n):
+    pass
+
+
+class FakeBinary:
+    """What Triton's compile would return: a launcher that records its arguments."""
+
+    function = "function handle"
+    packed_metadata = "packed metadata"
+
+    def __init__(self):
+        self.launches = []
+
+    def run(self, *args):
+        self.launches.append(args)
+
+
+class RecordingJIT(JITFunction):
+    """Triton's JITFunction with its launch path recorded: each call through Triton returns a new binary."""
+
+    def __init__(self, fn, **kwargs):
+        super().__init__(fn, **kwargs)
+        self.triton_calls = []
+
+    def create_binder(self):
+        return {}, {}, None, BaseBackend, None
+
+    def run(self, *args, grid, warmup, **kwargs):
+        binary = FakeBinary()
+        self.triton_calls.append((grid, args, kwargs, binary))
+        return binary
+
+
+class Runtime:
+    def __init__(self):
+        self.launch_enter_hook = HookChain()
+        self.launch_exit_hook = HookChain(reversed=True)
+
+
+@pytest.fixture
+def fake_driver(monkeypatch):
+    from triton._C.libtriton import native_specialize_impl
+
+    runtime = Runtime()
+    monkeypatch.setattr(launch, "_DRIVER", [lambda: 0, lambda device: 1234, runtime, native_specialize_impl])
+    monkeypatch.setattr(launch, "FAST_LAUNCH", True)
+    return runtime
+
+
+def tensor(offset_bytes=0, dtype=torch.float16):
+    base = torch.zeros(64, dtype=torch.uint8)
+    return base[offset_bytes:offset_bytes + 32].view(dtype)
+
+
+def test_second_call_launches_the_binary_directly(fake_driver):
+    fn = RecordingJIT(kernel_source)
+    fast = launch.FastLaunch(fn)
+    x, y = tensor(), tensor()
+    first = fast((4, 2), x, y, 32, stride=48, FLAG=True, num_warps=4)
+    assert len(fn.triton_calls) == 1 and first is fn.triton_calls[0][3]
+    again = fast((4, 2), x, y, 64, stride=96, FLAG=True, num_warps=4)  # same classes: divisible by 16, not 1
+    assert len(fn.triton_calls) == 1 and again is first
+    # grid padded to three, the current stream, no hooks; then every parameter in signature order, defaults filled
+    assert first.launches == [(4, 2, 1, 1234, "function handle", "packed metadata", None, None, None,
+                               x, y, 64, 96, True, 7, 64)]
+
+
+@pytest.mark.parametrize("change", [
+    dict(n=33),  # no longer divisible by 16
+    dict(n=1),  # Triton makes a 1 a constant
+    dict(n=2**31),  # 64-bit integer
+    dict(x=tensor(2)),  # pointer not 16-byte aligned
+    dict(x=tensor(dtype=torch.float32)),  # another element type
+    dict(FLAG=False),  # a constexpr
+    dict(m=8),  # a default overridden, not divisible by 16 either way: same specialisation...
+    dict(BLOCK=128),  # a constexpr default overridden
+    dict(num_warps=8),  # a compile option
+    dict(num_stages=3),  # an option not given before
+])
+def test_a_new_specialisation_goes_through_triton(fake_driver, change):
+    fn = RecordingJIT(kernel_source)
+    fast = launch.FastLaunch(fn)
+    args = dict(x_ptr=tensor(), y_ptr=tensor(), n=32, stride=48, FLAG=True, num_warps=4)
+    fast((1,), **args)
+    renamed = {"x": "x_ptr"}
+    changed = dict(args, **{renamed.get(k, k): v for k, v in change.items()})
+    fast((1,), **changed)
+    if change == dict(m=8):  # 7 and 8 specialise alike (neither is 1 nor divisible by 16): the binary is reused
+        assert len(fn.triton_calls) == 1 and fn.triton_calls[0][3].launches
+    else:
+        assert len(fn.triton_calls) == 2 and not fn.triton_calls[0][3].launches
+    fast((1,), **args)  # the first specialisation again: its binary, directly
+    assert len(fn.triton_calls) <= 2 and fn.triton_calls[0][3].launches
+
+
+def test_do_not_specialize_is_respected(fake_driver):
+    fn = RecordingJIT(kernel_no_spec, do_not_specialize=["n"])
+    fast = launch.FastLaunch(fn)
+    fast((1,), tensor(), 16)
+    fast((1,), tensor(), 17)  # Triton would not tell these apart: one binary
+    assert len(fn.triton_calls) == 1 and len(fn.triton_calls[0][3].launches) == 1
+
+
+def test_hooks_unhashable_constexprs_and_missing_arguments_take_triton_s_path(fake_driver):
+    fn = RecordingJIT(kernel_source)
+    fast = launch.FastLaunch(fn)
+    args = dict(x_ptr=tensor(), y_ptr=tensor(), n=32, stride=48, FLAG=True)
+    fast((1,), **args)
+    fake_driver.launch_enter_hook.add(lambda metadata: None)  # e.g. a profiler
+    fast((1,), **args)
+    assert len(fn.triton_calls) == 2
+    fake_driver.launch_enter_hook.calls.clear()
+    fast((1,), **dict(args, FLAG=[1]))  # unhashable: no cache entry
+    fast((1,), **dict(args, FLAG=[1]))
+    assert len(fn.triton_calls) == 4
+    fast((1,), tensor(), tensor(), 32)  # stride and FLAG missing: Triton raises its own error (here: records)
+    assert len(fn.triton_calls) == 5
+
+
+def test_switched_off_and_interpreted_kernels_take_triton_s_path(fake_driver, monkeypatch):
+    fn = RecordingJIT(kernel_source)
+    fast = launch.FastLaunch(fn)
+    monkeypatch.setattr(launch, "FAST_LAUNCH", False)
+    args = dict(x_ptr=tensor(), y_ptr=tensor(), n=32, stride=48, FLAG=True)
+    fast((1,), **args)
+    fast((1,), **args)
+    assert len(fn.triton_calls) == 2
+
+    calls = []
+
+    class Interpreted:  # not a JITFunction: launched as given
+        def __getitem__(self, grid):
+            return lambda *a, **k: calls.append((grid, a, k))
+
+    monkeypatch.setattr(launch, "FAST_LAUNCH", True)
+    launch.FastLaunch(Interpreted())((3,), 1, b=2)
+    assert calls == [((3,), (1,), {"b": 2})]
+
+
+@on_gpu
+@pytest.mark.parametrize("name", ["fp8_e4m3", "int8_per_token_head", "nvfp4"])
+def test_direct_launch_matches_triton_s_launch(name, monkeypatch):
+    """Decode and a two-split long context, aligned and misaligned queries (a binary specialised for 16-byte
+    aligned pointers must not see the misaligned one), through both launch paths."""
+    fmt = kvgen.load(name)
+    torch.manual_seed(0)
+    num_seqs, ctx, hkv, hq, d, bs = 3, 1500, 2, 8, 128, 16
+    blocks = num_seqs * -(-ctx // bs)
+    scales = {f"{s[0]}_scale": 0.05 for s in ("key", "value") if fmt.static_scale_kind(s) is not None}
+    cache = fmt.allocate(blocks, bs, hkv, d, device="cuda", **scales)
+    kv = torch.randn(2, blocks * bs, hkv, d, device="cuda")
+    fmt.write(cache, kv[0], kv[1], torch.arange(blocks * bs, device="cuda"))
+    table = torch.arange(blocks, dtype=torch.int32, device="cuda").reshape(num_seqs, -1)
+    seq_lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda")
+    buffer = torch.randn(num_seqs * hq * d + 1, dtype=torch.bfloat16, device="cuda")
+    aligned = buffer[:-1].view(num_seqs, hq, d)
+    misaligned = buffer[1:].view(num_seqs, hq, d)  # 2 bytes past a 16-byte boundary
+    results = {}
+    for fast in (True, False):
+        monkeypatch.setattr(launch, "FAST_LAUNCH", fast)
+        for label, q in (("aligned", aligned), ("misaligned", misaligned)):
+            for splits in (1, 2):
+                for repeat in range(2):  # the second call of each is the direct one
+                    out = fmt.attend(q, cache, table, seq_lens, qsl, max_query_len=1, num_splits=splits)
+                results[fast, label, splits] = out
+    torch.cuda.synchronize()
+    for (fast, label, splits), out in results.items():
+        if fast:
+            assert torch.equal(out, results[False, label, splits]), (name, label, splits)
