@@ -85,6 +85,7 @@ def fill_random(cache) -> None:
 def decode_case(fmt, num_seqs: int, ctx: int, block_size: int, head_size: int = D, q_len: int = 1):
     """A cache holding num_seqs sequences of ctx tokens, and the arguments of one attention step with q_len new
     tokens per sequence (1: decode)."""
+    torch.manual_seed(0)  # the same block table and bytes in every run: runs of one shape compare
     blocks_per_seq = math.ceil(ctx / block_size)
     num_blocks = num_seqs * blocks_per_seq
     extra = {"max_seqs": num_seqs} if fmt.spec.streaming else {}
@@ -111,6 +112,7 @@ def decode_case(fmt, num_seqs: int, ctx: int, block_size: int, head_size: int = 
 
 def write_case(fmt, num_tokens: int, block_size: int):
     """reshape_and_cache of num_tokens tokens (KIVI: one prefill of that many tokens, or that many decode steps)."""
+    torch.manual_seed(0)
     num_blocks = math.ceil(num_tokens / block_size) + 1
     extra = {"max_seqs": max(num_tokens if num_tokens <= 256 else 1, 1)} if fmt.spec.streaming else {}
     with warnings.catch_warnings():

@@ -105,7 +105,8 @@ def stubbed_launches(fmt):
             return launch
 
     saved = (kernels.interpreting, kernels.native_fp8, checks.costly_checks_on, kset._check_device,
-             {n: getattr(kset.module, n) for n in names}, dict(kset._SMS), dict(kset._dot_modes))
+             {n: getattr(kset.module, n) for n in names}, dict(kset._SMS), dict(kset._dot_modes),
+             dict(kset._launchers))
     try:
         kernels.interpreting = lambda: False
         kernels.native_fp8 = lambda device: True
@@ -113,6 +114,7 @@ def stubbed_launches(fmt):
         kset._check_device = lambda t: None
         kset._SMS[None] = H200_SMS
         kset._dot_modes.clear()
+        kset._launchers.clear()  # launchers hold the kernels they were made for
         for n in names:
             setattr(kset.module, n, Capture(n))
         yield captured
@@ -121,6 +123,7 @@ def stubbed_launches(fmt):
         for n, k in saved[4].items():
             setattr(kset.module, n, k)
         kset._SMS.clear(), kset._SMS.update(saved[5]), kset._dot_modes.clear(), kset._dot_modes.update(saved[6])
+        kset._launchers.clear(), kset._launchers.update(saved[7])
 
 
 def _captured(fmt, call) -> dict:

@@ -18,6 +18,8 @@ Triton's path is kept for the interpreter, while a launch hook is installed (pro
 from __future__ import annotations
 
 import os
+from itertools import repeat
+from operator import itemgetter
 
 FAST_LAUNCH = os.environ.get("KVGEN_FAST_LAUNCH", "1") not in ("0", "")
 
@@ -31,41 +33,31 @@ class FastLaunch:
         self.fn = fn
         self.compiled_kernel = isinstance(fn, JITFunction)  # not under the interpreter
         self.binaries: dict = {}  # specialisation key -> compiled kernel
-        self._params = None
+        self._signature = None
 
-    def _signature(self):
-        """Names, defaults and specialisation flags of the kernel's parameters, read once."""
-        if self._params is None:
-            params = self.fn.params
-            names = [p.name for p in params]
-            missing = object()
-            defaults = [p.default if p.has_default else missing for p in params]
-            runtime = [(i, p.is_const, not p.do_not_specialize, not p.do_not_specialize_on_alignment)
-                       for i, p in enumerate(params) if not p.is_constexpr]
-            constexprs = [i for i, p in enumerate(params) if p.is_constexpr]
-            self._params = (names, defaults, missing, runtime, constexprs)
-        return self._params
+    def _read_signature(self) -> _Signature:
+        if self._signature is None:
+            self._signature = _Signature(self.fn.params)
+        return self._signature
 
     def __call__(self, grid, *args, **kwargs):
         if not (FAST_LAUNCH and self.compiled_kernel) or self.fn.pre_run_hooks or _hooks_installed():
             return self.fn[grid](*args, **kwargs)  # the interpreter, switched off, or hooks to call
-        names, defaults, missing, runtime, constexprs = self._signature()
-        values = list(args)
-        options = dict(kwargs)
-        for i in range(len(args), len(names)):
-            v = options.pop(names[i], missing)
-            if v is missing:
-                v = defaults[i]
-                if v is missing:  # let Triton report the missing argument
-                    return self.fn[grid](*args, **kwargs)
-            values.append(v)
+        sig = self._read_signature()
         device = _current_device()
-        backend = self.fn.device_caches[device][3]
         try:
-            key = (device, tuple(sorted(options.items())), tuple(values[i] for i in constexprs),
-                   tuple(_specialize(backend, values[i], c, s, a) for i, c, s, a in runtime))
+            if args and not kwargs.keys().isdisjoint(sig.leading[len(args)]):
+                raise TypeError("a positional argument given again by keyword")
+            merged = {**sig.defaults, **kwargs}
+            values = args + sig.by_name[len(args)](merged)  # every parameter, in signature order
+            options = frozenset((k, merged[k]) for k in merged.keys() - sig.names)  # compile options
+            backend = self.fn.device_caches[device][3]
+            specialisation = tuple(map(_driver()[3], repeat(backend), sig.runtime(values), sig.is_const,
+                                       sig.specialise, sig.align))
+            key = (device, options, sig.constexprs(values), specialisation)
             binary = self.binaries.get(key)
-        except TypeError:  # an unhashable constexpr or option: no cache for it
+        except (KeyError, IndexError, TypeError):
+            # a missing argument or too many (Triton reports them), an unhashable constexpr or option (no cache)
             return self.fn[grid](*args, **kwargs)
         if binary is None:
             binary = self.fn[grid](*args, **kwargs)  # compiles, or finds Triton's cached binary
@@ -77,6 +69,35 @@ class FastLaunch:
         binary.run(g0, g1, g2, _current_stream(device), binary.function, binary.packed_metadata, None, None, None,
                    *values)
         return binary
+
+
+class _Signature:
+    """A kernel's parameters as getters: read once, then every call binds its arguments with C-level operations."""
+
+    def __init__(self, params):
+        names = [p.name for p in params]
+        self.names = frozenset(names)
+        self.leading = [frozenset(names[:i]) for i in range(len(names) + 1)]  # the first i parameters
+        self.defaults = {p.name: p.default for p in params if p.has_default}
+        # by_name[i]: the values of parameters i.. from a dict of keyword arguments, as a tuple
+        self.by_name = [_getter(names[i:]) for i in range(len(names) + 1)]
+        runtime = [i for i, p in enumerate(params) if not p.is_constexpr]
+        self.runtime = _getter(runtime)
+        self.constexprs = _getter([i for i, p in enumerate(params) if p.is_constexpr])
+        # Triton's flags per runtime parameter, as its binder passes them to native_specialize_impl
+        self.is_const = [params[i].is_const for i in runtime]
+        self.specialise = [not params[i].do_not_specialize for i in runtime]
+        self.align = [not params[i].do_not_specialize_on_alignment for i in runtime]
+
+
+def _getter(keys: list):
+    """A function of a mapping (or sequence) returning its items at ``keys`` as a tuple (also for zero or one key)."""
+    if not keys:
+        return lambda m: ()
+    if len(keys) == 1:
+        key = keys[0]
+        return lambda m: (m[key],)
+    return itemgetter(*keys)
 
 
 _DRIVER: list = []
@@ -107,7 +128,3 @@ def _hooks_installed() -> bool:
     runtime = _driver()[2]
     return any(h is not None and getattr(h, "calls", True) for h in (runtime.launch_enter_hook,
                                                                      runtime.launch_exit_hook))
-
-
-def _specialize(backend, value, is_const, specialize, align):
-    return _driver()[3](backend, value, is_const, specialize, align)

@@ -146,6 +146,9 @@ def test_hooks_unhashable_constexprs_and_missing_arguments_take_triton_s_path(fa
     assert len(fn.triton_calls) == 4
     fast((1,), tensor(), tensor(), 32)  # stride and FLAG missing: Triton raises its own error (here: records)
     assert len(fn.triton_calls) == 5
+    fast((1,), tensor(), tensor(), 32, 48, True, n=32)  # n given twice
+    fast((1,), tensor(), tensor(), 32, 48, True, 7, 64, 99)  # one argument too many
+    assert len(fn.triton_calls) == 7
 
 
 def test_switched_off_and_interpreted_kernels_take_triton_s_path(fake_driver, monkeypatch):
