@@ -2,6 +2,7 @@
 
     python benchmarks/sass_count.py [--quantized] [FORMAT ...]   # default: every shipped format
     python benchmarks/sass_count.py --write [FORMAT ...]         # reshape-and-cache, as Format.write launches it
+    python benchmarks/sass_count.py --tiles 64/4/3/128 [FORMAT ...]  # another tile choice (tune_tiles.py's syntax)
 
 Compiles each format's paged_attention_kernel for sm_90 with Triton's own ptxas exactly as the runtime would launch
 it on an H200 for decode at 64 x 8192 (32 query heads over 8 KV heads, head size 128, block size 16, bf16 queries):
@@ -237,6 +238,11 @@ def main() -> int:
     if args[:1] == ["--write"]:  # the reshape-and-cache kernel instead
         return main_write(args[1:] or kvgen.shipped_names())
     precision = "auto"
+    if args[:1] == ["--tiles"]:  # BLOCK_N/num_warps/num_stages[/maxnreg] for every kernel, as tune_tiles.py sets it
+        from tune_tiles import parse
+        from kvgen.runtime import kernels
+
+        kernels.TILE_OVERRIDE, args = parse(args[1]), args[2:]
     if args[:1] == ["--quantized"]:  # the quantized compute domain, for the formats that offer it
         precision, args = "quantized", args[1:]
     names = args or kvgen.shipped_names()
