@@ -11,8 +11,10 @@ specialisation is Triton's own: the same ``native_specialize_impl`` per runtime 
 flags (``do_not_specialize``, alignment), plus every constexpr value and every compile option. So two calls share a
 binary here only where Triton would have given them the same binary.
 
-Triton's path is kept for the interpreter, while a launch hook is installed (profilers such as proton) and when
-``KVGEN_FAST_LAUNCH=0`` is set (read once, at import).
+Triton's path is kept for the interpreter, while a launch hook is installed (profilers such as proton), for a grid
+given as a function, and when ``KVGEN_FAST_LAUNCH=0`` is set (read once, at import). Two checks of Triton's own
+launch are not repeated for a reused binary: that the globals a kernel reads have not changed since it was compiled
+(generated kernels read none), and a float constexpr's sign of zero (-0.0 and 0.0 share a binary here).
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ class FastLaunch:
         return self._signature
 
     def __call__(self, grid, *args, **kwargs):
-        if not (FAST_LAUNCH and self.compiled_kernel) or self.fn.pre_run_hooks or _hooks_installed():
-            return self.fn[grid](*args, **kwargs)  # the interpreter, switched off, or hooks to call
+        if (not (FAST_LAUNCH and self.compiled_kernel) or self.fn.pre_run_hooks or _hooks_installed()
+                or callable(grid)):
+            return self.fn[grid](*args, **kwargs)  # the interpreter, switched off, hooks to call, a grid function
         sig = self._read_signature()
         device = _current_device()
         try:
@@ -54,7 +57,12 @@ class FastLaunch:
             backend = self.fn.device_caches[device][3]
             specialisation = tuple(map(_driver()[3], repeat(backend), sig.runtime(values), sig.is_const,
                                        sig.specialise, sig.align))
-            key = (device, options, sig.constexprs(values), specialisation)
+            constexprs = sig.constexprs(values)
+            # Triton keys constexprs by their text: 1, True and 1.0 differ there, so their types go in too; so do
+            # the knobs its launch adds to the compile options (read per call, as Triton does)
+            runtime = _driver()[2]
+            key = (device, options, constexprs, tuple(map(type, constexprs)), specialisation,
+                   kwargs.get("debug", self.fn.debug) or runtime.debug, _driver()[4].instrumentation_mode)
             binary = self.binaries.get(key)
         except (KeyError, IndexError, TypeError):
             # a missing argument or too many (Triton reports them), an unhashable constexpr or option (no cache)
@@ -110,7 +118,8 @@ def _driver():
         from triton._C.libtriton import native_specialize_impl
 
         active = driver.active
-        _DRIVER.extend([active.get_current_device, active.get_current_stream, knobs.runtime, native_specialize_impl])
+        _DRIVER.extend([active.get_current_device, active.get_current_stream, knobs.runtime, native_specialize_impl,
+                        knobs.compilation])
     return _DRIVER
 
 

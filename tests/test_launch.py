@@ -63,9 +63,14 @@ class RecordingJIT(JITFunction):
 
 
 class Runtime:
+    """Triton's knobs as the launch reads them: hooks, debug, the instrumentation mode; and the current device."""
+
     def __init__(self):
         self.launch_enter_hook = HookChain()
         self.launch_exit_hook = HookChain(reversed=True)
+        self.debug = False
+        self.instrumentation_mode = ""
+        self.device = 0
 
 
 @pytest.fixture
@@ -73,7 +78,8 @@ def fake_driver(monkeypatch):
     from triton._C.libtriton import native_specialize_impl
 
     runtime = Runtime()
-    monkeypatch.setattr(launch, "_DRIVER", [lambda: 0, lambda device: 1234, runtime, native_specialize_impl])
+    monkeypatch.setattr(launch, "_DRIVER", [lambda: runtime.device, lambda device: 1234, runtime,
+                                            native_specialize_impl, runtime])
     monkeypatch.setattr(launch, "FAST_LAUNCH", True)
     return runtime
 
@@ -202,3 +208,38 @@ def test_direct_launch_matches_triton_s_launch(name, monkeypatch):
     for (fast, label, splits), out in results.items():
         if fast:
             assert torch.equal(out, results[False, label, splits]), (name, label, splits)
+
+
+def test_what_triton_tells_apart_and_python_does_not(fake_driver):
+    """1, True and 1.0 are equal in Python but different constexprs (and binaries) in Triton; the debug and
+    instrumentation knobs and the current device also choose the binary."""
+    fn = RecordingJIT(kernel_source)
+    fast = launch.FastLaunch(fn)
+    args = dict(x_ptr=tensor(), y_ptr=tensor(), n=32, stride=48)
+    for flag in (1, True, 1.0):
+        fast((1,), **args, FLAG=flag)
+    assert len(fn.triton_calls) == 3
+    fake_driver.debug = True
+    fast((1,), **args, FLAG=1)
+    fake_driver.debug = False
+    fake_driver.instrumentation_mode = "consan"
+    fast((1,), **args, FLAG=1)
+    fake_driver.instrumentation_mode = ""
+    fake_driver.device = 1
+    fast((1,), **args, FLAG=1)
+    assert len(fn.triton_calls) == 6
+    fake_driver.device = 0
+    fast((1,), **args, FLAG=1)  # as the first call: its binary, directly
+    assert len(fn.triton_calls) == 6 and fn.triton_calls[0][3].launches
+
+
+def test_alignment_flag_grid_functions_and_pre_run_hooks(fake_driver):
+    fn = RecordingJIT(kernel_no_spec, do_not_specialize_on_alignment=["x_ptr"])
+    fast = launch.FastLaunch(fn)
+    fast((1,), tensor(), 16)
+    fast((1,), tensor(2), 16)  # alignment not specialised for x_ptr: one binary
+    assert len(fn.triton_calls) == 1 and len(fn.triton_calls[0][3].launches) == 1
+    fast(lambda meta: (1,), tensor(), 16)  # a grid function: Triton evaluates it
+    fn.add_pre_run_hook(lambda *a, **k: None)
+    fast((1,), tensor(), 16)
+    assert len(fn.triton_calls) == 3
