@@ -11,7 +11,8 @@ microseconds) it prints, per format: the host time of one ``Format.attend`` and 
 through Triton's own launch, the same step replayed from a CUDA graph (the GPU's time
 alone), and the host time of a bare Triton launch of a kernel with one argument (the floor of any Triton launch on
 this machine). ``--python-only`` times kvgen's own Python around the launches (argument checks, layout, tile and
-split choice) with the kernel launches stubbed out, on CPU tensors, as a GPU run would take it.
+split choice) with the kernel launches stubbed out, on CPU tensors, as a GPU run would take it, and the cost of
+runtime/launch.py's direct launch of the attention kernel with the binary's launcher stubbed.
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ def python_only(names: list, calls: int) -> None:
     os.environ["TRITON_INTERPRET"] = "0"
     from sass_count import stubbed_launches
 
-    print("| format | attend, us per call | write of 4 tokens, us per call |")
-    print("|---|---|---|")
+    print("| format | attend, us per call | write of 4 tokens, us per call | FastLaunch of the attention kernel, us |")
+    print("|---|---|---|---|")
     for name in names:
         fmt = kvgen.load(name)
         with warnings.catch_warnings():
@@ -79,7 +80,47 @@ def python_only(names: list, calls: int) -> None:
                 for _ in range(calls):
                     fn()
                 times.append((time.perf_counter() - t) / calls * 1e6)
-        print(f"| {name} | {times[0]:.1f} | {times[1]:.1f} |", flush=True)
+        print(f"| {name} | {times[0]:.1f} | {times[1]:.1f} | {fast_launch_us(fmt, attend, calls):.1f} |", flush=True)
+
+
+def fast_launch_us(fmt, attend, calls: int) -> float:
+    """runtime/launch.py's own cost per call of the attention kernel, with the arguments attend() passes: Triton's
+    JITFunction class stands in for the compiled kernel, its compile and the binary's launcher replaced by no-ops
+    (the launcher itself costs about what a bare launch of a one-argument kernel does)."""
+    from sass_count import _captured
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import JITFunction
+
+    args, kwargs = _captured(fmt, attend)["paged_attention_kernel"]
+
+    class Binary:
+        function = packed_metadata = None
+
+        def run(self, *a):
+            pass
+
+    class StandIn(JITFunction):
+        def create_binder(self):
+            return {}, {}, None, BaseBackend, None
+
+        def run(self, *a, grid, warmup, **k):
+            return Binary()
+
+    fast = launch.FastLaunch(StandIn(fmt._kernels.module.paged_attention_kernel.fn))
+    from triton import knobs
+    from triton._C.libtriton import native_specialize_impl
+
+    saved = list(launch._DRIVER)
+    # Triton's knobs and specialisation, as on a GPU; no driver here, so device and stream are stubbed
+    launch._DRIVER[:] = [lambda: 0, lambda device: 0, knobs.runtime, native_specialize_impl, knobs.compilation]
+    try:
+        fast((1,), *args, **kwargs)
+        t = time.perf_counter()
+        for _ in range(calls):
+            fast((1,), *args, **kwargs)
+        return (time.perf_counter() - t) / calls * 1e6
+    finally:
+        launch._DRIVER[:] = saved
 
 
 def profile(names: list, calls: int, top: int = 18) -> None:
