@@ -173,6 +173,12 @@ def _f16x2(x: int):
     return np.array([x & 0xFFFF, x >> 16], dtype=np.uint16).view(np.float16)
 
 
+def _bits(values) -> list:
+    """fp16 bit patterns of the values: tells -0.0 from 0.0 (each value exact in fp16)."""
+    import numpy as np
+    return [int(np.float16(v).view(np.uint16)) for v in values]
+
+
 def run_ptx(asm: str, inputs: dict) -> dict:
     import re
 
@@ -225,13 +231,13 @@ def test_int8_ptx_model(name):
     module = kvgen.load(name)._kernels.module
     signed = kvgen.load(name).spec.key.element.value == "int8"
     asm = inline_ptx(module, "k")
-    for word in range(0, 256, 4):  # four codes per register, every code once, in each byte position over the loop
+    for word in range(256):  # four codes per register: every code in every byte position over the loop
         codes = [(word + i * 67) % 256 for i in range(4)]
         reg = sum(c << 8 * i for i, c in enumerate(codes))
         out = run_ptx(asm, {"$2": reg})
         got = list(_f16x2(out["$0"])) + list(_f16x2(out["$1"]))
         want = [np.int8(np.uint8(c)) if signed else c for c in codes]
-        assert [float(g) for g in got] == [float(w) for w in want], (name, codes, got)
+        assert _bits(got) == _bits(want), (name, codes, got)
 
 
 def _e2m1(code: int) -> float:
@@ -260,10 +266,10 @@ def test_byte_decode_ptx_model(name, side, value_of, extra_formats):
         assert element == expected.get(name, "uint4"), element  # the oracle fits the spec
     per = 8 // bits
     asm = inline_ptx(fmt._kernels.module, side, "decode_dot_bytes")
-    for word in range(0, 256, 4):
+    for word in range(256):  # every byte in every byte position of the register over the loop
         data = [(word + i * 67) % 256 for i in range(4)]
         out = run_ptx(asm, {f"${2 * per}": sum(b << 8 * i for i, b in enumerate(data))})
         for j in range(per):
             got = list(_f16x2(out[f"${2 * j}"])) + list(_f16x2(out[f"${2 * j + 1}"]))
             want = [value_of((b >> bits * j) & ((1 << bits) - 1)) for b in data]
-            assert [float(x) for x in got] == want, (name, data, j, got)
+            assert _bits(got) == _bits(want), (name, data, j, got)
