@@ -3,6 +3,7 @@ register cap), per format and shape. On a GPU:
 
     python benchmarks/tune_tiles.py bf16 fp8_e4m3 int8_per_token_head
     python benchmarks/tune_tiles.py fp8_e4m3 --configs 128/4/2 128/4/2/128 --programs-per-sm 4 8
+    python benchmarks/tune_tiles.py int8_per_token_head --shapes 64x8192hs64   # head size 64
 
 A config is BLOCK_N/num_warps/num_stages[/maxnreg]; a register cap below the compiler's choice (255 for most
 generated kernels) lets more programs share an SM, at the price of spills (`python benchmarks/sass_count.py` counts
@@ -11,6 +12,7 @@ kvgen.runtime.kernels.attention_tiles (rules in ATTENTION_TILES); this script ov
 row per (format, shape) with time and fraction of copy bandwidth per config.
 """
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -38,6 +40,12 @@ def main() -> None:
     ap.add_argument("--programs-per-sm", nargs="+", type=int, default=[4])
     ap.add_argument("--shapes", nargs="+", default=["64x8192", "4x65536"])
     args = ap.parse_args()
+    shapes = {}
+    for shape in args.shapes:
+        m = re.fullmatch(r"(\d+)x(\d+)(?:hs(\d+))?", shape)
+        if m is None:
+            ap.error(f"--shapes: {shape!r} is not SEQSxCONTEXT or SEQSxCONTEXThsHEAD (e.g. 64x8192hs64)")
+        shapes[shape] = int(m[1]), int(m[2]), int(m[3] or bench.D)
     copy = bench.copy_bandwidth()
     cols = [(c, pps) for pps in args.programs_per_sm for c in args.configs]
     print(f"copy bandwidth {copy / 1e9:.0f} GB/s")
@@ -46,8 +54,8 @@ def main() -> None:
     for name in args.formats:
         fmt = kvgen.load(name)
         for shape in args.shapes:
-            seqs, ctx = (int(x) for x in shape.split("x"))
-            fn, moved = bench.decode_case(fmt, seqs, ctx, 32 if fmt.spec.streaming else 16)
+            seqs, ctx, head = shapes[shape]
+            fn, moved = bench.decode_case(fmt, seqs, ctx, 32 if fmt.spec.streaming else 16, head)
             res = []
             for c, pps in cols:
                 K.TILE_OVERRIDE = dict(parse(c), programs_per_sm=pps)
