@@ -12,10 +12,11 @@ bandwidth, its fraction of the device-to-device copy bandwidth measured in the s
 format. A dense bf16 torch scaled_dot_product_attention is the reference line. Writes RESULTS.md-style markdown,
 JSON, and a PNG of decode time against context length per format.
 
-    python benchmarks/bench.py --cuda-graphs        # kvgen's attention timed as CUDA-graph replays
+    python benchmarks/bench.py --cuda-graphs        # kvgen's calls timed as CUDA-graph replays
 
-times each attention call captured in a CUDA graph, as engines run decode: what is left is the GPU's time without
-the host's per-call launch work (not run on a GPU yet: added 2026-11-30 after the session's GPU time was spent).
+times each attention and write call captured in a CUDA graph, as engines run decode: what is left is the GPU's time
+without the host's per-call launch work (attention at these shapes took the same time both ways on the H200, third
+session of 2026-11-30; writes were first captured in the fifth session, without a GPU run yet).
 """
 
 from __future__ import annotations
@@ -124,7 +125,8 @@ def write_case(fmt, num_tokens: int, block_size: int):
     cell = fmt.page_bytes(block_size, HKV, D) / block_size
     moved = 2 * key.numel() * key.element_size() + num_tokens * cell
     if not fmt.spec.streaming:
-        return (lambda: fmt.write(cache, key, value, slots)), moved
+        fn = lambda: fmt.write(cache, key, value, slots)  # noqa: E731
+        return (graphed(fn) if GRAPHS else fn), moved
     if num_tokens > 256:  # one sequence's prefill
         seqs, q_len = 1, num_tokens
     else:  # a decode step of num_tokens sequences
@@ -135,7 +137,8 @@ def write_case(fmt, num_tokens: int, block_size: int):
                 query_start_loc=torch.arange(seqs + 1, dtype=torch.int32, device="cuda") * q_len,
                 seq_lens=torch.full((seqs,), q_len, dtype=torch.int32, device="cuda"), block_table=table,
                 max_query_len=q_len)
-    return (lambda: fmt.write(cache, key, value, slots, **meta)), moved
+    fn = lambda: fmt.write(cache, key, value, slots, **meta)  # noqa: E731
+    return (graphed(fn) if GRAPHS else fn), moved
 
 
 def sdpa_case(num_seqs: int, ctx: int, head_size: int = D, q_len: int = 1):
@@ -182,7 +185,7 @@ def main() -> int:
                         help="attention dots: tensor cores where products stay exact (default), exact fp32, or the "
                              "quantized compute domain where the format offers it")
     parser.add_argument("--cuda-graphs", action="store_true",
-                        help="time kvgen's attention as CUDA graph replays (no host launch cost per call)")
+                        help="time kvgen's attention and writes as CUDA graph replays (no host launch cost per call)")
     parser.add_argument("--replot", metavar="JSON", help="only redraw the chart of an earlier run's results.json")
     args = parser.parse_args()
     if args.replot:
