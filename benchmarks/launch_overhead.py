@@ -21,6 +21,7 @@ import argparse
 import os
 import sys
 import time
+import types
 import warnings
 from pathlib import Path
 
@@ -110,9 +111,11 @@ def fast_launch_us(fmt, attend, calls: int) -> float:
     from triton import knobs
     from triton._C.libtriton import native_specialize_impl
 
-    saved = list(launch._DRIVER)
+    saved = launch._TRITON
     # Triton's knobs and specialisation, as on a GPU; no driver here, so device and stream are stubbed
-    launch._DRIVER[:] = [lambda: 0, lambda device: 0, knobs.runtime, native_specialize_impl, knobs.compilation]
+    launch._TRITON = types.SimpleNamespace(current_device=lambda: 0, current_stream=lambda device: 0,
+                                           runtime=knobs.runtime, compilation=knobs.compilation,
+                                           specialize=native_specialize_impl)
     try:
         fast((1,), *args, **kwargs)
         t = time.perf_counter()
@@ -120,7 +123,7 @@ def fast_launch_us(fmt, attend, calls: int) -> float:
             fast((1,), *args, **kwargs)
         return (time.perf_counter() - t) / calls * 1e6
     finally:
-        launch._DRIVER[:] = saved
+        launch._TRITON = saved
 
 
 def profile(names: list, calls: int, top: int = 18) -> None:

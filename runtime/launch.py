@@ -20,6 +20,7 @@ launch are not repeated for a reused binary: that the globals a kernel reads hav
 from __future__ import annotations
 
 import os
+import types
 from itertools import repeat
 from operator import itemgetter
 
@@ -43,11 +44,13 @@ class FastLaunch:
         return self._signature
 
     def __call__(self, grid, *args, **kwargs):
-        if (not (FAST_LAUNCH and self.compiled_kernel) or self.fn.pre_run_hooks or _hooks_installed()
-                or callable(grid)):
-            return self.fn[grid](*args, **kwargs)  # the interpreter, switched off, hooks to call, a grid function
+        if not (FAST_LAUNCH and self.compiled_kernel):
+            return self.fn[grid](*args, **kwargs)  # the interpreter, or switched off
+        triton = _triton()
+        if self.fn.pre_run_hooks or _hooks_installed(triton.runtime) or callable(grid):
+            return self.fn[grid](*args, **kwargs)  # hooks to call, or a grid function to evaluate
         sig = self._read_signature()
-        device = _current_device()
+        device = triton.current_device()
         try:
             if args and not kwargs.keys().isdisjoint(sig.leading[len(args)]):
                 raise TypeError("a positional argument given again by keyword")
@@ -55,14 +58,13 @@ class FastLaunch:
             values = args + sig.by_name[len(args)](merged)  # every parameter, in signature order
             options = frozenset((k, merged[k]) for k in merged.keys() - sig.names)  # compile options
             backend = self.fn.device_caches[device][3]
-            specialisation = tuple(map(_driver()[3], repeat(backend), sig.runtime(values), sig.is_const,
+            specialisation = tuple(map(triton.specialize, repeat(backend), sig.runtime(values), sig.is_const,
                                        sig.specialise, sig.align))
             constexprs = sig.constexprs(values)
             # Triton keys constexprs by their text: 1, True and 1.0 differ there, so their types go in too; so do
             # the knobs its launch adds to the compile options (read per call, as Triton does)
-            runtime = _driver()[2]
             key = (device, options, constexprs, tuple(map(type, constexprs)), specialisation,
-                   kwargs.get("debug", self.fn.debug) or runtime.debug, _driver()[4].instrumentation_mode)
+                   kwargs.get("debug", self.fn.debug) or triton.runtime.debug, triton.compilation.instrumentation_mode)
             binary = self.binaries.get(key)
         except (KeyError, IndexError, TypeError):
             # a missing argument or too many (Triton reports them), an unhashable constexpr or option (no cache)
@@ -74,8 +76,8 @@ class FastLaunch:
         g0 = grid[0]
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
-        binary.run(g0, g1, g2, _current_stream(device), binary.function, binary.packed_metadata, None, None, None,
-                   *values)
+        binary.run(g0, g1, g2, triton.current_stream(device), binary.function, binary.packed_metadata, None, None,
+                   None, *values)
         return binary
 
 
@@ -108,32 +110,26 @@ def _getter(keys: list):
     return itemgetter(*keys)
 
 
-_DRIVER: list = []
+_TRITON: types.SimpleNamespace | None = None
 
 
-def _driver():
-    if not _DRIVER:
-        from triton.runtime.driver import driver
+def _triton() -> types.SimpleNamespace:
+    """The pieces of Triton a launch reads, looked up once (its driver exists only where a GPU does)."""
+    global _TRITON
+    if _TRITON is None:
         from triton import knobs
         from triton._C.libtriton import native_specialize_impl
+        from triton.runtime.driver import driver
 
         active = driver.active
-        _DRIVER.extend([active.get_current_device, active.get_current_stream, knobs.runtime, native_specialize_impl,
-                        knobs.compilation])
-    return _DRIVER
+        _TRITON = types.SimpleNamespace(current_device=active.get_current_device,
+                                        current_stream=active.get_current_stream, runtime=knobs.runtime,
+                                        compilation=knobs.compilation, specialize=native_specialize_impl)
+    return _TRITON
 
 
-def _current_device() -> int:
-    return _driver()[0]()
-
-
-def _current_stream(device: int):
-    return _driver()[1](device)
-
-
-def _hooks_installed() -> bool:
+def _hooks_installed(runtime) -> bool:
     """Whether launch hooks are set (Triton 3.6 keeps empty hook chains; older versions None; a bare function is
     also possible): Triton's path calls them with each launch's metadata."""
-    runtime = _driver()[2]
     return any(h is not None and getattr(h, "calls", True) for h in (runtime.launch_enter_hook,
                                                                      runtime.launch_exit_hook))

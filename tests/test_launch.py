@@ -10,6 +10,7 @@ attention through Triton's own launch, bit for bit, also for a misaligned query 
 from __future__ import annotations
 
 import os
+import types
 
 import pytest
 import torch
@@ -78,8 +79,9 @@ def fake_driver(monkeypatch):
     from triton._C.libtriton import native_specialize_impl
 
     runtime = Runtime()
-    monkeypatch.setattr(launch, "_DRIVER", [lambda: runtime.device, lambda device: 1234, runtime,
-                                            native_specialize_impl, runtime])
+    monkeypatch.setattr(launch, "_TRITON", types.SimpleNamespace(
+        current_device=lambda: runtime.device, current_stream=lambda device: 1234, runtime=runtime,
+        compilation=runtime, specialize=native_specialize_impl))
     monkeypatch.setattr(launch, "FAST_LAUNCH", True)
     return runtime
 
