@@ -89,6 +89,8 @@ def fast_launch_us(fmt, attend, calls: int) -> float:
     JITFunction class stands in for the compiled kernel, its compile and the binary's launcher replaced by no-ops
     (the launcher itself costs about what a bare launch of a one-argument kernel does)."""
     from sass_count import _captured
+    from triton import knobs
+    from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
     from triton.runtime.jit import JITFunction
 
@@ -108,9 +110,6 @@ def fast_launch_us(fmt, attend, calls: int) -> float:
             return Binary()
 
     fast = launch.FastLaunch(StandIn(fmt._kernels.module.paged_attention_kernel.fn))
-    from triton import knobs
-    from triton._C.libtriton import native_specialize_impl
-
     saved = launch._TRITON
     # Triton's knobs and specialisation, as on a GPU; no driver here, so device and stream are stubbed
     launch._TRITON = types.SimpleNamespace(current_device=lambda: 0, current_stream=lambda device: 0,

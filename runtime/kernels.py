@@ -206,15 +206,12 @@ class KernelSet:
         group = num_q_heads // consts["NUM_KV_HEADS"]
         block_m = query_rows(group, max_query_len, consts["HEAD_PAD"])
         block_q = max(1, block_m // group)
-        key = (query.dtype, dot_precision, rotated_keys, consts["HEAD_PAD"], query.device)
-        dots = self._dot_modes.get(key)
-        if dots is None:
-            dots = self._dot_modes[key] = self.dot_modes(*key)
+        dots = self._cached_dot_modes(query.dtype, dot_precision, rotated_keys, consts["HEAD_PAD"], query.device)
         if dot_precision == "quantized" and 3 not in (dots["DOT_K"], dots["DOT_V"]):
             raise ValueError(f"dot_precision: 'quantized' has no side to quantize at head size {query.shape[2]}: "
                              "int8 keys need a head of at least 32 elements, and the values are not int8")
         if not tensor_core_rows_ok(block_m, consts["HEAD_PAD"]):
-            dots = self.dot_modes(query.dtype, "ieee", rotated_keys, consts["HEAD_PAD"], query.device)
+            dots = self._cached_dot_modes(query.dtype, "ieee", rotated_keys, consts["HEAD_PAD"], query.device)
         tiles = attention_tiles(self.module.CODE_BITS, self.module.DOT_OPERANDS, dots, self.block_scaled, block_m)
         block_n = tiles.pop("BLOCK_N")
         block_n = getattr(self.module, "BLOCK_N_FIXED", None) or block_n  # KIVI keys: one token group per step
@@ -250,6 +247,13 @@ class KernelSet:
                 NUM_SPLITS=num_splits,
                 SPLITS_PAD=_next_pow2(num_splits), HEAD_SIZE=consts["HEAD_SIZE"], HEAD_PAD=consts["HEAD_PAD"],
             )
+
+    def _cached_dot_modes(self, *key) -> dict:
+        """dot_modes(*key), computed once per key."""
+        dots = self._dot_modes.get(key)
+        if dots is None:
+            dots = self._dot_modes[key] = self.dot_modes(*key)
+        return dots
 
     def dot_modes(self, query_dtype: torch.dtype, dot_precision: str, rotated_keys: bool, head_pad: int = 128,
                   device: torch.device | None = None) -> dict:
