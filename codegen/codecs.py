@@ -48,6 +48,15 @@ class Codec:
         return self.template == "minifloat.py.jinja" and self.bits == 4 and self.params.get("special") == "none"
 
     @property
+    def dot_factor(self) -> float | None:
+        """The power of two that ``{prefix}decode_dot_unscaled`` and ``{prefix}decode_dot_bytes_unscaled`` leave out
+        of the codes' values (their fp16 bits read with fp16's exponent bias), for a template to fold into a factor it
+        applies anyway (block ratios); None where the codec renders no unscaled decoders."""
+        if self.byte_decode and self.template == "minifloat.py.jinja":
+            return 2.0 ** (15 - self.params["bias"])
+        return None
+
+    @property
     def unit(self) -> str:
         return {32: "tl.uint32", 16: "tl.uint16"}.get(self.bits, "tl.uint8")
 

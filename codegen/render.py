@@ -69,6 +69,7 @@ class SideContext:
     op_terms: int  # how many values of that type sum to one operand element (hi + lo)
     ratio_in_tile: bool  # block ratios multiply the codes in the tile's (fp16) type: every ratio is an fp16 value
     byte_decode: bool  # compiled attention decodes all codes of a byte at once ({p}_decode_dot_bytes)
+    dot_factor: str  # fp32 literal: what the unscaled decoders leave out of the codes, folded into the block ratios
     tok: str  # how the scale leaves the dot: none / const (one scalar) / token (one per row) / block / channel
     qdot: str  # quantized compute domain: "int8" dots on the codes themselves ("" = not offered)
     qdot_max: str  # fp32 literal: the largest code value of that type (127), what a row's largest maps to
@@ -124,11 +125,11 @@ def dot_operand(side: SideSpec, scale: str, zp: str, block: bool, name: str = "k
     if side.element.value == "fp32":
         return "", 0, "none"
     if scale == "channel_group":
-        # KIVI keys: one scale and minimum per channel for a group of tokens. Attention steps hold one group, so the
-        # operand is the code times the channel's scale over a power of two per step (like a block ratio along the
-        # head), the power of two multiplies the scores, and the minima add q . min per step (fp32). A step is
-        # then G positions, and a tensor-core dot over positions needs at least 16: smaller groups keep exact
-        # fp32 dots (with 64 positions per step).
+        # KIVI keys: one scale and minimum per channel for a group of tokens. Attention steps hold whole groups, so
+        # the operand is the code times the channel's scale over a power of two per step (like a block ratio along
+        # the head), the power of two multiplies the scores, and the minima (fp16 values) add a second dot. Groups
+        # of fewer than 16 tokens keep exact fp32 dots (with 64 positions per step); several of them per step
+        # could take tensor cores too (not done).
         if side.scale.group_tokens < 16:
             return "", 0, "none"
         code_bits = side.bits
@@ -227,6 +228,9 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
         **dict(zip(("dot", "op_terms", "tok"), dot)),
         ratio_in_tile=bool(dot[0]) and dot[1] == 1 and dot[2] == "block" and sc.dtype.value in RATIOS_IN_FP16,
         byte_decode=bool(dot[0]) and codec.byte_decode,
+        # block ratios multiply every code anyway: they carry the codec's factor (no zero point between the two)
+        dot_factor=_float_literal(codec.dot_factor) if dot[0] and dot[2] == "block" and codec.dot_factor
+        and not asym else "",
         qdot=qdot, qdot_max={"int8": "127.0"}.get(qdot, "0.0"),
         scale_summary=(f"{sc.dtype.value} per " + (f"{sc.block} elements" if sc.block else (
             f"channel over {sc.group_tokens} tokens" if sc.group_tokens else "token and head"))

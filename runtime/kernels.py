@@ -214,7 +214,9 @@ class KernelSet:
             dots = self._cached_dot_modes(query.dtype, "ieee", rotated_keys, consts["HEAD_PAD"], query.device)
         tiles = attention_tiles(self.module.CODE_BITS, self.module.DOT_OPERANDS, dots, self.block_scaled, block_m)
         block_n = tiles.pop("BLOCK_N")
-        block_n = getattr(self.module, "BLOCK_N_FIXED", None) or block_n  # KIVI keys: one token group per step
+        group_n = getattr(self.module, "BLOCK_N_GROUP", None)
+        if group_n:  # KIVI keys: whole token groups per step (both powers of two)
+            block_n = max(block_n, group_n)
         programs_per_sm = tiles.pop("programs_per_sm")
         num_q_tiles = triton_cdiv(max_query_len, block_q)
         num_seqs = seq_lens.shape[0]

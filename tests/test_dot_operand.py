@@ -124,7 +124,7 @@ def test_sides_without_a_factorable_scale_keep_exact_dots():
 @pytest.mark.parametrize("name", ["kivi_2bit", "kivi_4bit"])
 def test_kivi_operands_are_exact(name):
     """KIVI keys (a scale and a float minimum per channel and token group): the operand is the code times the
-    channel's scale over a power of two per attention step (one group per step); values (a float minimum per block)
+    channel's scale over a power of two per attention step (whole groups per step); values (a float minimum per block)
     take the block-ratio operand, their minima a second dot. Both must hold every operand exactly in the rule's
     terms, from the ratio where products are normal fp16 numbers up."""
     import kvgen

@@ -103,5 +103,40 @@ def test_fixed_streams_with_tensor_core_dots(name, steps, window, splits):
 def test_small_groups_keep_exact_dots(small_format):
     """G = 8: a step of 8 positions is below what a tensor-core dot takes (16), so the kernel keeps exact fp32 dots
     over 64-position steps (kvgen.codegen.render.dot_operand)."""
-    assert small_format._kernels.module.BLOCK_N_FIXED is None
+    assert small_format._kernels.module.BLOCK_N_GROUP is None
     assert small_format._kernels.module.DOT_OPERANDS["k"][0] == ""
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_pages_before_the_window_are_not_read(name):
+    """A sliding window that starts inside an attention step: the pages wholly before the window's first token
+    group (freed ones, say: here every byte 0xFF, NaN scales) must not enter any step, whatever the step size."""
+    import torch
+
+    fmt = kvgen.load(name)
+    group = fmt.layout.RESIDUAL["group"]
+    ctx, window, block, heads, head_size = 1000, 300, group, 1, 64
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    blocks = ctx // block + 2
+    cache = fmt.allocate(blocks, block, heads, head_size, device=DEVICE, max_seqs=1)
+    torch.manual_seed(0)
+    kv = torch.randn(2, ctx, heads, head_size, device=DEVICE)
+    table = torch.arange(blocks, **i32)[None, :]
+    meta = dict(seq_ids=torch.zeros(1, **i32), seq_lens=torch.tensor([ctx], **i32), block_table=table)
+    fmt.write(cache, kv[0], kv[1], torch.arange(ctx, device=DEVICE), query_start_loc=torch.tensor([0, ctx], **i32),
+              max_query_len=ctx, **meta)
+    q = torch.randn(1, 2, head_size, device=DEVICE)
+    lo = ctx - window  # the query sits at ctx - 1: it sees [ctx - window, ctx)
+    assert lo // group * group < (ctx - fmt.layout.RESIDUAL["tokens"]) // group * group  # quantized pages in view
+
+    def attend():
+        return fmt.attend(q, cache, table, meta["seq_lens"], torch.tensor([0, 1], **i32), sliding_window=window,
+                          seq_ids=meta["seq_ids"], max_query_len=1)
+
+    before = attend()
+    unseen = lo // group * group // block  # pages before the window's first group
+    for t in cache.tensors.values():
+        if t.shape[0] == blocks:
+            t.view(torch.uint8)[:unseen] = 0xFF
+    after = attend()
+    assert bool(torch.isfinite(after).all()) and torch.equal(before, after)

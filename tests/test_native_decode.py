@@ -135,6 +135,11 @@ def check_byte_decode(fmt, side):
     same = (native == portable) | (native.isnan() & portable.isnan())
     assert bool(same.all()), (f"{name} {side}: byte decode differs: {native[~same][:8].tolist()} vs "
                               f"{portable[~same][:8].tolist()}")
+    unscaled = getattr(module, f"{side}_decode_dot_bytes_unscaled", None)
+    if unscaled is not None:  # e2m1: the values times 2**-14 (fp16's exponent bias 15 against e2m1's 1)
+        _decode_bytes_both[(1,)](data, native, portable, unscaled, getattr(module, f"{side}_decode_dot"), bits,
+                                 spec.packing == "msb_first", ROWS, cols)
+        assert torch.equal(native * 2.0 ** 14, portable), f"{name} {side}: unscaled byte decode differs"
 
 
 def check_side(name, side, module):
@@ -244,6 +249,48 @@ def _e2m1(code: int) -> float:
     import ml_dtypes
     import numpy as np
     return float(np.array([code], dtype=np.uint8).view(ml_dtypes.float4_e2m1fn)[0])
+
+
+@triton.jit
+def _decode_unscaled(codes_ptr, out_ptr, decode: tl.constexpr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, decode(tl.load(codes_ptr + i)).to(tl.float32))
+
+
+@pytest.mark.parametrize("name,side", [("nvfp4", "k"), ("nvfp4", "v"), ("mxfp4", "k"), ("mxfp4", "v")])
+def test_unscaled_e2m1_decoders(name, side):
+    """The decoders whose factor the block ratios carry: every e2m1 code (portable decoder, run here; inline PTX,
+    modelled) is its value times 2**-14, fp16's exponent bias (15) against e2m1's (1), exactly."""
+    module = kvgen.load(name)._kernels.module
+    factor = 2.0 ** -14
+    device = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
+    codes = torch.arange(16, dtype=torch.uint8, device=device)
+    out = torch.empty(16, dtype=torch.float32, device=device)
+    _decode_unscaled[(1,)](codes, out, getattr(module, f"{side}_decode_dot_unscaled"), 16)
+    assert _bits(out.tolist()) == _bits([_e2m1(c) * factor for c in range(16)])
+    asm = inline_ptx(module, side, "decode_dot_bytes_unscaled")
+    for word in range(256):  # every byte in every byte position of the register
+        data = [(word + i * 67) % 256 for i in range(4)]
+        out = run_ptx(asm, {"$4": sum(b << 8 * i for i, b in enumerate(data))})
+        for j in range(2):
+            got = list(_f16x2(out[f"${2 * j}"])) + list(_f16x2(out[f"${2 * j + 1}"]))
+            assert _bits(got) == _bits([_e2m1((b >> 4 * j) & 15) * factor for b in data]), (name, data, j)
+
+
+@pytest.mark.parametrize("name", kvgen.shipped_names())
+def test_unscaled_decoders_come_with_the_fold(name):
+    """Attention calls a side's unscaled decoders (compiled and portable) exactly where it multiplies that side's
+    block ratios by the factor they leave out: a decoder without its fold, or a fold without its decoder, would scale
+    the values by 2**14 or 2**-14."""
+    import inspect
+    source = inspect.getsource(kvgen.load(name)._kernels.module.paged_attention_kernel.fn)
+    for p in ("k", "v"):
+        compiled = f"{p}_decode_dot_bytes_unscaled({p}_byte)" in source
+        portable = f"{p}_decode_dot_unscaled({p}_code)" in source
+        folded = f"{p}_ratio = {p}_ratio * 16384.0" in source
+        scaled = f"{p}_decode_dot_bytes({p}_byte)" in source or f"{p}_decode_dot({p}_code, NATIVE_CASTS)" in source
+        assert compiled == portable == folded, (name, p, compiled, portable, folded)
+        assert not (folded and scaled), (name, p)
 
 
 @pytest.mark.parametrize("name,side,value_of", [

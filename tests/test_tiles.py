@@ -62,8 +62,8 @@ def test_measured_choices(compiled):
     # measured before the table (run 1): the rotated-key format, KIVI and exact dots keep the earlier choice
     assert tiles("int8_per_token_head_hadamard_k") == dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)
     assert tiles("kivi_4bit") == dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=4)
-    # ... whose step the kernel fixes itself: one token group (the runtime takes BLOCK_N_FIXED over the table)
-    assert kvgen.load("kivi_4bit")._kernels.module.BLOCK_N_FIXED == 32
+    # ... whose steps hold whole token groups of 32 (the runtime takes at least BLOCK_N_GROUP positions per step)
+    assert kvgen.load("kivi_4bit")._kernels.module.BLOCK_N_GROUP == 32
     assert tiles("int8_per_token_head", precision="ieee") == dict(BLOCK_N=128, num_warps=4, num_stages=2,
                                                                    programs_per_sm=4)
     # the quantized domain was measured under the 8-bit cap (benchmarks/decode_modes.py), rotated keys included

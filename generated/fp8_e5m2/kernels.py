@@ -14,9 +14,9 @@ CODE_BITS = {"k": 8, "v": 8}  # bits per stored element: the runtime's tile choi
 DOT_OPERANDS = {"k": ("fp16", 1, 16), "v": ("fp16", 1, 16)}
 # dot_precision="quantized": per side, the type of the codes the dots then run on ("": that side keeps its dots)
 QUANTIZED_DOT = {"k": "", "v": ""}
-# KV positions per attention step the kernel requires (keys scaled per channel and token group: one group per step),
-# or None for the runtime's choice
-BLOCK_N_FIXED = None
+# keys scaled per channel and token group: attention steps hold whole groups, so KV positions per step are a multiple
+# of this; None where the runtime's choice is free
+BLOCK_N_GROUP = None
 
 # ---------------------------------------------------------------------------------------------------------------
 # Codecs. key: fp8_e5m2 by bit manipulation: saturate to +-57344, round half to even

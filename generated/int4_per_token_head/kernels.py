@@ -16,9 +16,9 @@ CODE_BITS = {"k": 4, "v": 4}  # bits per stored element: the runtime's tile choi
 DOT_OPERANDS = {"k": ("fp16", 1, 32), "v": ("fp16", 1, 32)}
 # dot_precision="quantized": per side, the type of the codes the dots then run on ("": that side keeps its dots)
 QUANTIZED_DOT = {"k": "", "v": ""}
-# KV positions per attention step the kernel requires (keys scaled per channel and token group: one group per step),
-# or None for the runtime's choice
-BLOCK_N_FIXED = None
+# keys scaled per channel and token group: attention steps hold whole groups, so KV positions per step are a multiple
+# of this; None where the runtime's choice is free
+BLOCK_N_GROUP = None
 
 # ---------------------------------------------------------------------------------------------------------------
 # Codecs. key: uint4, round half away from zero, clamp to [0, 15]; scales fp32 per token and head, inline

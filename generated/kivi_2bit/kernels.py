@@ -15,9 +15,9 @@ CODE_BITS = {"k": 2, "v": 2}  # bits per stored element: the runtime's tile choi
 DOT_OPERANDS = {"k": ("fp16", 2, 32), "v": ("fp16", 2, 32)}
 # dot_precision="quantized": per side, the type of the codes the dots then run on ("": that side keeps its dots)
 QUANTIZED_DOT = {"k": "", "v": ""}
-# KV positions per attention step the kernel requires (keys scaled per channel and token group: one group per step),
-# or None for the runtime's choice
-BLOCK_N_FIXED = 32
+# keys scaled per channel and token group: attention steps hold whole groups, so KV positions per step are a multiple
+# of this; None where the runtime's choice is free
+BLOCK_N_GROUP = 32
 
 # ---------------------------------------------------------------------------------------------------------------
 # Codecs. key: uint2, round half even, clamp to [0, 3]
@@ -440,10 +440,11 @@ def paged_attention_kernel(
             hi = tl.minimum(hi, (split + 1) * chunk)
         lo = tl.where(window > 0, tl.maximum(context + tile * BLOCK_Q - window + 1, 0), 0)
         lo = tl.maximum(lo, split * chunk)
-        # every step holds one whole group of 32 tokens (their key scales): start at a group boundary (the
-        # positions before lo that this adds are outside the window, so masked; split * chunk is a boundary already)
-        tl.static_assert(BLOCK_N == 32)
-        lo = (lo // BLOCK_N) * BLOCK_N
+        # every step holds whole groups of 32 tokens (their key scales): start at a group boundary, not
+        # further back (the positions before lo that this adds are outside the window, so masked, and in lo's own page:
+        # no page that no query sees enters a step's scales; split * chunk is a boundary already)
+        tl.static_assert(BLOCK_N % 32 == 0)
+        lo = (lo // 32) * 32
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -478,26 +479,33 @@ def paged_attention_kernel(
                     k_tile = k_decode_dot(k_code, NATIVE_CASTS)
                 else:
                     k_tile = k_decode(k_code)
-            # one scale and minimum per channel for the group of 32 tokens this step holds (steps are
-            # aligned to groups): read once per step at the step's first position
-            k_blk0 = tl.load(block_table_ptr + seq * stride_bt + start // BLOCK_SIZE)
+            # one scale and minimum per channel for each group of 32 tokens this step holds (steps start at group
+            # boundaries and hold BLOCK_N // 32 whole groups): read at each group's first position
+            k_gpos = start + tl.arange(0, BLOCK_N // 32) * 32
+            k_blkg = tl.load(block_table_ptr + seq * stride_bt + k_gpos // BLOCK_SIZE)
             if OFFSETS_64:
-                k_blk0 = k_blk0.to(tl.int64)
-            k_grp0 = (start % BLOCK_SIZE) // 32
-            k_srow = k_cache_ptr + k_blk0 * K_SCALE_PAGE + K_SCALE_BASE + (k_grp0 * NUM_KV_HEADS + head) * K_SCALE_CELL
-            k_zrow = k_cache_ptr + k_blk0 * K_ZP_PAGE + K_ZP_BASE + (k_grp0 * NUM_KV_HEADS + head) * K_ZP_CELL
-            k_gs = k_scale_decode(tl.load(k_srow.to(tl.pointer_type(tl.uint16)) + d, mask=dmask, other=0))
-            k_gm = k_zp_decode(tl.load(k_zrow.to(tl.pointer_type(tl.uint16)) + d, mask=dmask, other=0))
+                k_blkg = k_blkg.to(tl.int64)
+            k_grpg = (k_gpos % BLOCK_SIZE) // 32
+            k_srow = k_cache_ptr + k_blkg * K_SCALE_PAGE + K_SCALE_BASE + (k_grpg * NUM_KV_HEADS + head) * K_SCALE_CELL
+            k_zrow = k_cache_ptr + k_blkg * K_ZP_PAGE + K_ZP_BASE + (k_grpg * NUM_KV_HEADS + head) * K_ZP_CELL
+            k_gmask = dmask[None, :]
+            k_gs = k_scale_decode(tl.load(k_srow.to(tl.pointer_type(tl.uint16))[:, None] + d[None, :], mask=k_gmask, other=0))
+            k_gm = k_zp_decode(tl.load(k_zrow.to(tl.pointer_type(tl.uint16))[:, None] + d[None, :], mask=k_gmask, other=0))
             if DOT_K != 0:
-                # operand: code * (scale / 2**e), exact in two fp16 terms; 2**e (the step's largest scale) scales the scores
-                k_tok = pow2_floor(tl.max(k_gs, axis=0))
-                k_op = k_tile * (k_gs * pow2_inv(k_tok))[None, :]
+                # operand: code * (scale / 2**e), 2**e the step's largest scale (it scales the scores): exact in two fp16
+                # terms for scales within 2**14 of it, else off by less than 2**-25 of the step's largest term
+                k_tok = pow2_floor(tl.max(tl.max(k_gs, axis=1), axis=0))
+                k_op = tl.reshape(tl.reshape(k_tile, [BLOCK_N // 32, 32, HEAD_PAD]) * (k_gs * pow2_inv(k_tok))[:, None, :], [BLOCK_N, HEAD_PAD])
             else:
                 k_tok = 1.0
-                k_op = k_tile * k_gs[None, :] + k_gm[None, :]
-                k_gm = tl.zeros_like(k_gm)  # already in the operand
-            # per channel: q . (code * scale + min) = (q . code * scale / 2**e) * 2**e + q . min
-            scores = (mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * k_tok + tl.sum(q * k_gm[None, :], axis=1)[:, None]) * row_scale[:, None]
+                k_op = tl.reshape(tl.reshape(k_tile, [BLOCK_N // 32, 32, HEAD_PAD]) * (k_gs)[:, None, :] + k_gm[:, None, :], [BLOCK_N, HEAD_PAD])
+            # per channel: q . (code * scale + min) = (q . code * scale / 2**e) * 2**e + q . min; the minima (fp16
+            # values: one dot term) per position of their group, a second dot
+            scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * k_tok
+            if DOT_K != 0:  # (exact fp32 dots have the minima in the operand already)
+                k_min = tl.reshape(tl.broadcast_to(k_gm[:, None, :], [BLOCK_N // 32, 32, HEAD_PAD]), [BLOCK_N, HEAD_PAD])
+                scores = scores + mma(q, tl.trans(k_min), DOT_K, Q_TERMS, 1)
+            scores = scores * row_scale[:, None]
             visible = (n[None, :] <= q_pos[:, None])
             visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
             scores = tl.where(visible, scores, float("-inf"))
@@ -574,26 +582,34 @@ def paged_attention_kernel(
                     k_tile = k_decode_dot(k_code, NATIVE_CASTS)
                 else:
                     k_tile = k_decode(k_code)
-            # one scale and minimum per channel for the group of 32 tokens this step holds (steps are
-            # aligned to groups): read once per step at the step's first position
-            k_blk0 = tl.load(block_table_ptr + seq * stride_bt + start // BLOCK_SIZE)
+            # one scale and minimum per channel for each group of 32 tokens this step holds (steps start at group
+            # boundaries and hold BLOCK_N // 32 whole groups): read at each group's first position
+            k_gpos = start + tl.arange(0, BLOCK_N // 32) * 32
+            k_gvalid = k_gpos < paged_hi  # a group past the quantized positions reads nothing
+            k_blkg = tl.load(block_table_ptr + seq * stride_bt + k_gpos // BLOCK_SIZE, mask=k_gvalid, other=0)
             if OFFSETS_64:
-                k_blk0 = k_blk0.to(tl.int64)
-            k_grp0 = (start % BLOCK_SIZE) // 32
-            k_srow = k_cache_ptr + k_blk0 * K_SCALE_PAGE + K_SCALE_BASE + (k_grp0 * NUM_KV_HEADS + head) * K_SCALE_CELL
-            k_zrow = k_cache_ptr + k_blk0 * K_ZP_PAGE + K_ZP_BASE + (k_grp0 * NUM_KV_HEADS + head) * K_ZP_CELL
-            k_gs = k_scale_decode(tl.load(k_srow.to(tl.pointer_type(tl.uint16)) + d, mask=dmask, other=0))
-            k_gm = k_zp_decode(tl.load(k_zrow.to(tl.pointer_type(tl.uint16)) + d, mask=dmask, other=0))
+                k_blkg = k_blkg.to(tl.int64)
+            k_grpg = (k_gpos % BLOCK_SIZE) // 32
+            k_srow = k_cache_ptr + k_blkg * K_SCALE_PAGE + K_SCALE_BASE + (k_grpg * NUM_KV_HEADS + head) * K_SCALE_CELL
+            k_zrow = k_cache_ptr + k_blkg * K_ZP_PAGE + K_ZP_BASE + (k_grpg * NUM_KV_HEADS + head) * K_ZP_CELL
+            k_gmask = k_gvalid[:, None] & dmask[None, :]
+            k_gs = k_scale_decode(tl.load(k_srow.to(tl.pointer_type(tl.uint16))[:, None] + d[None, :], mask=k_gmask, other=0))
+            k_gm = k_zp_decode(tl.load(k_zrow.to(tl.pointer_type(tl.uint16))[:, None] + d[None, :], mask=k_gmask, other=0))
             if DOT_K != 0:
-                # operand: code * (scale / 2**e), exact in two fp16 terms; 2**e (the step's largest scale) scales the scores
-                k_tok = pow2_floor(tl.max(k_gs, axis=0))
-                k_op = k_tile * (k_gs * pow2_inv(k_tok))[None, :]
+                # operand: code * (scale / 2**e), 2**e the step's largest scale (it scales the scores): exact in two fp16
+                # terms for scales within 2**14 of it, else off by less than 2**-25 of the step's largest term
+                k_tok = pow2_floor(tl.max(tl.max(k_gs, axis=1), axis=0))
+                k_op = tl.reshape(tl.reshape(k_tile, [BLOCK_N // 32, 32, HEAD_PAD]) * (k_gs * pow2_inv(k_tok))[:, None, :], [BLOCK_N, HEAD_PAD])
             else:
                 k_tok = 1.0
-                k_op = k_tile * k_gs[None, :] + k_gm[None, :]
-                k_gm = tl.zeros_like(k_gm)  # already in the operand
-            # per channel: q . (code * scale + min) = (q . code * scale / 2**e) * 2**e + q . min
-            scores = (mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * k_tok + tl.sum(q * k_gm[None, :], axis=1)[:, None]) * row_scale[:, None]
+                k_op = tl.reshape(tl.reshape(k_tile, [BLOCK_N // 32, 32, HEAD_PAD]) * (k_gs)[:, None, :] + k_gm[:, None, :], [BLOCK_N, HEAD_PAD])
+            # per channel: q . (code * scale + min) = (q . code * scale / 2**e) * 2**e + q . min; the minima (fp16
+            # values: one dot term) per position of their group, a second dot
+            scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * k_tok
+            if DOT_K != 0:  # (exact fp32 dots have the minima in the operand already)
+                k_min = tl.reshape(tl.broadcast_to(k_gm[:, None, :], [BLOCK_N // 32, 32, HEAD_PAD]), [BLOCK_N, HEAD_PAD])
+                scores = scores + mma(q, tl.trans(k_min), DOT_K, Q_TERMS, 1)
+            scores = scores * row_scale[:, None]
             visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
             visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
             scores = tl.where(visible, scores, float("-inf"))

@@ -14,9 +14,9 @@ CODE_BITS = {"k": 4, "v": 4}  # bits per stored element: the runtime's tile choi
 DOT_OPERANDS = {"k": ("fp16", 1, 32), "v": ("fp16", 1, 32)}
 # dot_precision="quantized": per side, the type of the codes the dots then run on ("": that side keeps its dots)
 QUANTIZED_DOT = {"k": "", "v": ""}
-# KV positions per attention step the kernel requires (keys scaled per channel and token group: one group per step),
-# or None for the runtime's choice
-BLOCK_N_FIXED = None
+# keys scaled per channel and token group: attention steps hold whole groups, so KV positions per step are a multiple
+# of this; None where the runtime's choice is free
+BLOCK_N_GROUP = None
 
 # ---------------------------------------------------------------------------------------------------------------
 # Codecs. key: fp4_e2m1 by bit manipulation: saturate to +-6, round half to even; scales e8m0 per 32 elements, separate
@@ -65,6 +65,14 @@ def k_decode_dot(code, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def k_decode_dot_unscaled(code):
+    # decode_dot without its last multiply: the value times 2**(1 - 15), exact in fp16 (subnormal for the
+    # small codes); the caller folds 2**14 into a factor it applies anyway (codec.dot_factor)
+    c = code.to(tl.uint16)
+    return (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def k_decode_dot_bytes(byte):
     # compiled only (inline PTX): both codes of each byte -> fp16, four bytes per register. The fp16 bits of a code
     # are (magnitude << 9) | (sign << 15), all in the high byte: per byte, magnitude << 1 | sign << 7
@@ -79,6 +87,23 @@ def k_decode_dot_bytes(byte):
         "and.b32 t, $4, 0x80808080; or.b32 h, h, t; "
         "prmt.b32 $0, l, z, 0x1404; prmt.b32 $1, l, z, 0x3424; prmt.b32 $2, h, z, 0x1404; prmt.b32 $3, h, z, 0x3424; "
         "mul.f16x2 $0, $0, k; mul.f16x2 $1, $1, k; mul.f16x2 $2, $2, k; mul.f16x2 $3, $3, k; }",
+        "=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+
+
+@triton.jit
+def k_decode_dot_bytes_unscaled(byte):
+    # compiled only (inline PTX): both codes of each byte -> fp16, four bytes per register. The fp16 bits of a code
+    # are (magnitude << 9) | (sign << 15), all in the high byte: per byte, magnitude << 1 | sign << 7
+    # for the low and the high code at once (shifts and masks on the whole register), then byte permutes put each
+    # under a zero low byte: the values times 2**(1 - 15) (codec.dot_factor folds the rest into the caller's
+    # factors). Returns (low codes, high codes), each shaped like `byte`.
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 l, h, t, z; mov.b32 z, 0; "
+        "shl.b32 l, $4, 1; and.b32 l, l, 0x0E0E0E0E; "
+        "shl.b32 t, $4, 4; and.b32 t, t, 0x80808080; or.b32 l, l, t; "
+        "shr.b32 h, $4, 3; and.b32 h, h, 0x0E0E0E0E; "
+        "and.b32 t, $4, 0x80808080; or.b32 h, h, t; "
+        "prmt.b32 $0, l, z, 0x1404; prmt.b32 $1, l, z, 0x3424; prmt.b32 $2, h, z, 0x1404; prmt.b32 $3, h, z, 0x3424; }",
         "=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
 
 
@@ -141,6 +166,14 @@ def v_decode_dot(code, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def v_decode_dot_unscaled(code):
+    # decode_dot without its last multiply: the value times 2**(1 - 15), exact in fp16 (subnormal for the
+    # small codes); the caller folds 2**14 into a factor it applies anyway (codec.dot_factor)
+    c = code.to(tl.uint16)
+    return (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def v_decode_dot_bytes(byte):
     # compiled only (inline PTX): both codes of each byte -> fp16, four bytes per register. The fp16 bits of a code
     # are (magnitude << 9) | (sign << 15), all in the high byte: per byte, magnitude << 1 | sign << 7
@@ -155,6 +188,23 @@ def v_decode_dot_bytes(byte):
         "and.b32 t, $4, 0x80808080; or.b32 h, h, t; "
         "prmt.b32 $0, l, z, 0x1404; prmt.b32 $1, l, z, 0x3424; prmt.b32 $2, h, z, 0x1404; prmt.b32 $3, h, z, 0x3424; "
         "mul.f16x2 $0, $0, k; mul.f16x2 $1, $1, k; mul.f16x2 $2, $2, k; mul.f16x2 $3, $3, k; }",
+        "=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+
+
+@triton.jit
+def v_decode_dot_bytes_unscaled(byte):
+    # compiled only (inline PTX): both codes of each byte -> fp16, four bytes per register. The fp16 bits of a code
+    # are (magnitude << 9) | (sign << 15), all in the high byte: per byte, magnitude << 1 | sign << 7
+    # for the low and the high code at once (shifts and masks on the whole register), then byte permutes put each
+    # under a zero low byte: the values times 2**(1 - 15) (codec.dot_factor folds the rest into the caller's
+    # factors). Returns (low codes, high codes), each shaped like `byte`.
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 l, h, t, z; mov.b32 z, 0; "
+        "shl.b32 l, $4, 1; and.b32 l, l, 0x0E0E0E0E; "
+        "shl.b32 t, $4, 4; and.b32 t, t, 0x80808080; or.b32 l, l, t; "
+        "shr.b32 h, $4, 3; and.b32 h, h, 0x0E0E0E0E; "
+        "and.b32 t, $4, 0x80808080; or.b32 h, h, t; "
+        "prmt.b32 $0, l, z, 0x1404; prmt.b32 $1, l, z, 0x3424; prmt.b32 $2, h, z, 0x1404; prmt.b32 $3, h, z, 0x3424; }",
         "=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
 
 
@@ -391,7 +441,7 @@ def paged_attention_kernel(
             k_db = tl.arange(0, HEAD_PAD // 2)
             k_byte = tl.load(k_row[:, None] + k_db[None, :], mask=(k_db < HEAD_SIZE // 2)[None, :], other=0)
             if (DOT_K != 0) & NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX)
-                k_f0, k_f1 = k_decode_dot_bytes(k_byte)
+                k_f0, k_f1 = k_decode_dot_bytes_unscaled(k_byte)
                 k_tile = tl.reshape(tl.join(k_f0, k_f1), [BLOCK_N, HEAD_PAD])
             else:
                 k_byte = k_byte.to(tl.uint32)
@@ -399,7 +449,7 @@ def paged_attention_kernel(
                 k_c1 = (k_byte >> 4) & 15
                 k_code = tl.reshape(tl.join(k_c0, k_c1), [BLOCK_N, HEAD_PAD])
                 if DOT_K != 0:  # tensor-core dots: the code's value in their type
-                    k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+                    k_tile = k_decode_dot_unscaled(k_code)  # times 1 / 16384.0: the ratios carry it
                 else:
                     k_tile = k_decode(k_code)
             k_srow = k_meta_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
@@ -410,6 +460,10 @@ def paged_attention_kernel(
             k_bs = k_scale_decode(k_scode)
             k_tok = pow2_floor(tl.max(k_bs, axis=1))
             k_ratio = k_bs * pow2_inv(k_tok)[:, None]
+            if DOT_K != 0:
+                # the codes were decoded without their factor 16384.0 (a power of two): the ratios carry it, which
+                # keeps each product's value (one multiply per block instead of one per code)
+                k_ratio = k_ratio * 16384.0
             k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
             scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
             scores = scores * k_tok[None, :]
@@ -425,7 +479,7 @@ def paged_attention_kernel(
             v_db = tl.arange(0, HEAD_PAD // 2)
             v_byte = tl.load(v_row[:, None] + v_db[None, :], mask=(v_db < HEAD_SIZE // 2)[None, :], other=0)
             if (DOT_V != 0) & NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX)
-                v_f0, v_f1 = v_decode_dot_bytes(v_byte)
+                v_f0, v_f1 = v_decode_dot_bytes_unscaled(v_byte)
                 v_tile = tl.reshape(tl.join(v_f0, v_f1), [BLOCK_N, HEAD_PAD])
             else:
                 v_byte = v_byte.to(tl.uint32)
@@ -433,7 +487,7 @@ def paged_attention_kernel(
                 v_c1 = (v_byte >> 4) & 15
                 v_code = tl.reshape(tl.join(v_c0, v_c1), [BLOCK_N, HEAD_PAD])
                 if DOT_V != 0:  # tensor-core dots: the code's value in their type
-                    v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+                    v_tile = v_decode_dot_unscaled(v_code)  # times 1 / 16384.0: the ratios carry it
                 else:
                     v_tile = v_decode(v_code)
             v_srow = v_meta_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
@@ -444,6 +498,10 @@ def paged_attention_kernel(
             v_bs = v_scale_decode(v_scode)
             v_tok = pow2_floor(tl.max(v_bs, axis=1))
             v_ratio = v_bs * pow2_inv(v_tok)[:, None]
+            if DOT_V != 0:
+                # the codes were decoded without their factor 16384.0 (a power of two): the ratios carry it, which
+                # keeps each product's value (one multiply per block instead of one per code)
+                v_ratio = v_ratio * 16384.0
             v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
             # the per-position value factors enter the probabilities, relative to each query row's largest weight
             # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
@@ -466,7 +524,7 @@ def paged_attention_kernel(
             k_db = tl.arange(0, HEAD_PAD // 2)
             k_byte = tl.load(k_row[:, None] + k_db[None, :], mask=n_mask[:, None] & (k_db < HEAD_SIZE // 2)[None, :], other=0)
             if (DOT_K != 0) & NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX)
-                k_f0, k_f1 = k_decode_dot_bytes(k_byte)
+                k_f0, k_f1 = k_decode_dot_bytes_unscaled(k_byte)
                 k_tile = tl.reshape(tl.join(k_f0, k_f1), [BLOCK_N, HEAD_PAD])
             else:
                 k_byte = k_byte.to(tl.uint32)
@@ -474,7 +532,7 @@ def paged_attention_kernel(
                 k_c1 = (k_byte >> 4) & 15
                 k_code = tl.reshape(tl.join(k_c0, k_c1), [BLOCK_N, HEAD_PAD])
                 if DOT_K != 0:  # tensor-core dots: the code's value in their type
-                    k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+                    k_tile = k_decode_dot_unscaled(k_code)  # times 1 / 16384.0: the ratios carry it
                 else:
                     k_tile = k_decode(k_code)
             k_srow = k_meta_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
@@ -485,6 +543,10 @@ def paged_attention_kernel(
             k_bs = k_scale_decode(k_scode)
             k_tok = pow2_floor(tl.max(k_bs, axis=1))
             k_ratio = k_bs * pow2_inv(k_tok)[:, None]
+            if DOT_K != 0:
+                # the codes were decoded without their factor 16384.0 (a power of two): the ratios carry it, which
+                # keeps each product's value (one multiply per block instead of one per code)
+                k_ratio = k_ratio * 16384.0
             k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
             scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
             scores = scores * k_tok[None, :]
@@ -500,7 +562,7 @@ def paged_attention_kernel(
             v_db = tl.arange(0, HEAD_PAD // 2)
             v_byte = tl.load(v_row[:, None] + v_db[None, :], mask=n_mask[:, None] & (v_db < HEAD_SIZE // 2)[None, :], other=0)
             if (DOT_V != 0) & NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX)
-                v_f0, v_f1 = v_decode_dot_bytes(v_byte)
+                v_f0, v_f1 = v_decode_dot_bytes_unscaled(v_byte)
                 v_tile = tl.reshape(tl.join(v_f0, v_f1), [BLOCK_N, HEAD_PAD])
             else:
                 v_byte = v_byte.to(tl.uint32)
@@ -508,7 +570,7 @@ def paged_attention_kernel(
                 v_c1 = (v_byte >> 4) & 15
                 v_code = tl.reshape(tl.join(v_c0, v_c1), [BLOCK_N, HEAD_PAD])
                 if DOT_V != 0:  # tensor-core dots: the code's value in their type
-                    v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+                    v_tile = v_decode_dot_unscaled(v_code)  # times 1 / 16384.0: the ratios carry it
                 else:
                     v_tile = v_decode(v_code)
             v_srow = v_meta_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
@@ -519,6 +581,10 @@ def paged_attention_kernel(
             v_bs = v_scale_decode(v_scode)
             v_tok = pow2_floor(tl.max(v_bs, axis=1))
             v_ratio = v_bs * pow2_inv(v_tok)[:, None]
+            if DOT_V != 0:
+                # the codes were decoded without their factor 16384.0 (a power of two): the ratios carry it, which
+                # keeps each product's value (one multiply per block instead of one per code)
+                v_ratio = v_ratio * 16384.0
             v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
             # the per-position value factors enter the probabilities, relative to each query row's largest weight
             # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
