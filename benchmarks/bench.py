@@ -16,7 +16,12 @@ JSON, and a PNG of decode time against context length per format.
 
 times each attention and write call captured in a CUDA graph, as engines run decode: what is left is the GPU's time
 without the host's per-call launch work (attention at these shapes took the same time both ways on the H200, third
-session of 2026-11-30; writes were first captured in the fifth session, without a GPU run yet).
+session of 2026-11-30; writes as graph replays: benchmarks/RESULTS.md, sixth session).
+
+Every shipped format with the sweep takes a little over 10 minutes on the H200 (sixth session: cut at 575 s in
+the last format's sweep), past the device tool's limit per command: split the formats over two runs. The results
+files are rewritten after each format, so a run cut short keeps what it finished; each row and sweep is also
+printed as it is measured.
 """
 
 from __future__ import annotations
@@ -176,6 +181,29 @@ def plot_sweep(sweep: dict, contexts: list, meta: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def write_results(out: Path, rows: list, sweep: dict, meta: dict, final: bool = False) -> None:
+    """results.json and results.md (and the chart, when the run is over) under ``out``; ``vs_bf16`` is filled in
+    for every row whose shape bf16 has measured."""
+    base = {(r["kind"], r["shape"]): r["time_us"] for r in rows if r["format"] == "bf16"}
+    for r in rows:
+        b = base.get((r["kind"], r["shape"]))
+        r["vs_bf16"] = r["time_us"] / b if b else None
+    (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows, sweep=sweep, sweep_ctx=SWEEP), indent=1))
+    lines = [f"Measured {meta['date']} on {meta['gpu']} (torch {meta['torch']}, triton {meta['triton']}, Python "
+             f"{meta['python']}); copy bandwidth {meta['copy_gbps']:.0f} GB/s (read + write, 2 GiB). Command: "
+             f"`{meta['command']}`.", "",
+             "| format | kind | shape | median us | MB moved | GB/s | of copy bw | vs bf16 |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        vs = f"{r['vs_bf16']:.2f}" if r["vs_bf16"] else "-"
+        lines.append(f"| {r['format']} | {r['kind']} | {r['shape']} | {r['time_us']:.0f} | {r['bytes'] / 1e6:.0f} | "
+                     f"{r['gbps']:.0f} | {100 * r['frac']:.0f}% | {vs} |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    if final:
+        if sweep:
+            plot_sweep(sweep, SWEEP, meta, out / "decode_vs_context.png")
+        print("\n".join(lines))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--formats", nargs="*", default=None)
@@ -200,6 +228,10 @@ def main() -> int:
     names = args.formats or kvgen.shipped_names()
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth: {copy_bw / 1e9:.0f} GB/s", flush=True)
+    meta = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=__import__("triton").__version__, python=platform.python_version(),
+                copy_gbps=copy_bw / 1e9, command="python benchmarks/bench.py " + " ".join(sys.argv[1:]),
+                dot_precision=DOT, cuda_graphs=GRAPHS)
     rows = []
     shapes = ([("decode", f"{n}x{c}", n, c, D, None, 1) for n, c in DECODE_SHAPES]
               + [("decode", label, n, c, hs, bs, 1) for label, n, c, hs, bs in EXTRA_DECODE]
@@ -238,28 +270,11 @@ def main() -> int:
                 fn, _ = decode_case(fmt, 4, ctx, bs)
                 sweep[name].append(bench(fn) * 1e6)
                 del fn
+            print(f"{name} sweep (4 sequences; us):", dict(zip(SWEEP, (round(t, 1) for t in sweep[name]))),
+                  flush=True)
             torch.cuda.empty_cache()
-    base = {(r["kind"], r["shape"]): r["time_us"] for r in rows if r["format"] == "bf16"}
-    for r in rows:
-        b = base.get((r["kind"], r["shape"]))
-        r["vs_bf16"] = r["time_us"] / b if b else None
-    meta = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=__import__("triton").__version__, python=platform.python_version(),
-                copy_gbps=copy_bw / 1e9, command="python benchmarks/bench.py " + " ".join(sys.argv[1:]), dot_precision=DOT,
-                cuda_graphs=GRAPHS)
-    (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows, sweep=sweep, sweep_ctx=SWEEP), indent=1))
-    lines = [f"Measured {meta['date']} on {meta['gpu']} (torch {meta['torch']}, triton {meta['triton']}, Python "
-             f"{meta['python']}); copy bandwidth {meta['copy_gbps']:.0f} GB/s (read + write, 2 GiB). Command: "
-             f"`{meta['command']}`.", "",
-             "| format | kind | shape | median us | MB moved | GB/s | of copy bw | vs bf16 |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        vs = f"{r['vs_bf16']:.2f}" if r["vs_bf16"] else "-"
-        lines.append(f"| {r['format']} | {r['kind']} | {r['shape']} | {r['time_us']:.0f} | {r['bytes'] / 1e6:.0f} | "
-                     f"{r['gbps']:.0f} | {100 * r['frac']:.0f}% | {vs} |")
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    if sweep:
-        plot_sweep(sweep, SWEEP, meta, out / "decode_vs_context.png")
-    print("\n".join(lines))
+        write_results(out, rows, sweep, meta)  # a run cut short keeps the formats it finished
+    write_results(out, rows, sweep, meta, final=True)
     return 0
 
 
