@@ -93,8 +93,8 @@ def stubbed_launches(fmt):
 
     captured: dict = {}
     kset = fmt._kernels
-    names = [n for n in ("paged_attention_kernel", "reduce_splits_kernel", "reshape_and_cache_kernel")
-             if hasattr(kset.module, n)]
+    names = [n for n in ("paged_attention_kernel", "reduce_splits_kernel", "reshape_and_cache_kernel",
+                         "kivi_flush_kernel", "kivi_residual_kernel") if hasattr(kset.module, n)]
 
     class Capture:
         def __init__(self, name):
