@@ -21,7 +21,8 @@ session of 2026-11-30; writes as graph replays: benchmarks/RESULTS.md, sixth ses
 Every shipped format with the sweep takes a little over 10 minutes on the H200 (sixth session: cut at 575 s in
 the last format's sweep), past the device tool's limit per command: split the formats over two runs. The results
 files are rewritten after each format, so a run cut short keeps what it finished; each row and sweep is also
-printed as it is measured.
+printed as it is measured. `--replot A/results.json B/results.json --out DIR` merges such runs into one table
+and chart.
 """
 
 from __future__ import annotations
@@ -181,11 +182,34 @@ def plot_sweep(sweep: dict, contexts: list, meta: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def write_results(out: Path, rows: list, sweep: dict, meta: dict, final: bool = False) -> None:
-    """results.json and results.md (and the chart, when the run is over) under ``out``; ``vs_bf16`` is filled in
-    for every row whose shape bf16 has measured."""
+def merge_runs(runs: list, paths: list) -> tuple[list, dict, dict]:
+    """Rows, sweep and metadata of several runs' results.json as one: rows in run order, a case (format, kind,
+    shape) measured twice taken from the first run; each row keeps the bf16 ratio of its own run."""
+    for field in ("gpu", "dot_precision", "cuda_graphs"):
+        if len({str(r["meta"].get(field)) for r in runs}) > 1:
+            raise SystemExit(f"--replot: the runs differ in {field}; they cannot share one table")
+    if len({tuple(r["sweep_ctx"]) for r in runs}) > 1:
+        raise SystemExit("--replot: the runs swept different context lengths")
+    rows, seen, sweep = [], set(), {}
+    for run in runs:
+        for r in run["rows"]:
+            case = (r["format"], r["kind"], r["shape"])
+            if case not in seen:
+                seen.add(case)
+                rows.append(r)
+        for name, times in run["sweep"].items():
+            sweep.setdefault(name, times)
+    meta = dict(runs[0]["meta"])
+    meta["command"] = " + ".join(r["meta"]["command"] for r in runs) + " (merged: python benchmarks/bench.py --replot " + " ".join(map(str, paths)) + ")"
+    meta["copy_gbps"] = min(r["meta"]["copy_gbps"] for r in runs)
+    return rows, sweep, meta
+
+
+def write_results(out: Path, rows: list, sweep: dict, meta: dict, final: bool = False, ratios: bool = True) -> None:
+    """results.json and results.md (and the chart, when the run is over) under ``out``; with ``ratios``, ``vs_bf16``
+    is filled in for every row whose shape bf16 has measured (else the rows keep theirs)."""
     base = {(r["kind"], r["shape"]): r["time_us"] for r in rows if r["format"] == "bf16"}
-    for r in rows:
+    for r in rows if ratios else ():
         b = base.get((r["kind"], r["shape"]))
         r["vs_bf16"] = r["time_us"] / b if b else None
     (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows, sweep=sweep, sweep_ctx=SWEEP), indent=1))
@@ -214,11 +238,20 @@ def main() -> int:
                              "quantized compute domain where the format offers it")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="time kvgen's attention and writes as CUDA graph replays (no host launch cost per call)")
-    parser.add_argument("--replot", metavar="JSON", help="only redraw the chart of an earlier run's results.json")
+    parser.add_argument("--replot", metavar="JSON", nargs="+",
+                        help="only redraw the chart of an earlier run's results.json; with several, merge the runs "
+                             "(each row keeps its own run's bf16 ratio; the first run's row wins where two measured "
+                             "the same case) into --out")
     args = parser.parse_args()
     if args.replot:
-        saved = json.loads(Path(args.replot).read_text())
-        plot_sweep(saved["sweep"], saved["sweep_ctx"], saved["meta"], Path(args.replot).with_suffix(".png"))
+        runs = [json.loads(Path(p).read_text()) for p in args.replot]
+        if len(runs) == 1:
+            plot_sweep(runs[0]["sweep"], runs[0]["sweep_ctx"], runs[0]["meta"], Path(args.replot[0]).with_suffix(".png"))
+            return 0
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        rows, sweep, meta = merge_runs(runs, args.replot)
+        write_results(out, rows, sweep, meta, final=True, ratios=False)
         return 0
     global DOT, GRAPHS
     DOT = args.dot_precision
