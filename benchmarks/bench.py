@@ -89,9 +89,11 @@ def fill_random(cache) -> None:
                                                     device=t.device))
 
 
-def decode_case(fmt, num_seqs: int, ctx: int, block_size: int, head_size: int = D, q_len: int = 1):
+def decode_case(fmt, num_seqs: int, ctx: int, block_size: int, head_size: int = D, q_len: int = 1,
+                planned: bool = False):
     """A cache holding num_seqs sequences of ctx tokens, and the arguments of one attention step with q_len new
-    tokens per sequence (1: decode)."""
+    tokens per sequence (1: decode). ``planned``: the step as an engine runs it per layer, ``plan.run`` of a plan
+    made once (Format.plan_attention)."""
     torch.manual_seed(0)  # the same block table and bytes in every run: runs of one shape compare
     blocks_per_seq = math.ceil(ctx / block_size)
     num_blocks = num_seqs * blocks_per_seq
@@ -114,6 +116,12 @@ def decode_case(fmt, num_seqs: int, ctx: int, block_size: int, head_size: int = 
         bytes_read = (num_seqs * (quantized // block_size) * fmt.page_bytes(block_size, HKV, head_size)
                       + num_seqs * (ctx - quantized) * HKV * head_size * 2 * cache.tensors["k_residual"].element_size())
     fn = lambda: fmt.attend(q, cache, table, seq_lens, qsl, **kwargs)  # noqa: E731
+    if planned:  # planned on a cache of the same geometry, run on this one: as an engine's later layers run
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            first = fmt.allocate(num_blocks, block_size, HKV, head_size, device="cuda", **extra)
+        plan = fmt.plan_attention(q, first, table, seq_lens, qsl, **kwargs)
+        fn = lambda: plan.run(q, cache)  # noqa: E731
     return (graphed(fn) if GRAPHS else fn), bytes_read
 
 

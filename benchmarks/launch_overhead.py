@@ -59,8 +59,9 @@ def python_only(names: list, calls: int) -> None:
     os.environ["TRITON_INTERPRET"] = "0"
     from sass_count import stubbed_launches
 
-    print("| format | attend, us per call | write of 4 tokens, us per call | FastLaunch of the attention kernel, us |")
-    print("|---|---|---|---|")
+    print("| format | attend, us per call | attend through a plan (plan.run on another layer's cache), us per call | "
+          "write of 4 tokens, us per call | FastLaunch of the attention kernel, us |")
+    print("|---|---|---|---|---|")
     for name in names:
         fmt = kvgen.load(name)
         with warnings.catch_warnings():
@@ -74,14 +75,20 @@ def python_only(names: list, calls: int) -> None:
         write = lambda: fmt.write(cache, kv, kv, torch.arange(4))  # noqa: E731
         times = []
         with stubbed_launches(fmt):
-            for fn in (attend, write):
+            plan = fmt.plan_attention(q, cache, table, lens, starts, max_query_len=1)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                layer = fmt.allocate(8, 16, 8, 128)  # another layer's cache: checked on each run, as engines run
+            planned = lambda: plan.run(q, layer)  # noqa: E731
+            for fn in (attend, planned, write):
                 for _ in range(100):
                     fn()
                 t = time.perf_counter()
                 for _ in range(calls):
                     fn()
                 times.append((time.perf_counter() - t) / calls * 1e6)
-        print(f"| {name} | {times[0]:.1f} | {times[1]:.1f} | {fast_launch_us(fmt, attend, calls):.1f} |", flush=True)
+        print(f"| {name} | {times[0]:.1f} | {times[1]:.1f} | {times[2]:.1f} | {fast_launch_us(fmt, attend, calls):.1f} |",
+              flush=True)
 
 
 def fast_launch_us(fmt, attend, calls: int) -> float:
@@ -175,14 +182,15 @@ def main() -> int:
           f"{host_us(lambda: torch.empty((4, 32, 128), dtype=torch.bfloat16, device='cuda'), args.calls):.1f} us")
     print("Host us per call; \"direct\": kvgen's launch of the compiled binary (runtime/launch.py), \"Triton\": "
           "Triton's own launch (KVGEN_FAST_LAUNCH=0)\n")
-    print("| format | attend, direct | attend, Triton | attend, CUDA graph replay | write 4 tokens, direct | "
-          "write 4 tokens, Triton |")
-    print("|---|---|---|---|---|---|")
+    print("| format | attend, direct | attend, Triton | attend through a plan, direct | attend, CUDA graph replay | "
+          "write 4 tokens, direct | write 4 tokens, Triton |")
+    print("|---|---|---|---|---|---|---|")
     for name in args.formats:
         fmt = kvgen.load(name)
         block = fmt.layout.RESIDUAL["group"] if fmt.spec.streaming else 16
         bench.GRAPHS = False
         attend, _ = bench.decode_case(fmt, 4, 64, block)
+        planned, _ = bench.decode_case(fmt, 4, 64, block, planned=True)
         write, _ = bench.write_case(fmt, 4, block)
         graph = bench.graphed(attend)
         times = {}
@@ -190,8 +198,8 @@ def main() -> int:
             launch.FAST_LAUNCH = fast
             times[fast] = host_us(attend, args.calls), host_us(write, args.calls)
         launch.FAST_LAUNCH = FAST
-        print(f"| {name} | {times[True][0]:.1f} | {times[False][0]:.1f} | {host_us(graph, args.calls):.1f} | "
-              f"{times[True][1]:.1f} | {times[False][1]:.1f} |", flush=True)
+        print(f"| {name} | {times[True][0]:.1f} | {times[False][0]:.1f} | {host_us(planned, args.calls):.1f} | "
+              f"{host_us(graph, args.calls):.1f} | {times[True][1]:.1f} | {times[False][1]:.1f} |", flush=True)
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import types
 import warnings
 from typing import Optional, Union
@@ -195,6 +196,19 @@ class Format:
             if t.data_ptr() % 16:
                 raise ValueError(f"cache: tensor {name!r} starts at an address that is not a multiple of 16 bytes; "
                                  "the kernels read its fields as aligned words (allocate() returns aligned tensors)")
+        residual = self.layout.RESIDUAL
+        if residual is not None:  # [max_seqs, ring, heads, head] each, the same max_seqs
+            k = cache.tensors.get("k_residual")
+            rows = k.shape[0] if isinstance(k, torch.Tensor) and k.dim() == 4 else None
+            shape = (rows, residual["ring"], cache.num_kv_heads, cache.head_size)
+            want = STORAGE_TORCH_DTYPES[residual["dtype"]]
+            for name in ("k_residual", "v_residual"):
+                t = cache.tensors.get(name)
+                if t is None or rows is None or tuple(t.shape) != shape or t.dtype != want or not t.is_contiguous():
+                    got = "missing" if t is None else f"{tuple(t.shape)} {t.dtype}"
+                    raise ValueError(f"cache: tensor {name!r} is {got}, expected a contiguous "
+                                     f"[max_seqs, {residual['ring']}, {cache.num_kv_heads}, {cache.head_size}] {want} "
+                                     "(the same max_seqs for K and V)")
 
     def _kernel_args(self, cache: KVCache) -> tuple[dict, dict]:
         """Pointer arguments and constexprs shared by both kernels, from the generated layout."""
@@ -346,6 +360,40 @@ class Format:
         (optional) bounds the KV length for splitting long sequences across programs (default: what the block table
         can address); ``num_splits`` overrides that split (1 = none).
         """
+        launch, ptrs = self._plan(query, cache, block_table, seq_lens, query_start_loc, sm_scale, sliding_window,
+                                  max_query_len, seq_ids, dot_precision, max_seq_len, num_splits, out)
+        if out is None:
+            out = torch.empty_like(query)
+        if launch is not None:
+            self._kernels.run_attend(launch, query, out, ptrs)
+        return out
+
+    def plan_attention(self, query: torch.Tensor, cache: KVCache, block_table: torch.Tensor,
+                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, sm_scale: Optional[float] = None,
+                       sliding_window: Optional[int] = None, max_query_len: Optional[int] = None,
+                       seq_ids: Optional[torch.Tensor] = None, dot_precision: str = "auto",
+                       max_seq_len: Optional[int] = None, num_splits: Optional[int] = None) -> AttentionPlan:
+        """``attend`` in two steps, for engines that run one batch through many layers: the batch's checks, tile,
+        split and launch arguments once per step, then ``plan.run(query, cache)`` per layer, which checks only the
+        query, the output and the cache against what was planned and launches. Arguments as for ``attend``;
+        ``query`` and ``cache`` stand for every layer's (the same shape, dtype, device and cache geometry).
+
+        The plan keeps references to ``block_table``, ``seq_lens``, ``query_start_loc`` (and ``seq_ids``): runs
+        read their contents at launch, so they may be updated in place, but a batch of other sizes (sequences,
+        query tokens, the longest query, the block table's width) needs a new plan, and so do another
+        ``sm_scale``, ``sliding_window`` or ``dot_precision`` (layers with and without a window: one plan each).
+        Runs of one plan share its scratch for split sequences, allocated on the stream current at planning: run
+        them on that stream, one after another (as layers run), and keep the plan alive while a CUDA graph that
+        captured one of its runs may replay.
+        """
+        return AttentionPlan(self, query, cache, *self._plan(
+            query, cache, block_table, seq_lens, query_start_loc, sm_scale, sliding_window, max_query_len, seq_ids,
+            dot_precision, max_seq_len, num_splits, None))
+
+    def _plan(self, query, cache, block_table, seq_lens, query_start_loc, sm_scale, sliding_window, max_query_len,
+              seq_ids, dot_precision, max_seq_len, num_splits, out) -> tuple:
+        """attend's checks (``out`` too, when given) and its launch: (KernelSet.plan_attend's AttentionLaunch, or
+        None for an empty batch; the cache's pointer arguments)."""
         self._check_cache(cache)
         dev = cache.device
         query = checks.tensor("query", query, dtypes=checks.INPUT_DTYPES, ndim=3, device=dev)
@@ -382,14 +430,12 @@ class Format:
         if checks.costly_checks_on(block_table, seq_lens, query_start_loc):
             checks.attention_ranges(block_table, seq_lens, query_start_loc, cache.num_blocks, cache.block_size,
                                     num_tokens, max_query_len)
-        if out is None:
-            out = torch.empty_like(query)
-        else:
+        if out is not None:
             out = checks.tensor("out", out, dtypes=(query.dtype,), ndim=3, device=dev)
             checks.shape("out", out, tuple(query.shape), "query's")
             checks.last_dim_contiguous("out", out)
         if num_tokens == 0 or num_seqs == 0:
-            return out
+            return None, None
         if max_query_len is None:
             max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
         ptrs, consts = self._kernel_args(cache)
@@ -405,15 +451,20 @@ class Format:
             seq_ids = checks.index_tensor("seq_ids", seq_ids, ndim=1, device=dev, dtypes=(torch.int32,))
             if seq_ids.shape[0] != num_seqs:
                 raise ValueError(f"seq_ids: has {seq_ids.shape[0]} entries for {num_seqs} sequences")
+            if checks.costly_checks_on(seq_ids):
+                max_rows = cache.tensors["k_residual"].shape[0]
+                if int(seq_ids.min()) < 0 or int(seq_ids.max()) >= max_rows:
+                    raise ValueError(f"seq_ids: must be in [0, {max_rows}) (max_seqs of allocate)")
             extra = dict(seq_ids_ptr=seq_ids, TOKEN_GROUP=residual["group"], RESIDUAL=residual["tokens"],
                          RING=residual["ring"])
         elif seq_ids is not None:
             raise ValueError(f"seq_ids: format {self.name} has no residual window")
-        self._kernels.attend(query, out, block_table, seq_lens, query_start_loc, qk_scale, sliding_window or 0,
-                             max_query_len, ptrs, consts, extra, dot_precision=dot_precision,
-                             rotated_keys=self.spec.key.rotation is not None, max_seq_len=max_seq_len,
-                             num_splits=num_splits)
-        return out
+        launch = self._kernels.plan_attend(query, block_table, seq_lens, query_start_loc, qk_scale,
+                                           sliding_window or 0, max_query_len, ptrs, consts, extra,
+                                           dot_precision=dot_precision,
+                                           rotated_keys=self.spec.key.rotation is not None,
+                                           max_seq_len=max_seq_len, num_splits=num_splits)
+        return launch, ptrs
 
     # -- description ------------------------------------------------------------------------------------------
     def describe(self, block_size: int = 16, num_kv_heads: int = 8, head_size: int = 128) -> dict:
@@ -493,3 +544,72 @@ def rotation_signs(seed: int, head_size: int, device: torch.device) -> torch.Ten
         bits = np.random.default_rng(seed).integers(0, 2, size=head_size)
         _SIGNS[key] = torch.from_numpy((1 - 2 * bits).astype(np.float32)).to(device)
     return _SIGNS[key]
+
+
+class AttentionPlan:
+    """A planned attention call (``Format.plan_attention``): ``run(query, cache, out=None)`` per layer."""
+
+    def __init__(self, fmt: Format, query: torch.Tensor, cache: KVCache, launch, ptrs: Optional[dict] = None):
+        self.format = fmt
+        self._launch = launch  # None: an empty batch, nothing to launch
+        self._query = (tuple(query.shape), query.dtype, query.device)
+        self._geometry = self._geometry_of(cache)
+        # caches seen by this plan, by id: (the cache, its tensor names, the tensors, their pointer arguments).
+        # An entry holds only while the cache still holds the same tensor objects (checked on every run).
+        self._caches: dict = {}
+        if launch is not None:
+            self._remember(cache, ptrs)
+
+    def __repr__(self) -> str:
+        shape, dtype, _ = self._query
+        return f"AttentionPlan({self.format.name}, query {list(shape)} {dtype})"
+
+    @staticmethod
+    def _geometry_of(cache: KVCache) -> tuple:
+        res = cache.tensors.get("k_residual")
+        return (cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_size, cache.device,
+                None if res is None else res.shape[0])
+
+    def _remember(self, cache: KVCache, ptrs: dict) -> None:
+        self._caches[id(cache)] = (cache, tuple(cache.tensors), tuple(cache.tensors.values()), ptrs)
+
+    def _pointers(self, cache: KVCache) -> dict:
+        """The cache's pointer arguments: remembered for a cache that still holds the tensors it was checked with,
+        else checked against the plan and remembered."""
+        seen = self._caches.get(id(cache))
+        if seen is not None and seen[0] is cache:
+            tensors = cache.tensors
+            if tuple(tensors) == seen[1] and all(map(operator.is_, tensors.values(), seen[2])):
+                return seen[3]
+        self.format._check_cache(cache)
+        geometry = self._geometry_of(cache)
+        if geometry != self._geometry:
+            raise ValueError(f"cache: {geometry[:4]} blocks / block size / KV heads / head size on {geometry[4]} "
+                             f"(residual rows {geometry[5]}), but the plan was made for {self._geometry[:4]} on "
+                             f"{self._geometry[4]} (residual rows {self._geometry[5]}): plan again for this cache")
+        ptrs = self.format._kernel_args(cache)[0]
+        self._remember(cache, ptrs)
+        return ptrs
+
+    def run(self, query: torch.Tensor, cache: KVCache, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Attention of ``query`` over ``cache`` (one layer) with the planned batch; returns ``out`` (a new tensor
+        of the query's shape and dtype when None)."""
+        ptrs = self._pointers(cache) if self._launch is not None else None
+        if self._launch is None:  # an empty batch: the cache is still checked
+            self.format._check_cache(cache)
+        shape, dtype, device = self._query
+        if not isinstance(query, torch.Tensor):
+            raise ValueError(f"query: expected a torch.Tensor, got {type(query).__name__}")
+        if tuple(query.shape) != shape or query.dtype != dtype or query.device != device:
+            raise ValueError(f"query: {list(query.shape)} {query.dtype} on {query.device}, but the plan was made "
+                             f"for {list(shape)} {dtype} on {device}: plan again for this batch")
+        checks.last_dim_contiguous("query", query)
+        if out is None:
+            out = torch.empty_like(query)
+        else:
+            out = checks.tensor("out", out, dtypes=(query.dtype,), ndim=3, device=device)
+            checks.shape("out", out, shape, "query's")
+            checks.last_dim_contiguous("out", out)
+        if self._launch is not None:
+            self.format._kernels.run_attend(self._launch, query, out, ptrs)
+        return out

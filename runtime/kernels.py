@@ -6,6 +6,7 @@ import importlib.util
 import os
 import sys
 import types
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -110,6 +111,17 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+class AttentionLaunch(NamedTuple):
+    """A planned attention call (KernelSet.plan_attend): the attention kernel's grid and every argument but the
+    query, the output and the cache's tensors; the split scratch; the reduction's constexprs (None: one split)."""
+
+    grid: tuple
+    kwargs: dict
+    part: Optional[torch.Tensor]
+    ml: Optional[torch.Tensor]
+    reduce: Optional[dict]
+
+
 class KernelSet:
     """The kernels module of one generated package, imported on first use."""
 
@@ -201,6 +213,16 @@ class KernelSet:
     def attend(self, query, out, block_table, seq_lens, query_start_loc, qk_scale, window, max_query_len,
                tensors: dict, consts: dict, extra: dict | None = None, dot_precision: str = "auto",
                rotated_keys: bool = False, max_seq_len: int | None = None, num_splits: int | None = None) -> None:
+        launch = self.plan_attend(query, block_table, seq_lens, query_start_loc, qk_scale, window, max_query_len,
+                                  tensors, consts, extra, dot_precision, rotated_keys, max_seq_len, num_splits)
+        self.run_attend(launch, query, out, tensors)
+
+    def plan_attend(self, query, block_table, seq_lens, query_start_loc, qk_scale, window, max_query_len,
+                    tensors: dict, consts: dict, extra: dict | None = None, dot_precision: str = "auto",
+                    rotated_keys: bool = False, max_seq_len: int | None = None,
+                    num_splits: int | None = None) -> AttentionLaunch:
+        """Everything an attention call launches except the query, the output and the cache's tensors: what
+        ``run_attend`` needs for any query of ``query``'s shape and dtype over caches of ``tensors``' geometry."""
         self._check_device(tensors["k_cache_ptr"])
         num_tokens, num_q_heads, _ = query.shape
         group = num_q_heads // consts["NUM_KV_HEADS"]
@@ -228,26 +250,37 @@ class KernelSet:
         chunk = triton_cdiv(triton_cdiv(max(max_kv, 1), num_splits), block_n) * block_n
         # 32-bit byte offsets (fewer instructions) unless a cache tensor is too large for them
         offsets_64 = max(tensors[f].numel() for f in ("k_cache_ptr", "v_cache_ptr", "k_meta_ptr", "v_meta_ptr")) >= 2**31
-        if num_splits > 1:
+        part = ml = None
+        if num_splits > 1:  # one scratch per plan: the calls of a plan run one after another on the stream
             part = torch.empty((num_tokens, num_q_heads, num_splits, consts["HEAD_PAD"]), dtype=torch.float32,
                                device=query.device)
             ml = torch.empty((num_tokens, num_q_heads, num_splits, 2), dtype=torch.float32, device=query.device)
-        else:
-            part = ml = out  # not read
-        self.launch("paged_attention_kernel")(
-            (num_seqs * num_q_tiles, consts["NUM_KV_HEADS"], num_splits), query, out, part, ml,
-            block_table_ptr=block_table, seq_lens_ptr=seq_lens,
-            query_start_loc_ptr=query_start_loc, qk_scale=qk_scale * LOG2E, window=window, num_q_tiles=num_q_tiles,
-            chunk=chunk, stride_qt=query.stride(0), stride_qh=query.stride(1), stride_ot=out.stride(0),
-            stride_oh=out.stride(1), stride_bt=block_table.stride(0), GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q,
-            BLOCK_N=block_n, NUM_SPLITS=num_splits, OFFSETS_64=offsets_64, **dots, **tensors, **consts, **(extra or {}),
-            **tiles,
+        kwargs = dict(
+            block_table_ptr=block_table, seq_lens_ptr=seq_lens, query_start_loc_ptr=query_start_loc,
+            qk_scale=qk_scale * LOG2E, window=window, num_q_tiles=num_q_tiles, chunk=chunk,
+            stride_bt=block_table.stride(0), GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
+            NUM_SPLITS=num_splits, OFFSETS_64=offsets_64, **dots, **consts, **(extra or {}), **tiles,
         )
+        reduce = None
         if num_splits > 1:
+            reduce = dict(NUM_SPLITS=num_splits, SPLITS_PAD=_next_pow2(num_splits), HEAD_SIZE=consts["HEAD_SIZE"],
+                          HEAD_PAD=consts["HEAD_PAD"])
+        return AttentionLaunch(grid=(num_seqs * num_q_tiles, consts["NUM_KV_HEADS"], num_splits),
+                               kwargs=kwargs, part=part, ml=ml, reduce=reduce)
+
+    def run_attend(self, launch: AttentionLaunch, query, out, tensors: dict) -> None:
+        """Launch a planned attention call on ``query`` (the planned shape and dtype) into ``out``, over the cache
+        whose pointer arguments are ``tensors``."""
+        part = out if launch.part is None else launch.part  # not read without splits
+        ml = out if launch.ml is None else launch.ml
+        self.launch("paged_attention_kernel")(
+            launch.grid, query, out, part, ml, stride_qt=query.stride(0), stride_qh=query.stride(1),
+            stride_ot=out.stride(0), stride_oh=out.stride(1), **tensors, **launch.kwargs,
+        )
+        if launch.reduce is not None:
             self.launch("reduce_splits_kernel")(
-                (num_tokens, num_q_heads), part, ml, out, out.stride(0), out.stride(1), num_q_heads,
-                NUM_SPLITS=num_splits,
-                SPLITS_PAD=_next_pow2(num_splits), HEAD_SIZE=consts["HEAD_SIZE"], HEAD_PAD=consts["HEAD_PAD"],
+                (query.shape[0], query.shape[1]), part, ml, out, out.stride(0), out.stride(1), query.shape[1],
+                **launch.reduce,
             )
 
     def _cached_dot_modes(self, *key) -> dict:

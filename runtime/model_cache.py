@@ -79,6 +79,33 @@ class ModelKVCache:
                query_start_loc: torch.Tensor, **kwargs) -> torch.Tensor:
         return self.formats[layer].attend(query, self.layers[layer], block_table, seq_lens, query_start_loc, **kwargs)
 
+    def plan_attention(self, query: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                       query_start_loc: torch.Tensor, **kwargs) -> "ModelAttentionPlan":
+        """One step's attention for every layer: ``Format.plan_attention`` once per distinct format (``query``
+        stands for every layer's), then ``plan.run(layer, query)`` per layer. Keyword arguments as for
+        ``Format.plan_attention``."""
+        plans: dict[int, object] = {}
+        by_format: dict[int, object] = {}
+        for i, fmt in enumerate(self.formats):
+            if id(fmt) not in by_format:
+                by_format[id(fmt)] = fmt.plan_attention(query, self.layers[i], block_table, seq_lens,
+                                                        query_start_loc, **kwargs)
+            plans[i] = by_format[id(fmt)]
+        return ModelAttentionPlan(self, plans)
+
+
+class ModelAttentionPlan:
+    """A step's attention planned for every layer of a ModelKVCache: ``run(layer, query, out=None)``."""
+
+    def __init__(self, model: ModelKVCache, plans: dict):
+        self.model = model
+        self._plans = plans
+
+    def run(self, layer: int, query: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if not isinstance(layer, int) or not 0 <= layer < len(self.model):
+            raise ValueError(f"layer: {layer!r} is not a layer index in [0, {len(self.model)})")
+        return self._plans[layer].run(query, self.model.layers[layer], out=out)
+
 
 def model_cache(fmt: Union[str, Format], num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                 head_size: int, *, skip_layers: Iterable[int] = (), model_dtype: str = "bf16",

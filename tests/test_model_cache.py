@@ -59,3 +59,21 @@ def test_bad_arguments_name_them():
         kvgen.model_cache("fp8_e4m3", 2, BLOCKS, BS, H, D, skip_layers=[2])
     with pytest.raises(ValueError, match="model_dtype"):
         kvgen.model_cache("fp8_e4m3", 2, BLOCKS, BS, H, D, model_dtype="fp32")
+
+
+def test_a_step_planned_for_every_layer_runs_like_attend():
+    """ModelKVCache.plan_attention: one plan per distinct format (skip layers in bf16 included), run per layer."""
+    m = kvgen.model_cache("fp8_e4m3", 3, BLOCKS, BS, H, D, skip_layers=[1], scales={0: (0.5, 0.25), 2: (2.0, 1.0)})
+    g = torch.Generator().manual_seed(1)
+    table = torch.tensor([[2, 0], [5, 3]], dtype=torch.int32)
+    slots = torch.tensor([8, 9, 10, 0, 1, 20, 21, 22, 23, 12], dtype=torch.int64)
+    for layer in range(3):
+        m.write(layer, torch.randn(10, H, D, generator=g), torch.randn(10, H, D, generator=g), slots)
+    lens, qsl = torch.tensor([5, 5], dtype=torch.int32), torch.tensor([0, 1, 3], dtype=torch.int32)
+    queries = [torch.randn(3, 2 * H, D, generator=g) for _ in range(3)]
+    plan = m.plan_attention(queries[0], table, lens, qsl, max_query_len=2)
+    for layer in range(3):
+        assert torch.equal(plan.run(layer, queries[layer]),
+                           m.attend(layer, queries[layer], table, lens, qsl, max_query_len=2))
+    with pytest.raises(ValueError, match="^layer: 3 is not a layer index"):
+        plan.run(3, queries[0])
