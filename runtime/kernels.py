@@ -210,13 +210,6 @@ class KernelSet:
             HEAD_PAD=consts["HEAD_PAD"], TOKEN_GROUP=group, RESIDUAL=residual["tokens"], RING=ring, BLOCK_T=block_t,
         )
 
-    def attend(self, query, out, block_table, seq_lens, query_start_loc, qk_scale, window, max_query_len,
-               tensors: dict, consts: dict, extra: dict | None = None, dot_precision: str = "auto",
-               rotated_keys: bool = False, max_seq_len: int | None = None, num_splits: int | None = None) -> None:
-        launch = self.plan_attend(query, block_table, seq_lens, query_start_loc, qk_scale, window, max_query_len,
-                                  tensors, consts, extra, dot_precision, rotated_keys, max_seq_len, num_splits)
-        self.run_attend(launch, query, out, tensors)
-
     def plan_attend(self, query, block_table, seq_lens, query_start_loc, qk_scale, window, max_query_len,
                     tensors: dict, consts: dict, extra: dict | None = None, dot_precision: str = "auto",
                     rotated_keys: bool = False, max_seq_len: int | None = None,
