@@ -208,7 +208,8 @@ def merge_runs(runs: list, paths: list) -> tuple[list, dict, dict]:
         for name, times in run["sweep"].items():
             sweep.setdefault(name, times)
     meta = dict(runs[0]["meta"])
-    meta["command"] = " + ".join(r["meta"]["command"] for r in runs) + " (merged: python benchmarks/bench.py --replot " + " ".join(map(str, paths)) + ")"
+    merged = "python benchmarks/bench.py --replot " + " ".join(map(str, paths))
+    meta["command"] = " + ".join(r["meta"]["command"] for r in runs) + f" (merged: {merged})"
     meta["copy_gbps"] = min(r["meta"]["copy_gbps"] for r in runs)
     return rows, sweep, meta
 
@@ -254,7 +255,8 @@ def main() -> int:
     if args.replot:
         runs = [json.loads(Path(p).read_text()) for p in args.replot]
         if len(runs) == 1:
-            plot_sweep(runs[0]["sweep"], runs[0]["sweep_ctx"], runs[0]["meta"], Path(args.replot[0]).with_suffix(".png"))
+            run, path = runs[0], Path(args.replot[0])
+            plot_sweep(run["sweep"], run["sweep_ctx"], run["meta"], path.with_suffix(".png"))
             return 0
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

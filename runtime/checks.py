@@ -57,6 +57,19 @@ def index_tensor(name: str, x, *, ndim: int, device: torch.device,
     return x
 
 
+def output(out, query: torch.Tensor) -> torch.Tensor:
+    """``out``: a tensor of the query's dtype, shape and device, its last dimension contiguous."""
+    out = tensor("out", out, dtypes=(query.dtype,), ndim=3, device=query.device)
+    shape("out", out, tuple(query.shape), "query's")
+    return last_dim_contiguous("out", out)
+
+
+def seq_ids_in_range(seq_ids: torch.Tensor, max_rows: int) -> None:
+    """Each sequence's row in the residual buffers (reads the tensor)."""
+    if seq_ids.numel() and (int(seq_ids.min()) < 0 or int(seq_ids.max()) >= max_rows):
+        raise ValueError(f"seq_ids: must be in [0, {max_rows}) (max_seqs of allocate)")
+
+
 def slots_in_range(slot_mapping: torch.Tensor, num_slots: int) -> None:
     if slot_mapping.numel() == 0:
         return

@@ -310,9 +310,7 @@ class Format:
             raise ValueError(f"seq_ids / query_start_loc / block_table: need {n}, {n + 1} and {n} rows for "
                              f"{n} sequences (seq_lens), got {seq_ids.shape[0]}, {qsl.shape[0]}, {bt.shape[0]}")
         if checks.costly_checks_on(seq_ids, qsl, seq_lens, bt):
-            max_rows = cache.tensors["k_residual"].shape[0]
-            if n and (int(seq_ids.min()) < 0 or int(seq_ids.max()) >= max_rows):
-                raise ValueError(f"seq_ids: must be in [0, {max_rows}) (max_seqs of allocate)")
+            checks.seq_ids_in_range(seq_ids, cache.tensors["k_residual"].shape[0])
             if n and int(qsl[-1]) > num_tokens:
                 raise ValueError(f"query_start_loc: ends at {int(qsl[-1])}, past the {num_tokens} key rows")
             checks.attention_ranges(bt, seq_lens, qsl, cache.num_blocks, cache.block_size, int(qsl[-1]) if n else 0,
@@ -431,9 +429,7 @@ class Format:
             checks.attention_ranges(block_table, seq_lens, query_start_loc, cache.num_blocks, cache.block_size,
                                     num_tokens, max_query_len)
         if out is not None:
-            out = checks.tensor("out", out, dtypes=(query.dtype,), ndim=3, device=dev)
-            checks.shape("out", out, tuple(query.shape), "query's")
-            checks.last_dim_contiguous("out", out)
+            checks.output(out, query)
         if num_tokens == 0 or num_seqs == 0:
             return None, None
         if max_query_len is None:
@@ -452,9 +448,7 @@ class Format:
             if seq_ids.shape[0] != num_seqs:
                 raise ValueError(f"seq_ids: has {seq_ids.shape[0]} entries for {num_seqs} sequences")
             if checks.costly_checks_on(seq_ids):
-                max_rows = cache.tensors["k_residual"].shape[0]
-                if int(seq_ids.min()) < 0 or int(seq_ids.max()) >= max_rows:
-                    raise ValueError(f"seq_ids: must be in [0, {max_rows}) (max_seqs of allocate)")
+                checks.seq_ids_in_range(seq_ids, cache.tensors["k_residual"].shape[0])
             extra = dict(seq_ids_ptr=seq_ids, TOKEN_GROUP=residual["group"], RESIDUAL=residual["tokens"],
                          RING=residual["ring"])
         elif seq_ids is not None:
@@ -594,9 +588,10 @@ class AttentionPlan:
     def run(self, query: torch.Tensor, cache: KVCache, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Attention of ``query`` over ``cache`` (one layer) with the planned batch; returns ``out`` (a new tensor
         of the query's shape and dtype when None)."""
-        ptrs = self._pointers(cache) if self._launch is not None else None
         if self._launch is None:  # an empty batch: the cache is still checked
             self.format._check_cache(cache)
+        else:
+            ptrs = self._pointers(cache)
         shape, dtype, device = self._query
         if not isinstance(query, torch.Tensor):
             raise ValueError(f"query: expected a torch.Tensor, got {type(query).__name__}")
@@ -604,12 +599,7 @@ class AttentionPlan:
             raise ValueError(f"query: {list(query.shape)} {query.dtype} on {query.device}, but the plan was made "
                              f"for {list(shape)} {dtype} on {device}: plan again for this batch")
         checks.last_dim_contiguous("query", query)
-        if out is None:
-            out = torch.empty_like(query)
-        else:
-            out = checks.tensor("out", out, dtypes=(query.dtype,), ndim=3, device=device)
-            checks.shape("out", out, shape, "query's")
-            checks.last_dim_contiguous("out", out)
+        out = torch.empty_like(query) if out is None else checks.output(out, query)
         if self._launch is not None:
             self.format._kernels.run_attend(self._launch, query, out, ptrs)
         return out
