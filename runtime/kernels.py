@@ -60,8 +60,10 @@ ATTENTION_TILES = (
     ((16, 1, None, False, 16), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)),  # bf16
     ((8, 1, False, False, 16), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # fp8
     ((8, 1, True, None, 16), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # mxfp8
-    ((8, 2, True, None, 16), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=8)),  # q8_0
-    ((4, 1, True, False, 16), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)),  # nvfp4
+    ((8, 2, True, None, 16), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # q8_0
+    ((4, 1, True, False, 16), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # nvfp4, mxfp4
+    ((4, 1, False, True, 16), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # int4 per token-head
+    ((None, 2, True, False, 16), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=8)),  # q4_0, KIVI
     ((8, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # other 8-bit
     ((None, None, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=4)),  # the rest
 )
