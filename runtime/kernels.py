@@ -47,7 +47,9 @@ def _choose_mode() -> None:
 #          registers;
 #   rows   the query rows a program holds (BLOCK_M): 16 in decode (one query token, or up to 16 / GROUP of them);
 #          prefill holds 64 and needs the registers a cap would take (the decode caps made the chunked prefill
-#          of 4 x 2048 tokens 35-40% slower on the H200).
+#          of 4 x 2048 tokens 35-40% slower on the H200);
+#   head   the padded head size (HEAD_PAD); only bf16 / fp16 at 64 has a rule of its own (half the bytes per position:
+#          twice the positions per step pay, 295 -> 279 us at 64 x 8192, sixth session).
 # First matching rule wins (None matches anything). BLOCK_N: KV positions per step; maxnreg: a register cap (the
 # compiler otherwise takes 255 registers, two programs per SM); programs_per_sm: the split-KV target. The tuned rules
 # were measured on the H200 with benchmarks/tune_tiles.py in decode at 64 x 8192 and 4 x 65536 with bf16 queries
@@ -56,14 +58,17 @@ def _choose_mode() -> None:
 # step.
 DECODE_ROWS = 16
 ATTENTION_TILES = (
-    # bits, terms, block, split, rows -> tiles
-    ((16, 1, None, False, 16), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)),  # bf16
-    ((8, 1, False, False, 16), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # fp8
-    ((8, 1, True, None, 16), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # mxfp8
-    ((8, 2, True, None, 16), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=8)),  # q8_0
-    ((4, 1, True, False, 16), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)),  # nvfp4
-    ((8, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # other 8-bit
-    ((None, None, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=4)),  # the rest
+    # bits, terms, block, split, rows, head -> tiles
+    ((16, 1, None, False, 16, 64), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # hs 64
+    ((16, 1, None, False, 16, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)),  # bf16
+    ((8, 1, False, False, 16, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # fp8
+    ((8, 1, True, None, 16, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # mxfp8
+    ((8, 2, True, None, 16, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # q8_0
+    ((4, 1, True, False, 16, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # nvfp4, mxfp4
+    ((4, 1, False, True, 16, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # int4 per token-head
+    ((None, 2, True, False, 16, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=8)),  # q4_0, KIVI
+    ((8, None, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # other 8-bit
+    ((None, None, None, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=4)),  # the rest
 )
 INTERPRETER_TILES = {"BLOCK_N": 128}
 # experiments and tests: tiles used for every format instead of the rules above (None: the rules)
@@ -71,9 +76,10 @@ TILE_OVERRIDE: dict | None = None
 
 
 def attention_tiles(code_bits: dict, dot_operands: dict, dots: dict, block_scaled: bool,
-                    block_m: int = DECODE_ROWS) -> dict:
+                    block_m: int = DECODE_ROWS, head_pad: int = 128) -> dict:
     """The launch configuration of a format's attention kernel for one call's dot constexprs ``dots`` and query rows
-    per program ``block_m`` (a new dict: BLOCK_N, num_warps, num_stages, optional maxnreg, programs_per_sm)."""
+    per program ``block_m`` and padded head size ``head_pad`` (a new dict: BLOCK_N, num_warps, num_stages, optional
+    maxnreg, programs_per_sm)."""
     if interpreting():
         return dict(INTERPRETER_TILES, programs_per_sm=4)
     if TILE_OVERRIDE is not None:
@@ -87,7 +93,7 @@ def attention_tiles(code_bits: dict, dot_operands: dict, dots: dict, block_scale
         elif mode != 0:
             terms = max(terms, dot_operands[side.lower()][1])
             split = split or dots[f"{x}_TERMS"] > 1
-    key = (bits, terms, block_scaled, split, DECODE_ROWS if block_m <= DECODE_ROWS else block_m)
+    key = (bits, terms, block_scaled, split, DECODE_ROWS if block_m <= DECODE_ROWS else block_m, head_pad)
     for rule, tiles in ATTENTION_TILES:
         if all(r is None or r == k for r, k in zip(rule, key)):
             return dict(tiles)
@@ -227,7 +233,8 @@ class KernelSet:
                              "int8 keys need a head of at least 32 elements, and the values are not int8")
         if not tensor_core_rows_ok(block_m, consts["HEAD_PAD"]):
             dots = self._cached_dot_modes(query.dtype, "ieee", rotated_keys, consts["HEAD_PAD"], query.device)
-        tiles = attention_tiles(self.module.CODE_BITS, self.module.DOT_OPERANDS, dots, self.block_scaled, block_m)
+        tiles = attention_tiles(self.module.CODE_BITS, self.module.DOT_OPERANDS, dots, self.block_scaled, block_m,
+                                consts["HEAD_PAD"])
         block_n = tiles.pop("BLOCK_N")
         group_n = getattr(self.module, "BLOCK_N_GROUP", None)
         if group_n:  # KIVI keys: whole token groups per step (both powers of two)

@@ -57,11 +57,29 @@ def test_measured_choices(compiled):
     for name in ("fp8_e4m3", "int8_per_token_head", "int8_per_token_head_separate", "fp8_per_token_head"):
         assert tiles(name) == dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8), name
     assert tiles("mxfp8") == dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)
-    assert tiles("q8_0") == dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=8)
-    assert tiles("nvfp4") == dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)
-    # measured before the table (run 1): the rotated-key format, KIVI and exact dots keep the earlier choice
+    # sixth session's sweeps (benchmarks/RESULTS.md): the block-scaled classes and int4 take 128 positions per step
+    for name in ("q8_0", "nvfp4", "nvfp4_separate", "mxfp4"):
+        assert tiles(name) == dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8), name
+    assert tiles("int4_per_token_head") == dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)
+    # q4_0 and KIVI (two terms: a scale and a minimum or offset) split for 8 programs per SM
+    for name in ("q4_0", "kivi_2bit", "kivi_4bit"):
+        assert tiles(name) == dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=8), name
+    # head size 64: bf16 and fp16 take 128 positions per step under the 8-bit cap; the 8-bit formats keep theirs
+    # (no choice swept there beat it)
+    def tiles_at(name, head_pad):
+        fmt = kvgen.load(name)
+        ks = fmt._kernels
+        dots = ks.dot_modes(torch.bfloat16, "auto", fmt.spec.key.rotation is not None, head_pad, None)
+        return K.attention_tiles(ks.module.CODE_BITS, ks.module.DOT_OPERANDS, dots, ks.block_scaled,
+                                 head_pad=head_pad)
+
+    for name in ("bf16", "fp16"):
+        assert tiles_at(name, 64) == dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)
+        assert tiles_at(name, 128) == tiles("bf16")
+    for name in ("fp8_e4m3", "int8_per_token_head", "nvfp4"):
+        assert tiles_at(name, 64) == tiles(name), name
+    # measured before the table (run 1): the rotated-key format and exact dots keep the earlier choice
     assert tiles("int8_per_token_head_hadamard_k") == dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)
-    assert tiles("kivi_4bit") == dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=4)
     # ... whose steps hold whole token groups of 32 (the runtime takes at least BLOCK_N_GROUP positions per step)
     assert kvgen.load("kivi_4bit")._kernels.module.BLOCK_N_GROUP == 32
     assert tiles("int8_per_token_head", precision="ieee") == dict(BLOCK_N=128, num_warps=4, num_stages=2,
