@@ -159,6 +159,62 @@ def check_side(name, side, module):
                               f"{codes[~same][:8].tolist()}: {native[~same][:8].tolist()} vs {portable[~same][:8].tolist()}")
 
 
+# -- the hardware's fp8 encode in compiled writes -------------------------------------------------------------------
+ENCODE_BLOCK = 4096  # fp32 bit patterns per program: 2**20 programs cover all 2**32
+
+
+@triton.jit
+def _encode_mismatches(counts_ptr, encode_native: tl.constexpr, encode: tl.constexpr, BLOCK: tl.constexpr):
+    # every fp32 bit pattern of this program's block, encoded both ways; the number that differ per program
+    bits = tl.program_id(0).to(tl.uint32) * BLOCK + tl.arange(0, BLOCK).to(tl.uint32)
+    v = bits.to(tl.float32, bitcast=True)
+    differ = encode_native(v, True) != encode(v)
+    tl.store(counts_ptr + tl.program_id(0), tl.sum(differ.to(tl.int32), axis=0))
+
+
+def encoders(extra: dict):
+    """(format, prefix) of every generated codec with a hardware encode: element and scale codecs."""
+    for name in list(kvgen.shipped_names()) + list(extra):
+        fmt = load(name, extra)
+        for prefix in ("k_", "v_", "k_scale_", "v_scale_"):
+            if hasattr(fmt._kernels.module, f"{prefix}encode_native"):
+                yield fmt, prefix
+
+
+def test_writes_encode_through_the_hardware_where_a_codec_can(extra_formats):
+    """The write kernels call a codec's encode_native exactly where the codec renders one (fp8 e4m3 / e5m2
+    elements and e4m3 scales), so the GPU check below covers every compiled fp8 encode of a write."""
+    seen = set()
+    for fmt, prefix in encoders(extra_formats):
+        seen.add(fmt.name)
+        source = open(fmt._kernels.module.__file__).read()
+        write = source[source.index("def reshape_and_cache_kernel("):source.index("# Attention helpers")]
+        assert f"{prefix}encode_native(" in write and f"{prefix}encode(" not in write, (fmt.name, prefix)
+    assert {"fp8_e4m3", "fp8_e5m2", "fp8_per_token_head", "mxfp8", "nvfp4"} <= seen
+
+
+@on_gpu
+def test_native_encode_matches_portable_for_every_fp32(extra_formats):
+    """encode_native(v, True) (the hardware's fp8 conversion, NaN fixed to the codec's code) gives encode's byte for
+    each of the 2**32 fp32 bit patterns: finite values, both zeros, subnormals, overflow, infinities and every NaN."""
+    checked = set()
+    for fmt, prefix in encoders(extra_formats):
+        module = fmt._kernels.module
+        native, portable = getattr(module, f"{prefix}encode_native"), getattr(module, f"{prefix}encode")
+        # the same codec appears in many formats and under several prefixes: its source decides
+        key = (native.src + portable.src).replace(prefix, "")
+        if key in checked:
+            continue
+        checked.add(key)
+        counts = torch.empty(2 ** 32 // ENCODE_BLOCK, dtype=torch.int32, device="cuda")
+        _encode_mismatches[(counts.numel(),)](counts, native, portable, ENCODE_BLOCK)
+        bad = torch.nonzero(counts).flatten()
+        assert bad.numel() == 0, (f"{fmt.name} {prefix}encode_native differs from {prefix}encode in "
+                                  f"{int(counts.sum())} fp32 patterns, first in the block starting at "
+                                  f"{int(bad[0]) * ENCODE_BLOCK:#010x}")
+    assert len(checked) >= 2  # e4m3 and e5m2
+
+
 # -- the inline PTX itself, modelled on the CPU -------------------------------------------------------------------
 # The decoders' PTX (codegen/templates/codecs/int.py.jinja, minifloat.py.jinja) read from a generated module and
 # executed by a model of the instructions they use, as the PTX ISA defines them: checks the byte selectors, shifts,
