@@ -7,7 +7,10 @@ the template) and call these two helpers. Adding a number format means adding on
 under ``templates/codecs/``.
 
 Every helper uses only integer and fp32 operations that the Triton interpreter and compiled GPU code evaluate
-identically (../shared/TRITON_NOTES.md): no fp8, fp4 or bf16 casts, no fp32 division.
+identically (../shared/TRITON_NOTES.md): no fp8, fp4 or bf16 casts, no fp32 division. The exceptions take a
+``NATIVE`` constexpr and use hardware conversions or inline PTX only when it is set (compiled code on sm_89 or
+newer): ``decode_dot``, ``decode_dot_bytes`` and ``encode_native``; tests/test_native_decode.py checks each against
+its portable path on a GPU.
 """
 
 from __future__ import annotations
@@ -55,6 +58,13 @@ class Codec:
         if self.byte_decode and self.template == "minifloat.py.jinja":
             return 2.0 ** (15 - self.params["bias"])
         return None
+
+    @property
+    def native_encode(self) -> bool:
+        """Whether the codec renders ``{prefix}encode_native(v, NATIVE)``: with ``NATIVE`` (compiled for sm_89 or
+        newer) the hardware's conversion, which gives encode's bytes (rounding half to even, saturating; NaN gets the
+        codec's NaN code); without it encode itself. fp8 e4m3 and e5m2 only."""
+        return bool(self.params.get("native"))
 
     @property
     def unit(self) -> str:

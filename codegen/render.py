@@ -73,6 +73,8 @@ class SideContext:
     tok: str  # how the scale leaves the dot: none / const (one scalar) / token (one per row) / block / channel
     qdot: str  # quantized compute domain: "int8" dots on the codes themselves ("" = not offered)
     qdot_max: str  # fp32 literal: the largest code value of that type (127), what a row's largest maps to
+    native_encode: bool  # compiled writes encode codes with the hardware's conversion ({p}_encode_native)
+    native_scale_encode: bool  # ... and dynamic scales ({p}_scale_encode_native)
 
     def shift_expr(self, i: str) -> str:
         """Bit position of sub-byte element ``i`` inside its byte."""
@@ -232,6 +234,7 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
         dot_factor=_float_literal(codec.dot_factor) if dot[0] and dot[2] == "block" and codec.dot_factor
         and not asym else "",
         qdot=qdot, qdot_max={"int8": "127.0"}.get(qdot, "0.0"),
+        native_encode=codec.native_encode, native_scale_encode=bool(scodec and scodec.native_encode),
         scale_summary=(f"{sc.dtype.value} per " + (f"{sc.block} elements" if sc.block else (
             f"channel over {sc.group_tokens} tokens" if sc.group_tokens else "token and head"))
             + f", {sc.placement.value}") if dynamic else "",

@@ -185,7 +185,7 @@ class KernelSet:
         self.launch("reshape_and_cache_kernel")(
             grid, key, value, slot_mapping_ptr=slot_mapping, num_tokens=num_tokens,
             stride_kt=key.stride(0), stride_kh=key.stride(1), stride_vt=value.stride(0), stride_vh=value.stride(1),
-            BLOCK_T=block_t, **tensors, **consts,
+            BLOCK_T=block_t, NATIVE_CASTS=native_fp8(key.device), **tensors, **consts,
             # stored bytes must not depend on the compiler contracting x * inv + c into one rounding
             **({} if interpreting() else {"enable_fp_fusion": False}),
         )
@@ -205,7 +205,7 @@ class KernelSet:
             (num_seqs, max_groups, consts["NUM_KV_HEADS"]), key, value, **tensors, seq_ids_ptr=seq_ids,
             query_start_loc_ptr=query_start_loc, seq_lens_ptr=seq_lens,
             block_table_ptr=block_table, stride_bt=block_table.stride(0), **strides, **consts,
-            BLOCK_T=group, RESIDUAL=residual["tokens"], RING=ring, **fusion,
+            BLOCK_T=group, RESIDUAL=residual["tokens"], RING=ring, NATIVE_CASTS=native_fp8(key.device), **fusion,
         )
         block_t = min(64 if interpreting() else 16, _next_pow2(max_query_len))
         num_q_tiles = triton_cdiv(max_query_len, block_t)

@@ -24,6 +24,22 @@ on_gpu = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "0" or not tor
 
 ROWS, COLS = 64, 128  # a KV tile: positions x head
 
+# a streaming (KIVI-like) format whose flush encodes fp8: e4m3 key scales per channel group, e5m2 values
+STREAMING_FP8 = """
+kvgen_spec: 1
+name: streaming_fp8
+cache: {layout: interleaved}
+key:
+  element: uint4
+  zero_point: {storage: beside_scale, dtype: fp16}
+  scale: {granularity: per_channel_group, group_tokens: 16, dtype: fp8_e4m3, placement: page_end}
+  residual: {tokens: 32, dtype: bf16}
+value:
+  element: fp8_e5m2
+  scale: {granularity: per_block, block: 32, dtype: fp8_e4m3, placement: inline}
+  residual: {tokens: 32, dtype: bf16}
+"""
+
 # no shipped format packs msb_first or stores signed 2-bit codes: this spec does both, on both sides
 SIGNED_MSB_FIRST = """
 kvgen_spec: 1
@@ -43,12 +59,14 @@ value:
 @pytest.fixture(scope="module")
 def extra_formats(tmp_path_factory):
     root = tmp_path_factory.mktemp("native_decode")
-    path = root / "signed_msb_first.yaml"
-    path.write_text(SIGNED_MSB_FIRST)
+    paths = {}
+    for name, text in (("signed_msb_first", SIGNED_MSB_FIRST), ("streaming_fp8", STREAMING_FP8)):
+        paths[name] = root / f"{name}.yaml"
+        paths[name].write_text(text)
     before = os.environ.get("KVGEN_CACHE_DIR")
     os.environ["KVGEN_CACHE_DIR"] = str(root / "cache")
     try:
-        return {"signed_msb_first": kvgen.load(path)}
+        return {name: kvgen.load(path) for name, path in paths.items()}
     finally:
         if before is None:
             del os.environ["KVGEN_CACHE_DIR"]
@@ -157,6 +175,70 @@ def check_side(name, side, module):
     same = (native == portable) | both_nan
     assert bool(same.all()), (f"{name} {side}: native decode differs for codes "
                               f"{codes[~same][:8].tolist()}: {native[~same][:8].tolist()} vs {portable[~same][:8].tolist()}")
+
+
+# -- the hardware's fp8 encode in compiled writes -------------------------------------------------------------------
+ENCODE_BLOCK = 4096  # fp32 bit patterns per program: 2**20 programs cover all 2**32
+
+
+@triton.jit
+def _encode_mismatches(counts_ptr, encode_native: tl.constexpr, encode: tl.constexpr, BLOCK: tl.constexpr):
+    # every fp32 bit pattern of this program's block, encoded both ways; the number that differ per program
+    bits = tl.program_id(0).to(tl.uint32) * BLOCK + tl.arange(0, BLOCK).to(tl.uint32)
+    v = bits.to(tl.float32, bitcast=True)
+    differ = encode_native(v, True) != encode(v)
+    tl.store(counts_ptr + tl.program_id(0), tl.sum(differ.to(tl.int32), axis=0))
+
+
+def encoders(extra: dict):
+    """(format, prefix) of every generated codec with a hardware encode: element and scale codecs."""
+    for name in list(kvgen.shipped_names()) + list(extra):
+        fmt = load(name, extra)
+        for prefix in ("k_", "v_", "k_scale_", "v_scale_"):
+            if hasattr(fmt._kernels.module, f"{prefix}encode_native"):
+                yield fmt, prefix
+
+
+def test_writes_encode_through_the_hardware_where_a_codec_can(extra_formats):
+    """The write kernels (reshape-and-cache, or KIVI's flush) call a codec's encode_native, with the kernel's
+    NATIVE_CASTS, exactly where the codec renders one (fp8 e4m3 / e5m2 elements and e4m3 scales), so the GPU check
+    below covers every compiled fp8 encode of a write."""
+    import re
+
+    seen = set()
+    for fmt, prefix in encoders(extra_formats):
+        seen.add(fmt.name)
+        source = open(fmt._kernels.module.__file__).read()
+        kernel = "def kivi_flush_kernel(" if fmt.spec.streaming else "def reshape_and_cache_kernel("
+        write = source[source.index(kernel):source.index("# Attention helpers")]
+        calls = re.findall(rf"\b{prefix}encode(_native)?\((.*)", write)
+        assert calls, (fmt.name, prefix)
+        for native, rest in calls:
+            assert native and rest.rstrip().endswith(", NATIVE_CASTS)"), (fmt.name, prefix, rest)
+    assert {"fp8_e4m3", "fp8_e5m2", "fp8_per_token_head", "mxfp8", "nvfp4", "streaming_fp8"} <= seen
+
+
+@on_gpu
+def test_native_encode_matches_portable_for_every_fp32(extra_formats):
+    """encode_native(v, True) (the hardware's fp8 conversion, NaN fixed to the codec's code) gives encode's byte for
+    each of the 2**32 fp32 bit patterns: finite values, both zeros, subnormals, overflow, infinities and every NaN."""
+    checked = set()
+    for fmt, prefix in encoders(extra_formats):
+        module = fmt._kernels.module
+        native, portable = getattr(module, f"{prefix}encode_native"), getattr(module, f"{prefix}encode")
+        # the same codec appears in many formats and under several prefixes: its source decides
+        key = (native.src + portable.src).replace(prefix, "")
+        if key in checked:
+            continue
+        checked.add(key)
+        counts = torch.empty(2 ** 32 // ENCODE_BLOCK, dtype=torch.int32, device="cuda")
+        # compiled as the writes are (runtime/kernels.py): no contraction of multiplies and adds into FMAs
+        _encode_mismatches[(counts.numel(),)](counts, native, portable, ENCODE_BLOCK, enable_fp_fusion=False)
+        bad = torch.nonzero(counts).flatten()
+        assert bad.numel() == 0, (f"{fmt.name} {prefix}encode_native differs from {prefix}encode in "
+                                  f"{int(counts.sum())} fp32 patterns, first in the block starting at "
+                                  f"{int(bad[0]) * ENCODE_BLOCK:#010x}")
+    assert len(checked) >= 2  # e4m3 and e5m2
 
 
 # -- the inline PTX itself, modelled on the CPU -------------------------------------------------------------------

@@ -43,6 +43,14 @@ def k_encode(v):
 
 
 @triton.jit
+def k_encode_native(v, NATIVE: tl.constexpr):
+    if NATIVE:  # compiled: the hardware's conversion (round half to even, saturating at +-448.0), one
+        # instruction per two values; NaN gets encode's code (the hardware's canonical NaN byte may differ)
+        return tl.where(v != v, 127, v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)).to(tl.uint8)
+    return k_encode(v)
+
+
+@triton.jit
 def k_decode(code):
     # fp8_e4m3 code -> fp32: normal codes rebuild the fp32 bit pattern, subnormals scale the mantissa
     c = code.to(tl.uint32)
@@ -86,6 +94,14 @@ def v_encode(v):
     code = ((e - (-6)) * 8 + m.to(tl.int32)).to(tl.uint32)
     # NaN -> the positive NaN code: a NaN that went through scaling arithmetic has no defined sign
     return tl.where(v != v, 127, code | sign).to(tl.uint8)
+
+
+@triton.jit
+def v_encode_native(v, NATIVE: tl.constexpr):
+    if NATIVE:  # compiled: the hardware's conversion (round half to even, saturating at +-448.0), one
+        # instruction per two values; NaN gets encode's code (the hardware's canonical NaN byte may differ)
+        return tl.where(v != v, 127, v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)).to(tl.uint8)
+    return v_encode(v)
 
 
 @triton.jit
@@ -138,7 +154,7 @@ def reshape_and_cache_kernel(
     V_DATA_PAGE: tl.constexpr, V_DATA_BASE: tl.constexpr, V_DATA_CELL: tl.constexpr,
     V_SCALE_PAGE: tl.constexpr, V_SCALE_BASE: tl.constexpr, V_SCALE_CELL: tl.constexpr,
     V_ZP_PAGE: tl.constexpr, V_ZP_BASE: tl.constexpr, V_ZP_CELL: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    BLOCK_T: tl.constexpr, NATIVE_CASTS: tl.constexpr,  # compiled: hardware fp8 conversions (the same bytes)
 ):
     head = tl.program_id(1)
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -157,14 +173,14 @@ def reshape_and_cache_kernel(
     # ---- key ----
     k_eff = tl.load(k_scale_ptr + head)  # static scale of this KV head
     k_v = tl.math.div_rn(x_key, k_eff)
-    k_codes = k_encode(k_v)
+    k_codes = k_encode_native(k_v, NATIVE_CASTS)
     k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
     tl.store(k_row[:, None] + d[None, :], k_codes, mask=valid[:, None] & dmask[None, :])
 
     # ---- value ----
     v_eff = tl.load(v_scale_ptr + head)  # static scale of this KV head
     v_v = tl.math.div_rn(x_value, v_eff)
-    v_codes = v_encode(v_v)
+    v_codes = v_encode_native(v_v, NATIVE_CASTS)
     v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
     tl.store(v_row[:, None] + d[None, :], v_codes, mask=valid[:, None] & dmask[None, :])
 

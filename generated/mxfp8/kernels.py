@@ -43,6 +43,14 @@ def k_encode(v):
 
 
 @triton.jit
+def k_encode_native(v, NATIVE: tl.constexpr):
+    if NATIVE:  # compiled: the hardware's conversion (round half to even, saturating at +-448.0), one
+        # instruction per two values; NaN gets encode's code (the hardware's canonical NaN byte may differ)
+        return tl.where(v != v, 127, v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)).to(tl.uint8)
+    return k_encode(v)
+
+
+@triton.jit
 def k_decode(code):
     # fp8_e4m3 code -> fp32: normal codes rebuild the fp32 bit pattern, subnormals scale the mantissa
     c = code.to(tl.uint32)
@@ -104,6 +112,14 @@ def v_encode(v):
     code = ((e - (-6)) * 8 + m.to(tl.int32)).to(tl.uint32)
     # NaN -> the positive NaN code: a NaN that went through scaling arithmetic has no defined sign
     return tl.where(v != v, 127, code | sign).to(tl.uint8)
+
+
+@triton.jit
+def v_encode_native(v, NATIVE: tl.constexpr):
+    if NATIVE:  # compiled: the hardware's conversion (round half to even, saturating at +-448.0), one
+        # instruction per two values; NaN gets encode's code (the hardware's canonical NaN byte may differ)
+        return tl.where(v != v, 127, v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)).to(tl.uint8)
+    return v_encode(v)
 
 
 @triton.jit
@@ -174,7 +190,7 @@ def reshape_and_cache_kernel(
     V_DATA_PAGE: tl.constexpr, V_DATA_BASE: tl.constexpr, V_DATA_CELL: tl.constexpr,
     V_SCALE_PAGE: tl.constexpr, V_SCALE_BASE: tl.constexpr, V_SCALE_CELL: tl.constexpr,
     V_ZP_PAGE: tl.constexpr, V_ZP_BASE: tl.constexpr, V_ZP_CELL: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    BLOCK_T: tl.constexpr, NATIVE_CASTS: tl.constexpr,  # compiled: hardware fp8 conversions (the same bytes)
 ):
     head = tl.program_id(1)
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -200,7 +216,7 @@ def reshape_and_cache_kernel(
     k_eff_g = k_scale_decode(k_scode)
     k_eff = tl.reshape(tl.broadcast_to(k_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // 32, 32]), [BLOCK_T, HEAD_PAD])
     k_v = tl.math.div_rn(x_key, k_eff)
-    k_codes = k_encode(k_v)
+    k_codes = k_encode_native(k_v, NATIVE_CASTS)
     k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
     tl.store(k_row[:, None] + d[None, :], k_codes, mask=valid[:, None] & dmask[None, :])
     k_gi = tl.arange(0, HEAD_PAD // 32)
@@ -218,7 +234,7 @@ def reshape_and_cache_kernel(
     v_eff_g = v_scale_decode(v_scode)
     v_eff = tl.reshape(tl.broadcast_to(v_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // 32, 32]), [BLOCK_T, HEAD_PAD])
     v_v = tl.math.div_rn(x_value, v_eff)
-    v_codes = v_encode(v_v)
+    v_codes = v_encode_native(v_v, NATIVE_CASTS)
     v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
     tl.store(v_row[:, None] + d[None, :], v_codes, mask=valid[:, None] & dmask[None, :])
     v_gi = tl.arange(0, HEAD_PAD // 32)

@@ -127,6 +127,14 @@ def k_scale_encode(v):
 
 
 @triton.jit
+def k_scale_encode_native(v, NATIVE: tl.constexpr):
+    if NATIVE:  # compiled: the hardware's conversion (round half to even, saturating at +-448.0), one
+        # instruction per two values; NaN gets encode's code (the hardware's canonical NaN byte may differ)
+        return tl.where(v != v, 127, v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)).to(tl.uint8)
+    return k_scale_encode(v)
+
+
+@triton.jit
 def k_scale_decode(code):
     # fp8_e4m3 code -> fp32: normal codes rebuild the fp32 bit pattern, subnormals scale the mantissa
     c = code.to(tl.uint32)
@@ -243,6 +251,14 @@ def v_scale_encode(v):
 
 
 @triton.jit
+def v_scale_encode_native(v, NATIVE: tl.constexpr):
+    if NATIVE:  # compiled: the hardware's conversion (round half to even, saturating at +-448.0), one
+        # instruction per two values; NaN gets encode's code (the hardware's canonical NaN byte may differ)
+        return tl.where(v != v, 127, v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)).to(tl.uint8)
+    return v_scale_encode(v)
+
+
+@triton.jit
 def v_scale_decode(code):
     # fp8_e4m3 code -> fp32: normal codes rebuild the fp32 bit pattern, subnormals scale the mantissa
     c = code.to(tl.uint32)
@@ -279,7 +295,7 @@ def reshape_and_cache_kernel(
     V_DATA_PAGE: tl.constexpr, V_DATA_BASE: tl.constexpr, V_DATA_CELL: tl.constexpr,
     V_SCALE_PAGE: tl.constexpr, V_SCALE_BASE: tl.constexpr, V_SCALE_CELL: tl.constexpr,
     V_ZP_PAGE: tl.constexpr, V_ZP_BASE: tl.constexpr, V_ZP_CELL: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    BLOCK_T: tl.constexpr, NATIVE_CASTS: tl.constexpr,  # compiled: hardware fp8 conversions (the same bytes)
 ):
     head = tl.program_id(1)
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -304,7 +320,7 @@ def reshape_and_cache_kernel(
     k_g = tl.load(k_scale_ptr)  # second-level fp32 scale of the layer
     k_s = tl.math.div_rn(k_s, k_g)
     k_s = tl.maximum(k_s, 0.001953125)  # the spec's min, or the scale dtype's smallest value
-    k_scode = k_scale_encode(k_s)
+    k_scode = k_scale_encode_native(k_s, NATIVE_CASTS)
     k_eff_g = k_scale_decode(k_scode) * k_g
     k_eff = tl.reshape(tl.broadcast_to(k_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD])
     k_v = tl.math.div_rn(x_key, k_eff)
@@ -330,7 +346,7 @@ def reshape_and_cache_kernel(
     v_g = tl.load(v_scale_ptr)  # second-level fp32 scale of the layer
     v_s = tl.math.div_rn(v_s, v_g)
     v_s = tl.maximum(v_s, 0.001953125)  # the spec's min, or the scale dtype's smallest value
-    v_scode = v_scale_encode(v_s)
+    v_scode = v_scale_encode_native(v_s, NATIVE_CASTS)
     v_eff_g = v_scale_decode(v_scode) * v_g
     v_eff = tl.reshape(tl.broadcast_to(v_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD])
     v_v = tl.math.div_rn(x_value, v_eff)
