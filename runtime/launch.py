@@ -11,6 +11,9 @@ specialisation is Triton's own: the same ``native_specialize_impl`` per runtime 
 flags (``do_not_specialize``, alignment), plus every constexpr value and every compile option. So two calls share a
 binary here only where Triton would have given them the same binary.
 
+``FastLaunch.bind(**static)`` fixes some arguments once (a planned attention call binds everything but the query,
+the output, their strides and the cache's tensors): each call then specialises and keys only its own arguments.
+
 Triton's path is kept for the interpreter, while a launch hook is installed (profilers such as proton), for a grid
 given as a function, and when ``KVGEN_FAST_LAUNCH=0`` is set (read once, at import). Two checks of Triton's own
 launch are not repeated for a reused binary: that the globals a kernel reads have not changed since it was compiled
@@ -73,12 +76,115 @@ class FastLaunch:
             binary = self.fn[grid](*args, **kwargs)  # compiles, or finds Triton's cached binary
             self.binaries[key] = binary
             return binary
-        g0 = grid[0]
-        g1 = grid[1] if len(grid) > 1 else 1
-        g2 = grid[2] if len(grid) > 2 else 1
-        binary.run(g0, g1, g2, triton.current_stream(device), binary.function, binary.packed_metadata, None, None,
-                   None, *values)
-        return binary
+        return _run(binary, grid, triton.current_stream(device), values)
+
+
+    def bind(self, **static) -> BoundLaunch:
+        """``bind(**static)(grid, *args, **dynamic)`` launches like ``self(grid, *args, **static, **dynamic)``, with
+        the static arguments bound, specialised and keyed once: a call specialises only its own arguments (a planned
+        attention call: the query, the output and the cache's tensors, every layer)."""
+        return BoundLaunch(self, static)
+
+
+class BoundLaunch:
+    """A FastLaunch with some keyword arguments fixed (``FastLaunch.bind``). Binaries are kept per layout of the
+    call's own arguments (how many positional, which keywords) and keyed by their specialisation; everything
+    else in Triton's key (constexprs, options, the static runtime arguments) is fixed by the binding. Calls that
+    pass a constexpr or an option themselves, and every case in which FastLaunch takes Triton's path, go through
+    the unbound FastLaunch."""
+
+    def __init__(self, fast: FastLaunch, static: dict):
+        self.fast = fast
+        self.static = static
+        self._layouts: dict = {}  # (positional count, keyword names) -> _BoundLayout, or None: not bindable
+
+    def __call__(self, grid, *args, **dynamic):
+        fast = self.fast
+        if not (FAST_LAUNCH and fast.compiled_kernel):
+            return fast.fn[grid](*args, **self.static, **dynamic)
+        triton = _triton()
+        if fast.fn.pre_run_hooks or _hooks_installed(triton.runtime) or callable(grid):
+            return fast.fn[grid](*args, **self.static, **dynamic)
+        shape = (len(args), tuple(dynamic))
+        layout = self._layouts.get(shape, False)
+        if layout is False:
+            layout = self._layouts[shape] = _BoundLayout.make(fast, self.static, len(args), tuple(dynamic))
+        if layout is None:  # a constexpr or option among the call's own arguments, or a binding error
+            return fast(grid, *args, **self.static, **dynamic)
+        device = triton.current_device()
+        own = args + tuple(dynamic.values())
+        try:
+            backend = fast.fn.device_caches[device][3]
+            spec = tuple(map(triton.specialize, repeat(backend), layout.own_runtime(own), layout.is_const,
+                             layout.specialise, layout.align))
+            key = (device, spec, layout.static_spec(triton, backend, device), fast.fn.debug or triton.runtime.debug,
+                   triton.compilation.instrumentation_mode)
+            binary = layout.binaries.get(key)
+        except (KeyError, IndexError, TypeError):
+            return fast(grid, *args, **self.static, **dynamic)
+        if binary is None:
+            binary = fast.fn[grid](*args, **self.static, **dynamic)  # compiles, or finds Triton's cached binary
+            layout.binaries[key] = binary
+            return binary
+        return _run(binary, grid, triton.current_stream(device), layout.values(own))
+
+
+class _BoundLayout:
+    """Where a bound call's own arguments go among the kernel's parameters, and the static rest."""
+
+    @classmethod
+    def make(cls, fast: FastLaunch, static: dict, num_args: int, names: tuple):
+        sig = fast._read_signature()
+        params = fast.fn.params
+        order = [p.name for p in params]
+        own = order[:num_args] + list(names)
+        if len(set(own)) != len(own) or not set(own) <= sig.names or set(own) & set(static):
+            return None  # an argument given twice, or not a parameter: the unbound path reports it
+        merged = {**sig.defaults, **static}
+        missing = [n for n in order if n not in merged and n not in own]
+        options = {k: v for k, v in merged.items() if k not in sig.names}
+        if missing or options.keys() & set(names) or any(params[order.index(n)].is_constexpr for n in own):
+            return None
+        if "debug" in options:  # a per-call debug flag: keep Triton's handling of it
+            return None
+        return cls(fast, params, order, own, merged)
+
+    def __init__(self, fast, params, order, own, merged):
+        self.fast = fast
+        own_index = {n: i for i, n in enumerate(own)}
+        static_names = [n for n in order if n not in own_index]
+        # values(own): every parameter in signature order from (own arguments) + (static values)
+        self._static_values = tuple(merged[n] for n in static_names)
+        position = {n: i for i, n in enumerate(own)}
+        position.update({n: len(own) + i for i, n in enumerate(static_names)})
+        self._picker = _getter([position[n] for n in order])
+        runtime_own = [n for n in own if not params[order.index(n)].is_constexpr]
+        self.own_runtime = _getter([own_index[n] for n in runtime_own])
+        self.is_const = [params[order.index(n)].is_const for n in runtime_own]
+        self.specialise = [not params[order.index(n)].do_not_specialize for n in runtime_own]
+        self.align = [not params[order.index(n)].do_not_specialize_on_alignment for n in runtime_own]
+        static_runtime = [n for n in static_names if not params[order.index(n)].is_constexpr]
+        self._static_runtime = [(merged[n], params[order.index(n)]) for n in static_runtime]
+        self._static_specs: dict = {}  # device -> specialisation of the static runtime arguments
+        self.binaries: dict = {}
+
+    def values(self, own: tuple) -> tuple:
+        return self._picker(own + self._static_values)
+
+    def static_spec(self, triton, backend, device) -> tuple:
+        spec = self._static_specs.get(device)
+        if spec is None:
+            spec = self._static_specs[device] = tuple(
+                triton.specialize(backend, v, p.is_const, not p.do_not_specialize, not p.do_not_specialize_on_alignment)
+                for v, p in self._static_runtime)
+        return spec
+
+
+def _run(binary, grid, stream, values: tuple):
+    """The binary's launcher on a grid of up to three dimensions, no launch hooks; returns the binary."""
+    binary.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, binary.function,
+               binary.packed_metadata, None, None, None, *values)
+    return binary
 
 
 class _Signature:
