@@ -551,6 +551,8 @@ class AttentionPlan:
         # caches seen by this plan, by id: (the cache, its tensor names, the tensors, their pointer arguments).
         # An entry holds only while the cache still holds the same tensor objects (checked on every run).
         self._caches: dict = {}
+        # the attention kernel's launch with the plan's arguments bound: a run specialises only its own arguments
+        self._bound = None if launch is None else fmt._kernels.bind_attend(launch)
         if launch is not None:
             self._remember(cache, ptrs)
 
@@ -601,5 +603,5 @@ class AttentionPlan:
         checks.last_dim_contiguous("query", query)
         out = torch.empty_like(query) if out is None else checks.output(out, query)
         if self._launch is not None:
-            self.format._kernels.run_attend(self._launch, query, out, ptrs)
+            self.format._kernels.run_attend(self._launch, query, out, ptrs, self._bound)
         return out

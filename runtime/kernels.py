@@ -14,7 +14,7 @@ try:
     from ..codegen.errors import KvgenError
 except ImportError:
     from codegen.errors import KvgenError
-from .launch import FastLaunch
+from .launch import BoundLaunch, FastLaunch
 
 LOG2E = 1.4426950408889634
 
@@ -216,6 +216,11 @@ class KernelSet:
             HEAD_PAD=consts["HEAD_PAD"], TOKEN_GROUP=group, RESIDUAL=residual["tokens"], RING=ring, BLOCK_T=block_t,
         )
 
+    def bind_attend(self, launch: AttentionLaunch) -> BoundLaunch:
+        """The attention kernel's launch with a plan's arguments bound (runtime/launch.py): what ``run_attend``
+        then passes per call is only the query, the output, their strides and the cache's tensors."""
+        return self.launch("paged_attention_kernel").bind(**launch.kwargs)
+
     def plan_attend(self, query, block_table, seq_lens, query_start_loc, qk_scale, window, max_query_len,
                     tensors: dict, consts: dict, extra: dict | None = None, dot_precision: str = "auto",
                     rotated_keys: bool = False, max_seq_len: int | None = None,
@@ -268,15 +273,19 @@ class KernelSet:
         return AttentionLaunch(grid=(num_seqs * num_q_tiles, consts["NUM_KV_HEADS"], num_splits),
                                kwargs=kwargs, part=part, ml=ml, reduce=reduce)
 
-    def run_attend(self, launch: AttentionLaunch, query, out, tensors: dict) -> None:
+    def run_attend(self, launch: AttentionLaunch, query, out, tensors: dict, bound: BoundLaunch | None = None) -> None:
         """Launch a planned attention call on ``query`` (the planned shape and dtype) into ``out``, over the cache
-        whose pointer arguments are ``tensors``."""
+        whose pointer arguments are ``tensors``; ``bound``: ``bind_attend(launch)``, for a plan run many times."""
         part = out if launch.part is None else launch.part  # not read without splits
         ml = out if launch.ml is None else launch.ml
-        self.launch("paged_attention_kernel")(
-            launch.grid, query, out, part, ml, stride_qt=query.stride(0), stride_qh=query.stride(1),
-            stride_ot=out.stride(0), stride_oh=out.stride(1), **tensors, **launch.kwargs,
-        )
+        if bound is not None:
+            bound(launch.grid, query, out, part, ml, stride_qt=query.stride(0), stride_qh=query.stride(1),
+                  stride_ot=out.stride(0), stride_oh=out.stride(1), **tensors)
+        else:
+            self.launch("paged_attention_kernel")(
+                launch.grid, query, out, part, ml, stride_qt=query.stride(0), stride_qh=query.stride(1),
+                stride_ot=out.stride(0), stride_oh=out.stride(1), **tensors, **launch.kwargs,
+            )
         if launch.reduce is not None:
             self.launch("reduce_splits_kernel")(
                 (query.shape[0], query.shape[1]), part, ml, out, out.stride(0), out.stride(1), query.shape[1],

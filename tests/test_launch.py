@@ -179,6 +179,104 @@ def test_switched_off_and_interpreted_kernels_take_triton_s_path(fake_driver, mo
     assert calls == [((3,), (1,), {"b": 2})]
 
 
+def test_a_bound_launch_passes_what_the_unbound_one_does(fake_driver):
+    """FastLaunch.bind: the static arguments fixed once; each call's own arguments go where the unbound call would
+    put them, and a binary is reused only for the same specialisation of every argument."""
+    fn, plain_fn = RecordingJIT(kernel_source), RecordingJIT(kernel_source)
+    fast = launch.FastLaunch(fn)
+    bound = fast.bind(n=32, stride=48, FLAG=True, num_warps=4)
+    plain = launch.FastLaunch(plain_fn)
+    x, y, x2, y2 = tensor(), tensor(), tensor(), tensor()
+    first = bound((4, 2), x, y)
+    assert len(fn.triton_calls) == 1
+    # Triton saw every argument, as the unbound launch passes it
+    assert fn.triton_calls[0][1:3] == ((x, y), dict(n=32, stride=48, FLAG=True, num_warps=4))
+    # own arguments by keyword too: another layout, whose first call finds the unbound launch's binary
+    assert bound((4, 2), x2, y_ptr=y2) is first and len(fn.triton_calls) == 1
+    assert bound((4, 2), x2, y2) is first and len(fn.triton_calls) == 1
+    plain((4, 2), x, y, 32, stride=48, FLAG=True, num_warps=4)
+    plain((4, 2), x2, y2, 32, stride=48, FLAG=True, num_warps=4)
+    want = plain_fn.triton_calls[0][3].launches[0]
+    assert first.launches == [want, want] and want[9:] == (x2, y2, 32, 48, True, 7, 64)
+    # a second binding of the same values (a new plan): no Triton call at all
+    assert fast.bind(n=32, stride=48, FLAG=True, num_warps=4)((4, 2), x2, y2) is first
+    assert len(fn.triton_calls) == 1 and first.launches[-1] == want
+
+
+def test_own_keywords_in_any_order_among_static_ones(fake_driver):
+    """The plan's shape: positional arguments, then keywords out of signature order, statics in between."""
+    fn, plain_fn = RecordingJIT(kernel_source), RecordingJIT(kernel_source)
+    bound = launch.FastLaunch(fn).bind(n=32, FLAG=True, m=9)
+    plain = launch.FastLaunch(plain_fn)
+    x, y = tensor(), tensor()
+    for _ in range(2):
+        bound((2,), x, stride=64, y_ptr=y)
+        plain((2,), x, y, 32, 64, True, m=9)
+    assert fn.triton_calls[0][3].launches == plain_fn.triton_calls[0][3].launches
+    assert fn.triton_calls[0][3].launches[0][9:] == (x, y, 32, 64, True, 9, 64)
+
+
+def test_a_bound_launch_keys_knobs_devices_and_do_not_specialize(fake_driver):
+    fn = RecordingJIT(kernel_source)
+    bound = launch.FastLaunch(fn).bind(n=32, stride=48, FLAG=True)
+    args = (tensor(), tensor())
+    bound((1,), *args)
+    for knob, value in (("debug", True), ("instrumentation_mode", "consan"), ("device", 1)):
+        setattr(fake_driver, knob, value)  # each changes the binary Triton would choose
+        calls = len(fn.triton_calls)
+        bound((1,), *args)
+        assert len(fn.triton_calls) == calls + 1, knob
+    nospec = RecordingJIT(kernel_no_spec, do_not_specialize=["n"])
+    b2 = launch.FastLaunch(nospec).bind()
+    b2((1,), tensor(), 16)
+    b2((1,), tensor(), 17)  # Triton would not tell these apart: one binary, launched directly
+    assert len(nospec.triton_calls) == 1 and len(nospec.triton_calls[0][3].launches) == 1
+
+
+@pytest.mark.parametrize("call", [
+    dict(x_ptr=tensor(2)),  # the call's own pointer, not 16-byte aligned: a new binary
+    dict(x_ptr=tensor(dtype=torch.float32)),  # another element type
+])
+def test_a_bound_launch_keys_the_call_s_own_arguments(fake_driver, call):
+    fn = RecordingJIT(kernel_source)
+    bound = launch.FastLaunch(fn).bind(n=32, stride=48, FLAG=True)
+    bound((1,), tensor(), tensor())
+    bound((1,), call["x_ptr"], tensor())
+    assert len(fn.triton_calls) == 2
+    bound((1,), tensor(), tensor())  # the first specialisation: its binary, directly
+    assert len(fn.triton_calls) == 2 and fn.triton_calls[0][3].launches
+
+
+def test_a_bound_launch_falls_back_where_binding_cannot_hold(fake_driver):
+    fn = RecordingJIT(kernel_source)
+    bound = launch.FastLaunch(fn).bind(x_ptr=tensor(), y_ptr=tensor(), n=32, stride=48)
+    bound((1,), FLAG=True)  # a constexpr among the call's own arguments: the unbound FastLaunch (Triton first)
+    bound((1,), FLAG=True)  # ... which then launches its binary directly
+    assert len(fn.triton_calls) == 1 and len(fn.triton_calls[0][3].launches) == 1
+    bound((1,), FLAG=False)  # another constexpr value: another binary
+    assert len(fn.triton_calls) == 2
+    fake_driver.launch_enter_hook.add(lambda metadata: None)  # a profiler: Triton's path, every call
+    bound((1,), FLAG=True)
+    assert len(fn.triton_calls) == 3
+    fake_driver.launch_enter_hook.calls.clear()
+    with pytest.raises(TypeError, match="multiple values for keyword argument 'n'"):
+        bound((1,), n=16, FLAG=True)  # n bound and given again
+    other = launch.FastLaunch(RecordingJIT(kernel_source)).bind(n=32, stride=48, FLAG=True, num_warps=4)
+    other((1,), tensor(), tensor(), num_stages=3)  # an option given per call: unbound
+    other((1,), tensor(), tensor(), num_stages=3)
+    assert len(other.fast.fn.triton_calls) == 1
+    third = launch.FastLaunch(RecordingJIT(kernel_source)).bind(m=7)
+    third((1,), tensor(), tensor(), 32, 48, True)  # FLAG, a constexpr, among the call's own (positional): unbound
+    third((1,), tensor(), tensor(), 32, 48, True)
+    assert len(third.fast.fn.triton_calls) == 1 and len(third.fast.fn.triton_calls[0][3].launches) == 1
+    third((1,), tensor(), tensor(), 32, 48, True, 7)  # m given positionally and bound: Triton reports it (records)
+    assert len(third.fast.fn.triton_calls) == 2
+    fourth = launch.FastLaunch(RecordingJIT(kernel_source)).bind(FLAG=[1], n=32, stride=48)  # unhashable constexpr
+    fourth((1,), tensor(), tensor())
+    fourth((1,), tensor(), tensor())
+    assert len(fourth.fast.fn.triton_calls) == 2  # never cached, as in the unbound launch
+
+
 @on_gpu
 @pytest.mark.parametrize("name", ["fp8_e4m3", "int8_per_token_head", "nvfp4"])
 def test_direct_launch_matches_triton_s_launch(name, monkeypatch):
