@@ -137,6 +137,21 @@ def fwht(x, ROWS: tl.constexpr, D: tl.constexpr, LOG_B: tl.constexpr):
     return x
 
 
+@triton.jit
+def fwht_inplace(x, ROWS: tl.constexpr, D: tl.constexpr, LOG_B: tl.constexpr):
+    # fwht's transform, bit for bit, in the layout x arrives in (fwht's reshape, split and join make the compiler
+    # convert layouts, through shared memory, at every stage whose pairs span lanes: here in the write kernels, where
+    # it cost more than the quantization). Each element reads its partner x[i ^ h] with tl.flip (an exact exchange of
+    # bits: a register move, or one lane shuffle where the pair spans lanes); the lower element adds the partner
+    # (x + p), the upper one subtracts itself (p - x): one fp32 add each, as fma(x, +-1, p), whose product is exact,
+    # so it rounds once in the interpreter too. (Kept out of attention, where it lengthened the main loop.)
+    for i in tl.static_range(LOG_B):  # h = 1 << i
+        x4 = tl.reshape(x, [ROWS, D // (2 << i), 2, 1 << i])
+        sgn = tl.where(tl.arange(0, 2) == 0, 1.0, -1.0)[None, None, :, None]
+        x = tl.reshape(tl.fma(x4, sgn, tl.flip(x4, 2)), [ROWS, D])
+    return x
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # reshape_and_cache: one program per (BLOCK_T tokens, KV head). Token t goes to slot slot_mapping[t]
 # (block slot // BLOCK_SIZE, offset slot % BLOCK_SIZE); slot -1 writes nothing.
@@ -177,7 +192,7 @@ def reshape_and_cache_kernel(
 
     # ---- key ----
     # rotate: x' = FWHT_b(x * signs), b = 2**K_LOG_B (unnormalized, fixed butterfly order)
-    x_key = fwht(x_key * tl.load(k_signs_ptr + d, mask=dmask, other=0.0)[None, :], BLOCK_T, HEAD_PAD, K_LOG_B)
+    x_key = fwht_inplace(x_key * tl.load(k_signs_ptr + d, mask=dmask, other=0.0)[None, :], BLOCK_T, HEAD_PAD, K_LOG_B)
     x_key = tl.where(x_key == x_key, x_key, 0.0)  # key codes have no NaN: NaN is stored as 0.0 would be
     # dynamic scale per group of HEAD_PAD elements: scale = max(absmax / 127, 1e-06) stored as fp32
     k_xg = tl.reshape(x_key, [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
