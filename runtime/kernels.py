@@ -73,6 +73,12 @@ ATTENTION_TILES = (
 INTERPRETER_TILES = {"BLOCK_N": 128}
 # experiments and tests: tiles used for every format instead of the rules above (None: the rules)
 TILE_OVERRIDE: dict | None = None
+# reshape_and_cache, compiled: tokens per program and warps (the interpreter takes 64 tokens per program). One warp
+# holds each head's row, so per token-head reductions stay in the warp. H200 (benchmarks/RESULTS.md, seventh
+# session; benchmarks/tune_writes.py): against 16 tokens on 4 warps, int8 / fp8 per token-head writes of 32768 tokens
+# take 100 -> 84 / 82 us, the other formats within 4%. WRITE_OVERRIDE replaces them in experiments.
+WRITE_TILES = {"BLOCK_T": 4, "num_warps": 1}
+WRITE_OVERRIDE: dict | None = None
 
 
 def attention_tiles(code_bits: dict, dot_operands: dict, dots: dict, block_scaled: bool,
@@ -179,15 +185,18 @@ class KernelSet:
         """``tensors``: the kernel's pointer arguments by name; ``consts``: layout and shape constexprs."""
         self._check_device(tensors["k_cache_ptr"])
         num_tokens = key.shape[0]
-        block_t = 64 if interpreting() else 16
+        if interpreting():
+            block_t, options = 64, {}
+        else:
+            tiles = WRITE_OVERRIDE or WRITE_TILES
+            # stored bytes must not depend on the compiler contracting x * inv + c into one rounding
+            block_t, options = tiles["BLOCK_T"], {"num_warps": tiles["num_warps"], "enable_fp_fusion": False}
         block_t = min(block_t, _next_pow2(num_tokens))
         grid = (triton_cdiv(num_tokens, block_t), consts["NUM_KV_HEADS"])
         self.launch("reshape_and_cache_kernel")(
             grid, key, value, slot_mapping_ptr=slot_mapping, num_tokens=num_tokens,
             stride_kt=key.stride(0), stride_kh=key.stride(1), stride_vt=value.stride(0), stride_vh=value.stride(1),
-            BLOCK_T=block_t, NATIVE_CASTS=native_fp8(key.device), **tensors, **consts,
-            # stored bytes must not depend on the compiler contracting x * inv + c into one rounding
-            **({} if interpreting() else {"enable_fp_fusion": False}),
+            BLOCK_T=block_t, NATIVE_CASTS=native_fp8(key.device), **tensors, **consts, **options,
         )
 
     def write_streaming(self, key, value, query_start_loc, seq_lens, block_table, seq_ids, max_query_len,

@@ -1,0 +1,76 @@
+"""Write-tile experiment (issue 5): reshape-and-cache time at 32768 tokens for each (tokens per program, warps)
+choice, per format, timed as CUDA-graph replays (no host launch cost). On a GPU:
+
+    python benchmarks/tune_writes.py bf16 fp8_e4m3 int8_per_token_head
+    python benchmarks/tune_writes.py nvfp4 --configs 16/4 32/4 64/8 --tokens 32768 256
+
+A config is BLOCK_T/num_warps. The runtime's choice is kvgen.runtime.kernels.WRITE_TILES; this script overrides it
+(WRITE_OVERRIDE) per run and prints one markdown row per (format, token count) with median us and the fraction of
+the copy bandwidth measured in the same run (bytes as benchmarks/bench.py counts them: the bf16 input read plus the
+cache bytes written). Streaming formats (KIVI) write through another kernel and are skipped.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+import kvgen
+from kvgen.runtime import kernels as K
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # noqa: E402
+
+DEFAULT_CONFIGS = ["16/4", "8/2", "16/2", "32/4", "32/8", "64/8", "4/1", "8/1"]
+
+
+def parse(config: str) -> dict:
+    block_t, warps = (int(x) for x in config.split("/"))
+    return dict(BLOCK_T=block_t, num_warps=warps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("formats", nargs="+")
+    ap.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS)
+    ap.add_argument("--tokens", nargs="+", type=int, default=[32768])
+    ap.add_argument("--no-decode-first", action="store_true",
+                    help="skip the decode case run before each format's writes (see below)")
+    args = ap.parse_args()
+    configs = {c: parse(c) for c in args.configs}
+    bench.GRAPHS = True
+    copy = bench.copy_bandwidth()
+    print(f"copy bandwidth {copy / 1e9:.0f} GB/s; runtime default {K.WRITE_TILES}")
+    print("| format | tokens | " + " | ".join(args.configs) + " |")
+    print("|---|---|" + "---|" * len(configs))
+    for name in args.formats:
+        fmt = kvgen.load(name)
+        if fmt.spec.streaming:
+            print(f"| {name} | - | " + " | ".join("streaming: skipped" for _ in configs) + " |")
+            continue
+        if not args.no_decode_first:
+            # bench.py times a format's writes after its decode cases. On the H200 the same write kernel timed in a
+            # fresh process (do_bench, graph replays) came out up to 2x slower (fp8_e4m3: 139 against 64 us) while
+            # the profiler gave it 59-60 us both ways; the cause is not found. Running one decode case first puts
+            # this script in bench.py's state.
+            fn, _ = bench.decode_case(fmt, 64, 8192, 16)
+            bench.bench(fn)
+            del fn
+            torch.cuda.empty_cache()
+        for tokens in args.tokens:
+            res = []
+            for c in args.configs:
+                K.WRITE_OVERRIDE = configs[c]
+                try:
+                    fn, moved = bench.write_case(fmt, tokens, 16)  # captured with this config
+                    t = bench.bench(fn)
+                    res.append(f"{t * 1e6:.0f} ({moved / t / copy * 100:.0f}%)")
+                except Exception as e:  # a config the compiler rejects
+                    res.append(f"failed: {type(e).__name__}")
+                finally:
+                    K.WRITE_OVERRIDE = None
+            print(f"| {name} | {tokens} | " + " | ".join(res) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
