@@ -213,18 +213,23 @@ def count_write(name: str, tokens: int = 4096) -> dict:
     lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
     ops = collections.Counter(opcode(line) for line in lines)
     moved = 2 * 128 * 2 + fmt.page_bytes(16, 8, 128) / 16 / 8  # bf16 K and V in, the cell out, per token-head
-    return dict(format=name, per_token=len(lines) / block_t, bytes=moved, per_byte=len(lines) / block_t / moved,
-                regs=int(re.search(r"REG:(\d+)", usage).group(1)), mix=ops.most_common(8), block_t=block_t)
+    # every warp runs the listed instructions once: warp instructions per token-head (before the seventh session
+    # this printed instructions per thread at 4 warps and 16 tokens per program: a quarter of this measure)
+    warp_instructions = len(lines) * launch.get("num_warps", 4)
+    return dict(format=name, per_token=warp_instructions / block_t, bytes=moved,
+                per_byte=warp_instructions / block_t / moved,
+                regs=int(re.search(r"REG:(\d+)", usage).group(1)), mix=ops.most_common(8), block_t=block_t,
+                warps=launch.get("num_warps", 4))
 
 
 def main_write(names: list) -> int:
-    print("| format | instructions / token-head | bytes / token-head | instructions / byte | registers | most frequent |")
+    print("| format | warp instructions / token-head | bytes / token-head | per byte | registers | most frequent |")
     print("|---|---|---|---|---|---|")
     for name in names:
         if kvgen.load(name).spec.streaming:
             continue
         r = count_write(name)
-        mix = ", ".join(f"{op} {n / r['block_t']:.1f}" for op, n in r["mix"])
+        mix = ", ".join(f"{op} {n * r['warps'] / r['block_t']:.1f}" for op, n in r["mix"])
         print(f"| {name} | {r['per_token']:.1f} | {r['bytes']:.0f} | {r['per_byte']:.3f} | {r['regs']} | {mix} |",
               flush=True)
     return 0
