@@ -88,6 +88,14 @@ def _float_literal(x: float) -> str:
     return repr(float(x))
 
 
+def _fp32_constant(x: float) -> str:
+    """An fp32 constant for Triton code: a literal, or for a value below fp32's normal range (a scale floor of 2**-149
+    or 2**-133) a typed constant, since Triton takes such a literal as fp64 and would widen the tensor it meets."""
+    if x == 0 or abs(x) >= 2.0 ** -126:
+        return _float_literal(x)
+    return f"tl.full([], {_float_literal(x)}, tl.float32)"
+
+
 def render_codec(codec: Codec, prefix: str, dot: bool = False, qdot: str = "") -> str:
     """``dot``: also render ``{prefix}decode_dot`` (code -> the attention dot operand: fp16 or bf16, exactly);
     ``qdot``: also ``{prefix}as_qdot`` (code -> itself as that tensor-core type: the quantized compute domain)."""
@@ -217,7 +225,7 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
         zbytes={"fp16": 2, "fp32": 4}.get(side.zero_point.dtype, 1) if asym else 1,
         zp_max="65504.0" if float_zp and side.zero_point.dtype == "fp16" else "", zp_clear=hex(0xFFFFFFFF ^ ((1 << side.bits) - 1)),
         global_scale=bool(dynamic and sc.global_scale), qmax=_float_literal(qmax),
-        scale_floor=_float_literal(max(sc.min, SCALE_TINY[sc.dtype])) if dynamic else "0.0",
+        scale_floor=_fp32_constant(max(sc.min, SCALE_TINY[sc.dtype])) if dynamic else "0.0",
         scale_max=_float_literal(SCALE_MAX[sc.dtype]) if dynamic and sc.dtype in SCALE_MAX else "",
         apply="none" if sc is None else sc.apply.value,
         sunit=scodec.unit if scodec else "tl.uint8", sunit_bytes=scodec.unit_bytes if scodec else 1,

@@ -80,3 +80,32 @@ def test_edge_values_bytes_and_behaviour(name):
         assert np.all(np.isfinite(k[1])) and np.all(np.isfinite(k[5]))  # integers and fp4 store NaN as 0.0 would be
     # huge values: finite codes, saturated at worst
     assert np.all(np.isfinite(k[4]))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_scale_floor_below_fp32_normals(tmp_path, dtype):
+    """A spec whose scale floor is below fp32's normal range (min 1e-45: the floor is the scale dtype's smallest
+    value, 2**-149 for fp32, 2**-133 for bf16) compiles, and tokens that small keep the reference's bytes."""
+    import yaml
+
+    spec = {"name": f"tiny_floor_{dtype}", "cache": {"layout": "interleaved", "storage_dtype": "uint8"},
+            "key": {"element": "int8", "scale": {"granularity": "per_block", "block": 16, "dtype": dtype,
+                                                 "min": 1.0e-45}}}
+    spec["value"] = spec["key"]
+    path = tmp_path / f"tiny_floor_{dtype}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    fmt = kvgen.load(path)
+    x = np.zeros((2, 1, 16), dtype=np.float32)
+    x[0, 0, :] = np.float32(2.0 ** -140) * np.arange(16, dtype=np.float32)  # subnormal inputs
+    x[1, 0, :] = np.linspace(-1, 1, 16, dtype=np.float32)
+    slots = np.arange(2, dtype=np.int64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache = fmt.allocate(1, 2, 1, 16, device=DEVICE)
+    xt = torch.from_numpy(x).to(DEVICE)
+    fmt.write(cache, xt, xt, torch.from_numpy(slots).to(DEVICE))
+    expected = R.new_cache(fmt.spec, 1, 2, 1, 16)
+    R.write(fmt.spec, expected, x, x, slots)
+    for t, want in expected.items():
+        got = cache.tensors[t].view(torch.uint8).reshape(1, -1).cpu().numpy()
+        assert np.array_equal(got, want), f"{t}: bytes differ at {np.argwhere(got != want)[:3].tolist()}"
