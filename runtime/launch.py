@@ -78,7 +78,6 @@ class FastLaunch:
             return binary
         return _run(binary, grid, triton.current_stream(device), values)
 
-
     def bind(self, **static) -> BoundLaunch:
         """``bind(**static)(grid, *args, **dynamic)`` launches like ``self(grid, *args, **static, **dynamic)``, with
         the static arguments bound, specialised and keyed once: a call specialises only its own arguments (a planned
@@ -89,10 +88,10 @@ class FastLaunch:
 class BoundLaunch:
     """A FastLaunch with some keyword arguments fixed (``FastLaunch.bind``). Its binaries are keyed by the
     specialisation of every runtime argument (the static ones too, re-read each call: a tensor re-pointed in place is
-    seen) and the knobs; constexprs and options are fixed by the binding. A specialisation met for the first time goes through the unbound FastLaunch, which shares its
-    binaries across bindings (a new plan's first run does not compile or bind again). Calls that pass a constexpr
-    or an option themselves, unhashable static constexprs, and every case in which FastLaunch takes Triton's path
-    go through the unbound FastLaunch."""
+    seen) and the knobs; constexprs and options are fixed by the binding. A specialisation met for the first time
+    goes through the unbound FastLaunch, which shares its binaries across bindings (a new plan's first run does not
+    compile or bind again). Calls that pass a constexpr or an option themselves, unhashable static constexprs, and
+    every case in which FastLaunch takes Triton's path go through the unbound FastLaunch."""
 
     def __init__(self, fast: FastLaunch, static: dict):
         self.fast = fast
@@ -226,9 +225,7 @@ class _Signature:
         self.runtime = _getter(runtime)
         self.constexprs = _getter([i for i, p in enumerate(params) if p.is_constexpr])
         # Triton's flags per runtime parameter, as its binder passes them to native_specialize_impl
-        self.is_const = [params[i].is_const for i in runtime]
-        self.specialise = [not params[i].do_not_specialize for i in runtime]
-        self.align = [not params[i].do_not_specialize_on_alignment for i in runtime]
+        self.is_const, self.specialise, self.align = _flags([params[i] for i in runtime])
 
 
 def _getter(keys: list):
