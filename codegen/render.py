@@ -9,10 +9,11 @@ import re
 from pathlib import Path
 
 import jinja2
+import numpy as np
 
 from . import layout as layout_mod
 from .codecs import SCALE_MAX, SCALE_TINY, Codec, element_codec, scale_codec
-from .spec import FormatSpec, Granularity, Placement, ScaleDType, SideSpec
+from .spec import ApplyScale, FormatSpec, Granularity, Placement, ScaleDType, SideSpec
 from .support import check_supported
 from .version import KVGEN_VERSION
 
@@ -57,6 +58,7 @@ class SideContext:
     scale_floor: str
     scale_max: str  # saturation of fp16 / bf16 scales ("" when the codec saturates itself)
     apply: str
+    rcp_overflow: bool  # reciprocal_multiply whose 1 / s can overflow to inf (global or static scale, or a floor below 2**-128)
     sunit: str
     sunit_bytes: int
     meta_ptr: str
@@ -228,6 +230,8 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
         scale_floor=_fp32_constant(max(sc.min, SCALE_TINY[sc.dtype])) if dynamic else "0.0",
         scale_max=_float_literal(SCALE_MAX[sc.dtype]) if dynamic and sc.dtype in SCALE_MAX else "",
         apply="none" if sc is None else sc.apply.value,
+        rcp_overflow=sc is not None and sc.apply == ApplyScale.reciprocal_multiply and (
+            not dynamic or bool(sc.global_scale) or not np.isfinite(np.float32(1) / np.float32(max(sc.min, SCALE_TINY[sc.dtype])))),
         sunit=scodec.unit if scodec else "tl.uint8", sunit_bytes=scodec.unit_bytes if scodec else 1,
         meta_ptr=f"{p}_meta_ptr" if dynamic and sc.placement == Placement.separate else f"{p}_cache_ptr",
         rotate=side.rotation is not None,

@@ -85,7 +85,9 @@ def test_edge_values_bytes_and_behaviour(name):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_scale_floor_below_fp32_normals(tmp_path, dtype):
     """A spec whose scale floor is below fp32's normal range (min 1e-45: the floor is the scale dtype's smallest
-    value, 2**-149 for fp32, 2**-133 for bf16) compiles, and tokens that small keep the reference's bytes."""
+    value, 2**-149 for fp32, 2**-133 for bf16) compiles, and tokens that small keep the reference's bytes. Their
+    scales have no finite fp32 reciprocal: the zeros among them, and a token of zeros (scale = the floor), must stay
+    code 0 (0 * inf is NaN, which the GPU's clamp turns into -128)."""
     import yaml
 
     spec = {"name": f"tiny_floor_{dtype}", "cache": {"layout": "interleaved", "storage_dtype": "uint8"},
@@ -95,17 +97,50 @@ def test_scale_floor_below_fp32_normals(tmp_path, dtype):
     path = tmp_path / f"tiny_floor_{dtype}.yaml"
     path.write_text(yaml.safe_dump(spec))
     fmt = kvgen.load(path)
-    x = np.zeros((2, 1, 16), dtype=np.float32)
-    x[0, 0, :] = np.float32(2.0 ** -140) * np.arange(16, dtype=np.float32)  # subnormal inputs
+    x = np.zeros((3, 1, 16), dtype=np.float32)  # token 2: all zeros
+    x[0, 0, :] = np.float32(2.0 ** -140) * np.arange(16, dtype=np.float32)  # subnormal inputs, one of them 0
     x[1, 0, :] = np.linspace(-1, 1, 16, dtype=np.float32)
-    slots = np.arange(2, dtype=np.int64)
+    slots = np.arange(3, dtype=np.int64)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cache = fmt.allocate(1, 2, 1, 16, device=DEVICE)
+        cache = fmt.allocate(1, 3, 1, 16, device=DEVICE)
     xt = torch.from_numpy(x).to(DEVICE)
     fmt.write(cache, xt, xt, torch.from_numpy(slots).to(DEVICE))
-    expected = R.new_cache(fmt.spec, 1, 2, 1, 16)
+    expected = R.new_cache(fmt.spec, 1, 3, 1, 16)
     R.write(fmt.spec, expected, x, x, slots)
+    assert not expected["kv_cache"].reshape(3, -1)[2, :16].any()  # the reference keeps the zero token's codes 0
+    for t, want in expected.items():
+        got = cache.tensors[t].view(torch.uint8).reshape(1, -1).cpu().numpy()
+        assert np.array_equal(got, want), f"{t}: bytes differ at {np.argwhere(got != want)[:3].tolist()}"
+
+
+def test_scale_division_rounds_subnormal_ties_like_ieee(tmp_path):
+    """A group's scale over the global scale landing exactly on a midpoint of fp32's subnormal grid: the bytes must
+    be IEEE division's (round half to even), which a product with a rounded reciprocal would miss. int8 codes with an
+    fp32 scale per 16 elements, a global scale of 98 and no floor above fp32's smallest: the block's absmax is
+    127 * 147 * 2**-149, so absmax / 127 = 147 * 2**-149 and over 98 it is 1.5 * 2**-149 (IEEE: 2 * 2**-149)."""
+    import yaml
+
+    spec = {"name": "subnormal_scales", "cache": {"layout": "interleaved", "storage_dtype": "uint8"},
+            "key": {"element": "int8", "scale": {"granularity": "per_block", "block": 16, "dtype": "fp32",
+                                                 "global_scale": True, "min": 1.0e-45}}}
+    spec["value"] = spec["key"]
+    path = tmp_path / "subnormal_scales.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    fmt = kvgen.load(path)
+    x = np.zeros((1, 1, 16), dtype=np.float32)
+    x[0, 0, 3] = np.float32(127 * 147 * 2.0 ** -149)
+    x[0, 0, 7] = -np.float32(5 * 2.0 ** -149)
+    slots = np.zeros(1, dtype=np.int64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache = fmt.allocate(1, 1, 1, 16, device=DEVICE, k_scale=98.0, v_scale=98.0)
+    xt = torch.from_numpy(x).to(DEVICE)
+    fmt.write(cache, xt, xt, torch.from_numpy(slots).to(DEVICE))
+    expected = R.new_cache(fmt.spec, 1, 1, 1, 16)
+    R.write(fmt.spec, expected, x, x, slots, k_scale=98.0, v_scale=98.0)
+    scale = np.float32(x[0, 0, 3] / np.float32(127.0)) / np.float32(98.0)
+    assert scale.view(np.uint32) == 2  # the tie rounded to even, as the reference computes it
     for t, want in expected.items():
         got = cache.tensors[t].view(torch.uint8).reshape(1, -1).cpu().numpy()
         assert np.array_equal(got, want), f"{t}: bytes differ at {np.argwhere(got != want)[:3].tolist()}"
