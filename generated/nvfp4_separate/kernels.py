@@ -461,11 +461,13 @@ def paged_attention_kernel(
         q = tl.load(q_ptr + q_rows[:, None] * stride_qt + q_head[:, None] * stride_qh + d[None, :],
                     mask=row_mask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
         k_g = tl.load(k_scale_ptr)  # static key scale of the layer
+        k_fix = 128.0 * k_g  # the block ratios' shift and the global scale: one factor of the key dot
         v_g = tl.load(v_scale_ptr)  # static value scale of the layer
-        # scores = (q / 2**e) . k_op * (2**e * qk_scale) * k_tok: a power of two per row keeps q in the dot type's range
+        v_fix = 128.0 * v_g  # the block ratios' shift and the global scale: one factor of the value dot
+        # scores = (q / 2**e) . k_op * (2**e * qk_scale * k_fix): a power of two per row keeps q in the dot type's range
         q_norm = pow2_floor(tl.max(tl.abs(q), axis=1))
         q = q * pow2_inv(q_norm)[:, None]
-        row_scale = q_norm * qk_scale
+        row_scale = q_norm * qk_scale * k_fix
 
         # KV positions this program reads: [lo, hi), the tile's causal and window range within the split's chunk
         last_q = tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1
@@ -509,8 +511,9 @@ def paged_attention_kernel(
             k_gmask = (k_gi < HEAD_SIZE // 16)[None, :]
             k_scode = tl.load(k_srow[:, None] + k_gi[None, :], mask=k_gmask, other=0)
             k_bs = k_scale_decode(k_scode)
-            k_tok = pow2_floor(tl.max(k_bs, axis=1))
-            k_ratio = k_bs * pow2_inv(k_tok)[:, None]
+            # every fp8_e4m3 scale times 0.0078125 and its products with the codes are fp16 values: no power of two
+            # per position; the dot's result takes 128.0 back (k_fix)
+            k_ratio = k_bs * 0.0078125
             if DOT_K != 0:
                 # the codes were decoded without their factor 16384.0 (a power of two): the ratios carry it, which
                 # keeps each product's value (one multiply per block instead of one per code)
@@ -518,9 +521,7 @@ def paged_attention_kernel(
             # one dot term, fp8_e4m3 scales: every ratio is an fp16 value; the multiply runs in the tile's
             # type (two elements per instruction), rounding the exact product once as converting an fp32 one would
             k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio.to(k_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 16, 16]), [BLOCK_N, HEAD_PAD])
-            k_tok = k_tok * k_g
             scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
-            scores = scores * k_tok[None, :]
             visible = (n[None, :] <= q_pos[:, None])
             visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
             scores = tl.where(visible, scores, float("-inf"))
@@ -550,8 +551,9 @@ def paged_attention_kernel(
             v_gmask = (v_gi < HEAD_SIZE // 16)[None, :]
             v_scode = tl.load(v_srow[:, None] + v_gi[None, :], mask=v_gmask, other=0)
             v_bs = v_scale_decode(v_scode)
-            v_tok = pow2_floor(tl.max(v_bs, axis=1))
-            v_ratio = v_bs * pow2_inv(v_tok)[:, None]
+            # every fp8_e4m3 scale times 0.0078125 and its products with the codes are fp16 values: no power of two
+            # per position; the dot's result takes 128.0 back (v_fix)
+            v_ratio = v_bs * 0.0078125
             if DOT_V != 0:
                 # the codes were decoded without their factor 16384.0 (a power of two): the ratios carry it, which
                 # keeps each product's value (one multiply per block instead of one per code)
@@ -559,13 +561,7 @@ def paged_attention_kernel(
             # one dot term, fp8_e4m3 scales: every ratio is an fp16 value; the multiply runs in the tile's
             # type (two elements per instruction), rounding the exact product once as converting an fp32 one would
             v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio.to(v_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 16, 16]), [BLOCK_N, HEAD_PAD])
-            v_tok = v_tok * v_g
-            # the per-position value factors enter the probabilities, relative to each query row's largest weight
-            # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
-            pw = p * v_tok[None, :]
-            pw_top = tl.max(pw, axis=1)
-            pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
-            pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
+            pv = mma(p, v_op, DOT_V, P_TERMS, V_TERMS)
             acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
@@ -598,8 +594,9 @@ def paged_attention_kernel(
             k_gmask = n_mask[:, None] & (k_gi < HEAD_SIZE // 16)[None, :]
             k_scode = tl.load(k_srow[:, None] + k_gi[None, :], mask=k_gmask, other=0)
             k_bs = k_scale_decode(k_scode)
-            k_tok = pow2_floor(tl.max(k_bs, axis=1))
-            k_ratio = k_bs * pow2_inv(k_tok)[:, None]
+            # every fp8_e4m3 scale times 0.0078125 and its products with the codes are fp16 values: no power of two
+            # per position; the dot's result takes 128.0 back (k_fix)
+            k_ratio = k_bs * 0.0078125
             if DOT_K != 0:
                 # the codes were decoded without their factor 16384.0 (a power of two): the ratios carry it, which
                 # keeps each product's value (one multiply per block instead of one per code)
@@ -607,9 +604,7 @@ def paged_attention_kernel(
             # one dot term, fp8_e4m3 scales: every ratio is an fp16 value; the multiply runs in the tile's
             # type (two elements per instruction), rounding the exact product once as converting an fp32 one would
             k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio.to(k_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 16, 16]), [BLOCK_N, HEAD_PAD])
-            k_tok = k_tok * k_g
             scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
-            scores = scores * k_tok[None, :]
             visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
             visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
             scores = tl.where(visible, scores, float("-inf"))
@@ -639,8 +634,9 @@ def paged_attention_kernel(
             v_gmask = n_mask[:, None] & (v_gi < HEAD_SIZE // 16)[None, :]
             v_scode = tl.load(v_srow[:, None] + v_gi[None, :], mask=v_gmask, other=0)
             v_bs = v_scale_decode(v_scode)
-            v_tok = pow2_floor(tl.max(v_bs, axis=1))
-            v_ratio = v_bs * pow2_inv(v_tok)[:, None]
+            # every fp8_e4m3 scale times 0.0078125 and its products with the codes are fp16 values: no power of two
+            # per position; the dot's result takes 128.0 back (v_fix)
+            v_ratio = v_bs * 0.0078125
             if DOT_V != 0:
                 # the codes were decoded without their factor 16384.0 (a power of two): the ratios carry it, which
                 # keeps each product's value (one multiply per block instead of one per code)
@@ -648,16 +644,11 @@ def paged_attention_kernel(
             # one dot term, fp8_e4m3 scales: every ratio is an fp16 value; the multiply runs in the tile's
             # type (two elements per instruction), rounding the exact product once as converting an fp32 one would
             v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio.to(v_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 16, 16]), [BLOCK_N, HEAD_PAD])
-            v_tok = v_tok * v_g
-            # the per-position value factors enter the probabilities, relative to each query row's largest weight
-            # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
-            pw = p * tl.where(n_mask, v_tok, 0.0)[None, :]
-            pw_top = tl.max(pw, axis=1)
-            pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
-            pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
+            pv = mma(p, v_op, DOT_V, P_TERMS, V_TERMS)
             acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
+        acc = acc * v_fix  # the value block ratios' shift and the global scale
         out_mask = row_mask[:, None] & dmask[None, :]
         if NUM_SPLITS == 1:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
