@@ -182,7 +182,9 @@ def fixed_block_shift(side: SideSpec, dot: tuple[str, int, str], dot_factor: flo
     with no per-position power of two (no row maximum of the scales, no factor per position on the scores or the
     probabilities): the dot's result takes 2**-s back once, as a static scale would. Holds where the scale dtype's
     whole range fits fp16 next to the codes': fp8_e4m3 scales (2**-9 .. 448, 4 significant bits) with fp4 e2m1 codes
-    (NVFP4: s = -7, products 2**-17 .. 21). tests/test_dot_operand.py enumerates every code and scale.
+    (NVFP4: s = -7, products 2**-17 .. 21). Only range and lowest bits are checked here: significand width (code
+    bits + scale bits within fp16's 11) is dot_operand's one-term condition, required below. tests/test_dot_operand.py
+    enumerates every code and scale.
     """
     if dot[:3] != ("fp16", 1, "block") or side.zero_point is not None:
         return None
@@ -249,7 +251,7 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
     if float_zp:
         zp = "float"
     dot = dot_operand(side, scale, zp, bool(dynamic and sc.block), name)
-    shift = fixed_block_shift(side, dot, codec.dot_factor if codec.byte_decode else None) if dot[0] else None
+    shift = fixed_block_shift(side, dot, codec.dot_factor) if dot[0] else None
     if shift is not None:
         dot = (dot[0], dot[1], "fixed")
     qdot = quantized_dot(codec, dot[2], asym)

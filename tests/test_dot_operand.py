@@ -181,7 +181,9 @@ def all_scale_values(dtype: str) -> np.ndarray:
     return np.unique(s[s >= 0])
 
 
-@pytest.mark.parametrize("element,dtype", list(itertools.product(ELEMENTS, ["fp8_e4m3", "e8m0", "fp16", "bf16"])))
+# unsigned elements need a zero point, which rules the fixed ratios out before any range question
+@pytest.mark.parametrize("element,dtype", list(itertools.product([e for e in ELEMENTS if not e.startswith("uint")],
+                                                                  ["fp8_e4m3", "e8m0", "fp16", "bf16"])))
 def test_fixed_block_shift_is_exact(element, dtype):
     """Where fixed_block_shift gives 2**s, attention multiplies every (unscaled) code by scale * 2**s * F in fp16
     (F: the unscaled decoders' factor) with no per-position power of two. Enumerated: every ratio is an fp16 value,

@@ -506,7 +506,7 @@ def paged_attention_kernel(
                 else:
                     k_tile = k_decode(k_code)
             k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
-            # one scale per 16 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
+            # one scale per 16 elements: the operand keeps scale * 0.0078125 (exact), the same power of two everywhere
             k_gi = tl.arange(0, HEAD_PAD // 16)
             k_gmask = (k_gi < HEAD_SIZE // 16)[None, :]
             k_scode = tl.load(k_srow[:, None] + k_gi[None, :], mask=k_gmask, other=0)
@@ -546,7 +546,7 @@ def paged_attention_kernel(
                 else:
                     v_tile = v_decode(v_code)
             v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
-            # one scale per 16 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
+            # one scale per 16 elements: the operand keeps scale * 0.0078125 (exact), the same power of two everywhere
             v_gi = tl.arange(0, HEAD_PAD // 16)
             v_gmask = (v_gi < HEAD_SIZE // 16)[None, :]
             v_scode = tl.load(v_srow[:, None] + v_gi[None, :], mask=v_gmask, other=0)
@@ -589,7 +589,7 @@ def paged_attention_kernel(
                 else:
                     k_tile = k_decode(k_code)
             k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
-            # one scale per 16 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
+            # one scale per 16 elements: the operand keeps scale * 0.0078125 (exact), the same power of two everywhere
             k_gi = tl.arange(0, HEAD_PAD // 16)
             k_gmask = n_mask[:, None] & (k_gi < HEAD_SIZE // 16)[None, :]
             k_scode = tl.load(k_srow[:, None] + k_gi[None, :], mask=k_gmask, other=0)
@@ -629,7 +629,7 @@ def paged_attention_kernel(
                 else:
                     v_tile = v_decode(v_code)
             v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
-            # one scale per 16 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
+            # one scale per 16 elements: the operand keeps scale * 0.0078125 (exact), the same power of two everywhere
             v_gi = tl.arange(0, HEAD_PAD // 16)
             v_gmask = n_mask[:, None] & (v_gi < HEAD_SIZE // 16)[None, :]
             v_scode = tl.load(v_srow[:, None] + v_gi[None, :], mask=v_gmask, other=0)
@@ -648,7 +648,8 @@ def paged_attention_kernel(
             acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
-        acc = acc * v_fix  # the value block ratios' shift and the global scale
+        # the value block ratios' shift and the global scale, for the paged positions only
+        acc = acc * v_fix
         out_mask = row_mask[:, None] & dmask[None, :]
         if NUM_SPLITS == 1:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
