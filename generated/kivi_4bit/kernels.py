@@ -209,7 +209,10 @@ def kivi_flush_kernel(
         off = pos % BLOCK_SIZE
         d = tl.arange(0, HEAD_PAD)
         dmask = d < HEAD_SIZE
-        # the group's full-precision values: new tokens from the input, older ones from the ring
+        # the group's full-precision values: new tokens from the input, older ones from the ring. The ring rows are
+        # addressed as typed pointers plus channel indices, so the compiler sees them contiguous: their loads get the
+        # input's vectorised row-major layout (byte offsets d * size gave a token-per-lane layout, and the key ranges
+        # and value groups then reduced across lanes and warps)
         from_input = pos >= old_len
         in_row = (q_start + pos - old_len).to(tl.int64)
         sid = tl.load(seq_ids_ptr + seq).to(tl.int64)
@@ -217,9 +220,9 @@ def kivi_flush_kernel(
         in_mask = from_input[:, None] & dmask[None, :]
         ring_mask = (~from_input)[:, None] & dmask[None, :]
         x_key = tl.where(in_mask, tl.load(key_ptr + in_row[:, None] * stride_kt + head * stride_kh + d[None, :], mask=in_mask, other=0.0).to(tl.float32),
-                         r_decode(tl.load((k_res_ptr + ring[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=ring_mask, other=0)))
+                         r_decode(tl.load((k_res_ptr + ring).to(tl.pointer_type(tl.uint16))[:, None] + d[None, :], mask=ring_mask, other=0)))
         x_value = tl.where(in_mask, tl.load(value_ptr + in_row[:, None] * stride_vt + head * stride_vh + d[None, :], mask=in_mask, other=0.0).to(tl.float32),
-                           r_decode(tl.load((v_res_ptr + ring[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=ring_mask, other=0)))
+                           r_decode(tl.load((v_res_ptr + ring).to(tl.pointer_type(tl.uint16))[:, None] + d[None, :], mask=ring_mask, other=0)))
 
         # ---- key: one scale and minimum per channel over the group's 32 tokens ----
         x_key = tl.where(x_key == x_key, x_key, 0.0)  # key codes have no NaN: NaN is stored as 0.0 would be
