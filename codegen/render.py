@@ -78,6 +78,7 @@ class SideContext:
     qdot_max: str  # fp32 literal: the largest code value of that type (127), what a row's largest maps to
     native_encode: bool  # compiled writes encode codes with the hardware's conversion ({p}_encode_native)
     native_scale_encode: bool  # ... and dynamic scales ({p}_scale_encode_native)
+    exact_reciprocal: bool  # dynamic power-of-two scales without a global scale: x / s == x * {p}_scale_reciprocal(code)
 
     def shift_expr(self, i: str) -> str:
         """Bit position of sub-byte element ``i`` inside its byte."""
@@ -295,6 +296,7 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
         and not asym else "",
         qdot=qdot, qdot_max={"int8": "127.0"}.get(qdot, "0.0"),
         native_encode=codec.native_encode, native_scale_encode=bool(scodec and scodec.native_encode),
+        exact_reciprocal=bool(dynamic and scodec and scodec.exact_reciprocal and not sc.global_scale),
         scale_summary=(f"{sc.dtype.value} per " + (f"{sc.block} elements" if sc.block else (
             f"channel over {sc.group_tokens} tokens" if sc.group_tokens else "token and head"))
             + f", {sc.placement.value}") if dynamic else "",

@@ -27,9 +27,10 @@ BLOCK_N_GROUP = 32
 
 @triton.jit
 def k_encode(v):
-    # clamp to [0.0, 3.0], then round half to even by adding and subtracting 1.5 * 2**23
+    # clamp to [0.0, 3.0], then round half to even by adding 1.5 * 2**23 (ulp 1): the sum's low bits are the
+    # rounded value in two's complement (its bits minus 0x4B400000, whose low 23 bits are zero)
     r = tl.minimum(tl.maximum(v, 0.0), 3.0)
-    q = ((r + 12582912.0) - 12582912.0).to(tl.int32)
+    q = (r + 12582912.0).to(tl.int32, bitcast=True)
     return (q & 3).to(tl.uint8)  # unsigned, 2 bits
 
 
@@ -100,9 +101,10 @@ def k_zp_decode(code):
 
 @triton.jit
 def v_encode(v):
-    # clamp to [0.0, 3.0], then round half to even by adding and subtracting 1.5 * 2**23
+    # clamp to [0.0, 3.0], then round half to even by adding 1.5 * 2**23 (ulp 1): the sum's low bits are the
+    # rounded value in two's complement (its bits minus 0x4B400000, whose low 23 bits are zero)
     r = tl.minimum(tl.maximum(v, 0.0), 3.0)
-    q = ((r + 12582912.0) - 12582912.0).to(tl.int32)
+    q = (r + 12582912.0).to(tl.int32, bitcast=True)
     return (q & 3).to(tl.uint8)  # unsigned, 2 bits
 
 

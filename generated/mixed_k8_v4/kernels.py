@@ -75,9 +75,10 @@ def k_scale_decode(code):
 
 @triton.jit
 def v_encode(v):
-    # clamp to [-8.0, 7.0], then round half to even by adding and subtracting 1.5 * 2**23
+    # clamp to [-8.0, 7.0], then round half to even by adding 1.5 * 2**23 (ulp 1): the sum's low bits are the
+    # rounded value in two's complement (its bits minus 0x4B400000, whose low 23 bits are zero)
     r = tl.minimum(tl.maximum(v, -8.0), 7.0)
-    q = ((r + 12582912.0) - 12582912.0).to(tl.int32)
+    q = (r + 12582912.0).to(tl.int32, bitcast=True)
     return (q & 15).to(tl.uint8)  # two's complement in 4 bits
 
 
