@@ -27,8 +27,9 @@ BLOCK_N_GROUP = 32
 
 @triton.jit
 def k_encode(v):
-    # clamp to [0.0, 15.0], then round half to even by adding 1.5 * 2**23 (ulp 1): the sum's low bits are the
-    # rounded value in two's complement (its bits minus 0x4B400000, whose low 23 bits are zero)
+    # clamp to [0.0, 15.0], then round half to even by adding 1.5 * 2**23 (ulp 1): the sum's bits minus
+    # 0x4B400000 (whose low 22 bits are zero) are the rounded value, so its low 4 bits (the mask below) are the
+    # value's two's complement
     r = tl.minimum(tl.maximum(v, 0.0), 15.0)
     q = (r + 12582912.0).to(tl.int32, bitcast=True)
     return (q & 15).to(tl.uint8)  # unsigned, 4 bits
@@ -95,8 +96,9 @@ def k_zp_decode(code):
 
 @triton.jit
 def v_encode(v):
-    # clamp to [0.0, 15.0], then round half to even by adding 1.5 * 2**23 (ulp 1): the sum's low bits are the
-    # rounded value in two's complement (its bits minus 0x4B400000, whose low 23 bits are zero)
+    # clamp to [0.0, 15.0], then round half to even by adding 1.5 * 2**23 (ulp 1): the sum's bits minus
+    # 0x4B400000 (whose low 22 bits are zero) are the rounded value, so its low 4 bits (the mask below) are the
+    # value's two's complement
     r = tl.minimum(tl.maximum(v, 0.0), 15.0)
     q = (r + 12582912.0).to(tl.int32, bitcast=True)
     return (q & 15).to(tl.uint8)  # unsigned, 4 bits
@@ -261,7 +263,7 @@ def kivi_flush_kernel(
         v_none = v_lo > v_hi  # no finite value in the group
         v_lo = tl.where(v_none, 0.0, v_lo)
         v_hi = tl.where(v_none, 0.0, v_hi)
-        v_s = ((v_hi - v_lo).to(tl.float64) * (1.0 / tl.full([], 15.0, tl.float64))).to(tl.float32)
+        v_s = ((v_hi - v_lo).to(tl.float64) / (tl.full([], 15.0, tl.float64))).to(tl.float32)
         v_s = tl.maximum(v_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
         v_s = tl.minimum(v_s, 65504.0)  # saturate at the scale dtype's largest finite value
         v_scode = v_scale_encode(v_s)
