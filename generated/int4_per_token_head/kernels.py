@@ -208,7 +208,7 @@ def reshape_and_cache_kernel(
     # the range always includes 0: lo = min(min x, 0), hi = max(max x, 0)
     k_lo = tl.minimum(tl.min(tl.where(k_mg, k_xg, float("inf")), axis=2), 0.0)
     k_hi = tl.maximum(tl.max(tl.where(k_mg, k_xg, float("-inf")), axis=2), 0.0)
-    k_s = ((k_hi - k_lo).to(tl.float64) / (tl.full([], 15.0, tl.float64))).to(tl.float32)
+    k_s = ((k_hi - k_lo).to(tl.float64) * (1.0 / tl.full([], 15.0, tl.float64))).to(tl.float32)
     k_s = tl.maximum(k_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     k_scode = k_scale_encode(k_s)
     k_scode = k_scode & 0xfffffff0  # the low 4 bits will hold the zero point
@@ -242,7 +242,7 @@ def reshape_and_cache_kernel(
     # the range always includes 0: lo = min(min x, 0), hi = max(max x, 0)
     v_lo = tl.minimum(tl.min(tl.where(v_mg, v_xg, float("inf")), axis=2), 0.0)
     v_hi = tl.maximum(tl.max(tl.where(v_mg, v_xg, float("-inf")), axis=2), 0.0)
-    v_s = ((v_hi - v_lo).to(tl.float64) / (tl.full([], 15.0, tl.float64))).to(tl.float32)
+    v_s = ((v_hi - v_lo).to(tl.float64) * (1.0 / tl.full([], 15.0, tl.float64))).to(tl.float32)
     v_s = tl.maximum(v_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     v_scode = v_scale_encode(v_s)
     v_scode = v_scode & 0xfffffff0  # the low 4 bits will hold the zero point

@@ -275,7 +275,7 @@ def kivi_flush_kernel(
         v_none = v_lo > v_hi  # no finite value in the group
         v_lo = tl.where(v_none, 0.0, v_lo)
         v_hi = tl.where(v_none, 0.0, v_hi)
-        v_s = ((v_hi - v_lo).to(tl.float64) / (tl.full([], 3.0, tl.float64))).to(tl.float32)
+        v_s = ((v_hi - v_lo).to(tl.float64) * (1.0 / tl.full([], 3.0, tl.float64))).to(tl.float32)
         v_s = tl.maximum(v_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
         v_s = tl.minimum(v_s, 65504.0)  # saturate at the scale dtype's largest finite value
         v_scode = v_scale_encode(v_s)

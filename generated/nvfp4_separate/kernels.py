@@ -316,7 +316,7 @@ def reshape_and_cache_kernel(
     # dynamic scale per group of 16 elements: scale = max(absmax / 6 / global, 1e-06) stored as fp8_e4m3
     k_xg = tl.reshape(x_key, [BLOCK_T, HEAD_PAD // 16, 16])
     k_ax = tl.abs(k_xg)
-    k_s = ((tl.max(tl.where(k_ax < float("inf"), k_ax, 0.0), axis=2)).to(tl.float64) / (tl.full([], 6.0, tl.float64))).to(tl.float32)  # finite absmax / 6.0
+    k_s = ((tl.max(tl.where(k_ax < float("inf"), k_ax, 0.0), axis=2)).to(tl.float64) * (1.0 / tl.full([], 6.0, tl.float64))).to(tl.float32)  # finite absmax / 6.0
     k_g = tl.load(k_scale_ptr)  # second-level fp32 scale of the layer
     k_s = ((k_s).to(tl.float64) / (k_g.to(tl.float64))).to(tl.float32)  # / global
     k_s = tl.maximum(k_s, 0.001953125)  # the spec's min, or the scale dtype's smallest value
@@ -342,7 +342,7 @@ def reshape_and_cache_kernel(
     # dynamic scale per group of 16 elements: scale = max(absmax / 6 / global, 1e-06) stored as fp8_e4m3
     v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // 16, 16])
     v_ax = tl.abs(v_xg)
-    v_s = ((tl.max(tl.where(v_ax < float("inf"), v_ax, 0.0), axis=2)).to(tl.float64) / (tl.full([], 6.0, tl.float64))).to(tl.float32)  # finite absmax / 6.0
+    v_s = ((tl.max(tl.where(v_ax < float("inf"), v_ax, 0.0), axis=2)).to(tl.float64) * (1.0 / tl.full([], 6.0, tl.float64))).to(tl.float32)  # finite absmax / 6.0
     v_g = tl.load(v_scale_ptr)  # second-level fp32 scale of the layer
     v_s = ((v_s).to(tl.float64) / (v_g.to(tl.float64))).to(tl.float32)  # / global
     v_s = tl.maximum(v_s, 0.001953125)  # the spec's min, or the scale dtype's smallest value
