@@ -106,6 +106,35 @@ def test_scale_floor_below_fp32_normals(tmp_path, dtype):
     fmt.write(cache, xt, xt, torch.from_numpy(slots).to(DEVICE))
     expected = R.new_cache(fmt.spec, 1, 2, 1, 16)
     R.write(fmt.spec, expected, x, x, slots)
+
+
+def test_scale_division_rounds_subnormal_ties_like_ieee(tmp_path):
+    """A group's scale over the global scale landing exactly on a midpoint of fp32's subnormal grid: the bytes must
+    be IEEE division's (round half to even), which a product with a rounded reciprocal would miss. int8 codes with an
+    fp32 scale per 16 elements, a global scale of 98 and no floor above fp32's smallest: the block's absmax is
+    127 * 147 * 2**-149, so absmax / 127 = 147 * 2**-149 and over 98 it is 1.5 * 2**-149 (IEEE: 2 * 2**-149)."""
+    import yaml
+
+    spec = {"name": "subnormal_scales", "cache": {"layout": "interleaved", "storage_dtype": "uint8"},
+            "key": {"element": "int8", "scale": {"granularity": "per_block", "block": 16, "dtype": "fp32",
+                                                 "global_scale": True, "min": 1.0e-45}}}
+    spec["value"] = spec["key"]
+    path = tmp_path / "subnormal_scales.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    fmt = kvgen.load(path)
+    x = np.zeros((1, 1, 16), dtype=np.float32)
+    x[0, 0, 3] = np.float32(127 * 147 * 2.0 ** -149)
+    x[0, 0, 7] = -np.float32(5 * 2.0 ** -149)
+    slots = np.zeros(1, dtype=np.int64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache = fmt.allocate(1, 1, 1, 16, device=DEVICE, k_scale=98.0, v_scale=98.0)
+    xt = torch.from_numpy(x).to(DEVICE)
+    fmt.write(cache, xt, xt, torch.from_numpy(slots).to(DEVICE))
+    expected = R.new_cache(fmt.spec, 1, 1, 1, 16)
+    R.write(fmt.spec, expected, x, x, slots, k_scale=98.0, v_scale=98.0)
+    scale = np.float32(x[0, 0, 3] / np.float32(127.0)) / np.float32(98.0)
+    assert scale.view(np.uint32) == 2  # the tie rounded to even, as the reference computes it
     for t, want in expected.items():
         got = cache.tensors[t].view(torch.uint8).reshape(1, -1).cpu().numpy()
         assert np.array_equal(got, want), f"{t}: bytes differ at {np.argwhere(got != want)[:3].tolist()}"

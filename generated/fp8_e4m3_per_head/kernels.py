@@ -172,14 +172,14 @@ def reshape_and_cache_kernel(
 
     # ---- key ----
     k_eff = tl.load(k_scale_ptr + head)  # static scale of this KV head
-    k_v = tl.math.div_rn(x_key, k_eff)
+    k_v = ((x_key).to(tl.float64) * (1.0 / (k_eff).to(tl.float64))).to(tl.float32)  # x / s
     k_codes = k_encode_native(k_v, NATIVE_CASTS)
     k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
     tl.store(k_row[:, None] + d[None, :], k_codes, mask=valid[:, None] & dmask[None, :])
 
     # ---- value ----
     v_eff = tl.load(v_scale_ptr + head)  # static scale of this KV head
-    v_v = tl.math.div_rn(x_value, v_eff)
+    v_v = ((x_value).to(tl.float64) * (1.0 / (v_eff).to(tl.float64))).to(tl.float32)  # x / s
     v_codes = v_encode_native(v_v, NATIVE_CASTS)
     v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
     tl.store(v_row[:, None] + d[None, :], v_codes, mask=valid[:, None] & dmask[None, :])
