@@ -3,6 +3,7 @@
     python benchmarks/sass_count.py [--quantized] [FORMAT ...]   # default: every shipped format
     python benchmarks/sass_count.py --write [FORMAT ...]         # reshape-and-cache, as Format.write launches it
     python benchmarks/sass_count.py --tiles 64/4/3/128 [FORMAT ...]  # another tile choice (tune_tiles.py's syntax)
+    python benchmarks/sass_count.py --write-streaming [FORMAT ...]   # KIVI's flush and residual-store kernels
 
 Compiles each format's paged_attention_kernel for sm_90 with Triton's own ptxas exactly as the runtime would launch
 it on an H200 for decode at 64 x 8192 (32 query heads over 8 KV heads, head size 128, block size 16, bf16 queries):
@@ -222,6 +223,55 @@ def count_write(name: str, tokens: int = 4096) -> dict:
                 warps=launch.get("num_warps", 4))
 
 
+def count_write_streaming(name: str, seqs: int = 1, tokens: int = 32768) -> list:
+    """KIVI's two write kernels (kivi_flush_kernel, kivi_residual_kernel) exactly as ``Format.write`` launches them
+    on a GPU for a prefill of ``seqs`` sequences of ``tokens`` bf16 tokens (8 KV heads, head size 128, the group as
+    block size): no loops, so every instruction counts. Per kernel: instructions per program (one thread's listed
+    SASS), warps, registers, the tokens one program covers and the most frequent opcodes (per program)."""
+    fmt = kvgen.load(name)
+    res = fmt.layout.RESIDUAL
+    if not res:
+        raise ValueError(f"{name}: not a streaming (residual-window) format")
+    block = res["group"]
+    per_seq = -(-tokens // block)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache = fmt.allocate(seqs * per_seq, block, 8, 128, max_seqs=seqs)
+    key = torch.zeros(seqs * tokens, 8, 128, dtype=torch.bfloat16)
+    table = torch.arange(seqs * per_seq, dtype=torch.int32).reshape(seqs, per_seq)
+    qsl = torch.arange(seqs + 1, dtype=torch.int32) * tokens
+    lens = torch.full((seqs,), tokens, dtype=torch.int32)
+    slots = torch.arange(seqs * tokens, dtype=torch.int64)
+    os.environ["TRITON_INTERPRET"] = "0"
+    launches = _captured(fmt, lambda: fmt.write(
+        cache, key, key.clone(), slots, seq_ids=torch.arange(seqs, dtype=torch.int32), query_start_loc=qsl,
+        seq_lens=lens, block_table=table, max_query_len=tokens))
+    out = []
+    for kname in ("kivi_flush_kernel", "kivi_residual_kernel"):
+        args, kwargs = launches[kname]
+        src, launch = _bound_source(getattr(fmt._kernels.module, kname), args, kwargs)
+        _, sass, usage = compile_sm90(src, launch)
+        lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
+        ops = collections.Counter(opcode(line) for line in lines)
+        out.append(dict(format=name, kernel=kname, per_program=len(lines), warps=launch.get("num_warps", 4),
+                        tokens=kwargs["BLOCK_T"], regs=int(re.search(r"REG:(\d+)", usage).group(1)),
+                        mix=ops.most_common(8)))
+    return out
+
+
+def main_write_streaming(names: list) -> int:
+    print("| format | kernel | instructions / program | warps | tokens / program | registers | most frequent |")
+    print("|---|---|---|---|---|---|---|")
+    for name in names:
+        if not kvgen.load(name).spec.streaming:
+            continue
+        for r in count_write_streaming(name):
+            mix = ", ".join(f"{op} {n}" for op, n in r["mix"])
+            print(f"| {name} | {r['kernel']} | {r['per_program']} | {r['warps']} | {r['tokens']} | {r['regs']} | "
+                  f"{mix} |", flush=True)
+    return 0
+
+
 def main_write(names: list) -> int:
     print("| format | warp instructions / token-head | bytes / token-head | per byte | registers | most frequent |")
     print("|---|---|---|---|---|---|")
@@ -240,6 +290,8 @@ def main() -> int:
     if args[:1] in (["-h"], ["--help"]):
         print(__doc__)
         return 0
+    if args[:1] == ["--write-streaming"]:  # KIVI's flush and residual-store kernels
+        return main_write_streaming(args[1:] or kvgen.shipped_names())
     if args[:1] == ["--write"]:  # the reshape-and-cache kernel instead
         return main_write(args[1:] or kvgen.shipped_names())
     precision = "auto"

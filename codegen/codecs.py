@@ -67,6 +67,12 @@ class Codec:
         return bool(self.params.get("native"))
 
     @property
+    def exact_reciprocal(self) -> bool:
+        """Whether the codec renders ``{prefix}reciprocal(code)``: 1 / decode(code) exactly, for every code (power-of-two
+        values: e8m0). Dividing by such a value and multiplying by its reciprocal round the same real number."""
+        return self.template == "e8m0.py.jinja"
+
+    @property
     def unit(self) -> str:
         return {32: "tl.uint32", 16: "tl.uint16"}.get(self.bits, "tl.uint8")
 

@@ -70,13 +70,17 @@ class SideContext:
     dot: str  # tensor-core type whose values hold the attention operand exactly ("" = exact fp32 dots only)
     op_terms: int  # how many values of that type sum to one operand element (hi + lo)
     ratio_in_tile: bool  # block ratios multiply the codes in the tile's (fp16) type: every ratio is an fp16 value
+    ratio_shift: str  # tok "fixed": fp32 literal 2**s, the block ratio is scale * 2**s for every block ("" otherwise)
+    fixed_factor: str  # tok "fixed": fp32 literal 2**-s, what the dot's result takes back (times a global scale)
     byte_decode: bool  # compiled attention decodes all codes of a byte at once ({p}_decode_dot_bytes)
     dot_factor: str  # fp32 literal: what the unscaled decoders leave out of the codes, folded into the block ratios
-    tok: str  # how the scale leaves the dot: none / const (one scalar) / token (one per row) / block / channel
+    tok: str  # how the scale leaves the dot: none / const (one scalar) / token (one per row) / block / channel /
+    #           fixed (block scales whose ratios need no per-row power of two: one constant, see fixed_block_shift)
     qdot: str  # quantized compute domain: "int8" dots on the codes themselves ("" = not offered)
     qdot_max: str  # fp32 literal: the largest code value of that type (127), what a row's largest maps to
     native_encode: bool  # compiled writes encode codes with the hardware's conversion ({p}_encode_native)
     native_scale_encode: bool  # ... and dynamic scales ({p}_scale_encode_native)
+    exact_reciprocal: bool  # dynamic power-of-two scales without a global scale: x / s == x * {p}_scale_reciprocal(code)
 
     def shift_expr(self, i: str) -> str:
         """Bit position of sub-byte element ``i`` inside its byte."""
@@ -166,6 +170,50 @@ def dot_operand(side: SideSpec, scale: str, zp: str, block: bool, name: str = "k
     return ("fp16", terms, tok) if terms <= 2 and largest <= 65504.0 else ("", 0, "none")
 
 
+# the smallest step between code values (every code is a multiple of it) and the largest code, per element type
+_CODE_STEP = {"fp4_e2m1": 0.5, "fp8_e4m3": 2.0 ** -9, "fp8_e5m2": 2.0 ** -16}
+# (smallest step, largest value) of the block-scale dtypes whose ratios enter the tile in fp16 (RATIOS_IN_FP16)
+_SCALE_RANGE = {"fp8_e4m3": (2.0 ** -9, 448.0)}
+_FP16_MAX, _FP16_STEP = 65504.0, 2.0 ** -24
+
+
+def fixed_block_shift(side: SideSpec, dot: tuple[str, int, str], dot_factor: float | None) -> int | None:
+    """For block scales: a power of two 2**s such that every block's ratio scale * 2**s (times the unscaled codes'
+    factor) and every product of a code with it are fp16 values, or None.
+
+    Then the attention operand is code * scale * 2**s for every block of every position, exact in one fp16 term
+    with no per-position power of two (no row maximum of the scales, no factor per position on the scores or the
+    probabilities): the dot's result takes 2**-s back once, as a static scale would. Holds where the scale dtype's
+    whole range fits fp16 next to the codes': fp8_e4m3 scales (2**-9 .. 448, 4 significant bits) with fp4 e2m1 codes
+    (NVFP4: s = -7, products 2**-17 .. 21). Only range and lowest bits are checked here: significand width (code
+    bits + scale bits within fp16's 11) is dot_operand's one-term condition, required below. tests/test_dot_operand.py
+    enumerates every code and scale.
+    """
+    if dot[:3] != ("fp16", 1, "block") or side.zero_point is not None:
+        return None
+    scale_dtype = side.scale.dtype.value
+    if scale_dtype not in RATIOS_IN_FP16 or scale_dtype not in _SCALE_RANGE:
+        return None
+    info = side.info
+    if info.kind in ("int", "uint"):
+        code_step, code_max = 1.0, 2.0 ** side.bits  # as dot_operand: below 2**bits, whatever the code range
+    elif side.element.value in _CODE_STEP:
+        code_step, code_max = _CODE_STEP[side.element.value], float(info.qmax)
+    else:
+        return None
+    scale_step, scale_max = _SCALE_RANGE[scale_dtype]
+    factor = dot_factor or 1.0
+    s = 0
+    while s > -64 and (code_max * scale_max * 2.0 ** s > _FP16_MAX or scale_max * factor * 2.0 ** s > _FP16_MAX):
+        s -= 1
+    while s < 64 and (code_max * scale_max * 2.0 ** (s + 1) <= _FP16_MAX
+                      and scale_max * factor * 2.0 ** (s + 1) <= _FP16_MAX):
+        s += 1
+    if code_step * scale_step * 2.0 ** s < _FP16_STEP or scale_step * factor * 2.0 ** s < _FP16_STEP:
+        return None
+    return s
+
+
 def quantized_dot(codec: Codec, tok: str, asym: bool) -> str:
     """The type of the quantized compute domain for one side (``dot_precision="quantized"``), or "".
 
@@ -206,6 +254,9 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
     if float_zp:
         zp = "float"
     dot = dot_operand(side, scale, zp, bool(dynamic and sc.block), name)
+    shift = fixed_block_shift(side, dot, codec.dot_factor) if dot[0] else None
+    if shift is not None:
+        dot = (dot[0], dot[1], "fixed")
     qdot = quantized_dot(codec, dot[2], asym)
     sources = [render_codec(codec, f"{p}_", dot=bool(dot[0]), qdot=qdot)]
     if scodec is not None:
@@ -240,13 +291,16 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
         + (f", the {side.zero_point.dtype} minimum as offset" if zp == "float" else "") if dynamic else "",
         codec_summary=codec.summary,
         **dict(zip(("dot", "op_terms", "tok"), dot)),
-        ratio_in_tile=bool(dot[0]) and dot[1] == 1 and dot[2] == "block" and sc.dtype.value in RATIOS_IN_FP16,
+        ratio_in_tile=bool(dot[0]) and dot[1] == 1 and dot[2] in ("block", "fixed") and sc.dtype.value in RATIOS_IN_FP16,
+        ratio_shift=_float_literal(2.0 ** shift) if shift is not None else "",
+        fixed_factor=_float_literal(2.0 ** -shift) if shift is not None else "",
         byte_decode=bool(dot[0]) and codec.byte_decode,
         # block ratios multiply every code anyway: they carry the codec's factor (no zero point between the two)
-        dot_factor=_float_literal(codec.dot_factor) if dot[0] and dot[2] == "block" and codec.dot_factor
+        dot_factor=_float_literal(codec.dot_factor) if dot[0] and dot[2] in ("block", "fixed") and codec.dot_factor
         and not asym else "",
         qdot=qdot, qdot_max={"int8": "127.0"}.get(qdot, "0.0"),
         native_encode=codec.native_encode, native_scale_encode=bool(scodec and scodec.native_encode),
+        exact_reciprocal=bool(dynamic and scodec and scodec.exact_reciprocal and not sc.global_scale),
         scale_summary=(f"{sc.dtype.value} per " + (f"{sc.block} elements" if sc.block else (
             f"channel over {sc.group_tokens} tokens" if sc.group_tokens else "token and head"))
             + f", {sc.placement.value}") if dynamic else "",

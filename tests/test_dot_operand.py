@@ -16,7 +16,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kvgen.codegen.render import RATIOS_IN_FP16, dot_operand
+from kvgen.codegen.codecs import element_codec
+from kvgen.codegen.render import RATIOS_IN_FP16, dot_operand, fixed_block_shift, side_context
 from kvgen.codegen.spec import FormatSpec
 
 ELEMENT_VALUES = {
@@ -172,3 +173,54 @@ def test_block_ratios_in_fp16():
                 in_fp16 = np.multiply.outer(codes.astype(np.float16), ratios.astype(np.float16))  # one rounding
                 assert np.array_equal(in_fp16, exact.astype(np.float16)), (dtype, element)
     assert tuple(qualifying) == RATIOS_IN_FP16
+
+
+def all_scale_values(dtype: str) -> np.ndarray:
+    """Every finite non-negative value of a block-scale dtype (zero and subnormals included)."""
+    s = finite_values(SCALE_VALUES[dtype], 16 if dtype in ("fp16", "bf16") else 8)
+    return np.unique(s[s >= 0])
+
+
+# unsigned elements need a zero point, which rules the fixed ratios out before any range question
+@pytest.mark.parametrize("element,dtype", list(itertools.product([e for e in ELEMENTS if not e.startswith("uint")],
+                                                                  ["fp8_e4m3", "e8m0", "fp16", "bf16"])))
+def test_fixed_block_shift_is_exact(element, dtype):
+    """Where fixed_block_shift gives 2**s, attention multiplies every (unscaled) code by scale * 2**s * F in fp16
+    (F: the unscaled decoders' factor) with no per-position power of two. Enumerated: every ratio is an fp16 value,
+    and every fp16 product of a decoded code and a ratio equals code * scale * 2**s exactly."""
+    scale = {"granularity": "per_block", "block": 16, "dtype": dtype}
+    try:
+        spec = FormatSpec.model_validate({"name": "t", "key": {"element": element, "scale": scale},
+                                          "value": {"element": element, "scale": scale},
+                                          "cache": {"layout": "interleaved", "storage_dtype": "uint8"}})
+    except Exception as exc:
+        pytest.skip("not a valid side: " + str(exc).splitlines()[2].strip()[:80])
+    side = spec.key
+    dot = dot_operand(side, "dynamic", "none", True)
+    codec = element_codec(side)
+    factor = codec.dot_factor if codec.byte_decode else None
+    shift = fixed_block_shift(side, dot, factor)
+    if shift is None:
+        return
+    assert dtype in RATIOS_IN_FP16 and dot[:3] == ("fp16", 1, "block")
+    codes = code_values(element)
+    for f in {1.0, factor or 1.0}:  # exact fp32 dots decode the codes' values (F = 1); tensor-core ones unscaled
+        ratios = all_scale_values(dtype) * 2.0 ** shift * f
+        assert np.array_equal(ratios.astype(np.float16).astype(np.float64), ratios), "a ratio is not an fp16 value"
+        decoded = codes / f
+        assert np.array_equal(decoded.astype(np.float16).astype(np.float64), decoded)
+        in_fp16 = np.multiply.outer(decoded.astype(np.float16), ratios.astype(np.float16)).astype(np.float64)
+        exact = np.multiply.outer(codes, all_scale_values(dtype)) * 2.0 ** shift
+        assert np.array_equal(in_fp16, exact), f"a product is not exact in fp16 at 2**{shift}"
+
+
+def test_nvfp4_takes_fixed_block_ratios():
+    """The shipped NVFP4 formats (e2m1 codes, e4m3 block scales) take the fixed ratios; e8m0 (MX) and fp16 (q4_0)
+    block scales span more than fp16 next to their codes and keep a power of two per position."""
+    import kvgen
+
+    for name, tok in (("nvfp4", "fixed"), ("nvfp4_separate", "fixed"), ("mxfp4", "block"), ("mxfp8", "block"),
+                      ("q4_0", "block"), ("q8_0", "block")):
+        spec = kvgen.load(name).spec
+        assert side_context("key", spec.key)[0].tok == tok, name
+        assert side_context("value", spec.value)[0].tok == tok, name

@@ -140,3 +140,30 @@ def test_pages_before_the_window_are_not_read(name):
             t.view(torch.uint8)[:unseen] = 0xFF
     after = attend()
     assert bool(torch.isfinite(after).all()) and torch.equal(before, after)
+
+
+# KIVI keys with NVFP4-style values (e2m1 codes, an e4m3 scale per 16 elements): the values take fixed block ratios
+# (codegen.render.fixed_block_shift), whose constant factor must reach the paged positions only, not the residual ring
+FIXED_VALUES = {
+    "name": "kivi_keys_nvfp4_values",
+    "key": SMALL["key"],
+    "value": {"element": "fp4_e2m1",
+              "scale": {"granularity": "per_block", "block": 16, "dtype": "fp8_e4m3", "placement": "inline"},
+              "residual": {"tokens": 16, "dtype": "fp32"}},
+}
+
+
+def test_fixed_value_ratios_with_a_residual_window(tmp_path):
+    from kvgen.codegen.render import side_context
+
+    path = tmp_path / "kivi_keys_nvfp4_values.yaml"
+    path.write_text(yaml.safe_dump(FIXED_VALUES))
+    fmt = kvgen.load(path)
+    assert side_context("value", fmt.spec.value)[0].tok == "fixed"
+
+    @settings(max_examples=max(EXAMPLES // 2, 3), deadline=None)
+    @given(case=stream_cases(fmt))
+    def prop(case):
+        assert_stream(fmt, case)
+
+    prop()

@@ -27,17 +27,17 @@ BLOCK_N_GROUP = None
 @triton.jit
 def k_encode(v):
     # fp32 -> fp8_e4m3 code by bit manipulation (the interpreter's low-precision casts are wrong):
-    # saturate |v| to 448.0, find its binade e (clamped to the subnormal binade -6),
-    # scale the magnitude to an integer grid of 2**3 steps per binade, round half to even, then
+    # saturate |v| to 448.0, find its binade e (clamped to the subnormal binade -6), and round it half to even
+    # onto the binade's grid of 2**3 steps by one fp32 add: c = 1.5 * 2**(23 + e - 3) has that step as its ulp, so
+    # the bits of a + c minus those of c are m = round(a / step) (a < 2**(e + 1) stays far below c's binade). Then
     # code = (e - (-6)) * 2**3 + m  (a carry of m moves into the next binade by itself).
     bits = v.to(tl.uint32, bitcast=True)
     sign = (bits >> 24) & 128
     a = tl.minimum(tl.abs(v), 448.0)
-    e = ((a.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
-    e = tl.maximum(e, -6)
-    step_inv = ((127 + 3 - e) << 23).to(tl.float32, bitcast=True)  # 2**(mant - e), exact
-    m = (a * step_inv + 12582912.0) - 12582912.0
-    code = ((e - (-6)) * 8 + m.to(tl.int32)).to(tl.uint32)
+    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, -6)  # a >= 0: no sign bit
+    c = (e << 23) + 1237319680  # bits of 1.5 * 2**(23 + e - 3)
+    m = (a + c.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - c
+    code = ((e - (-6)) * 8 + m).to(tl.uint32)
     # NaN -> the positive NaN code: a NaN that went through scaling arithmetic has no defined sign
     return tl.where(v != v, 127, code | sign).to(tl.uint8)
 
@@ -81,17 +81,17 @@ def k_decode_dot(code, NATIVE: tl.constexpr):
 @triton.jit
 def v_encode(v):
     # fp32 -> fp8_e4m3 code by bit manipulation (the interpreter's low-precision casts are wrong):
-    # saturate |v| to 448.0, find its binade e (clamped to the subnormal binade -6),
-    # scale the magnitude to an integer grid of 2**3 steps per binade, round half to even, then
+    # saturate |v| to 448.0, find its binade e (clamped to the subnormal binade -6), and round it half to even
+    # onto the binade's grid of 2**3 steps by one fp32 add: c = 1.5 * 2**(23 + e - 3) has that step as its ulp, so
+    # the bits of a + c minus those of c are m = round(a / step) (a < 2**(e + 1) stays far below c's binade). Then
     # code = (e - (-6)) * 2**3 + m  (a carry of m moves into the next binade by itself).
     bits = v.to(tl.uint32, bitcast=True)
     sign = (bits >> 24) & 128
     a = tl.minimum(tl.abs(v), 448.0)
-    e = ((a.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
-    e = tl.maximum(e, -6)
-    step_inv = ((127 + 3 - e) << 23).to(tl.float32, bitcast=True)  # 2**(mant - e), exact
-    m = (a * step_inv + 12582912.0) - 12582912.0
-    code = ((e - (-6)) * 8 + m.to(tl.int32)).to(tl.uint32)
+    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, -6)  # a >= 0: no sign bit
+    c = (e << 23) + 1237319680  # bits of 1.5 * 2**(23 + e - 3)
+    m = (a + c.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - c
+    code = ((e - (-6)) * 8 + m).to(tl.uint32)
     # NaN -> the positive NaN code: a NaN that went through scaling arithmetic has no defined sign
     return tl.where(v != v, 127, code | sign).to(tl.uint8)
 
@@ -172,14 +172,14 @@ def reshape_and_cache_kernel(
 
     # ---- key ----
     k_eff = tl.load(k_scale_ptr + head)  # static scale of this KV head
-    k_v = tl.math.div_rn(x_key, k_eff)
+    k_v = ((x_key).to(tl.float64) * (1.0 / (k_eff).to(tl.float64))).to(tl.float32)  # x / s
     k_codes = k_encode_native(k_v, NATIVE_CASTS)
     k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
     tl.store(k_row[:, None] + d[None, :], k_codes, mask=valid[:, None] & dmask[None, :])
 
     # ---- value ----
     v_eff = tl.load(v_scale_ptr + head)  # static scale of this KV head
-    v_v = tl.math.div_rn(x_value, v_eff)
+    v_v = ((x_value).to(tl.float64) * (1.0 / (v_eff).to(tl.float64))).to(tl.float32)  # x / s
     v_codes = v_encode_native(v_v, NATIVE_CASTS)
     v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
     tl.store(v_row[:, None] + d[None, :], v_codes, mask=valid[:, None] & dmask[None, :])

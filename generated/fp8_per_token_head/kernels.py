@@ -28,17 +28,17 @@ BLOCK_N_GROUP = None
 @triton.jit
 def k_encode(v):
     # fp32 -> fp8_e4m3 code by bit manipulation (the interpreter's low-precision casts are wrong):
-    # saturate |v| to 448.0, find its binade e (clamped to the subnormal binade -6),
-    # scale the magnitude to an integer grid of 2**3 steps per binade, round half to even, then
+    # saturate |v| to 448.0, find its binade e (clamped to the subnormal binade -6), and round it half to even
+    # onto the binade's grid of 2**3 steps by one fp32 add: c = 1.5 * 2**(23 + e - 3) has that step as its ulp, so
+    # the bits of a + c minus those of c are m = round(a / step) (a < 2**(e + 1) stays far below c's binade). Then
     # code = (e - (-6)) * 2**3 + m  (a carry of m moves into the next binade by itself).
     bits = v.to(tl.uint32, bitcast=True)
     sign = (bits >> 24) & 128
     a = tl.minimum(tl.abs(v), 448.0)
-    e = ((a.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
-    e = tl.maximum(e, -6)
-    step_inv = ((127 + 3 - e) << 23).to(tl.float32, bitcast=True)  # 2**(mant - e), exact
-    m = (a * step_inv + 12582912.0) - 12582912.0
-    code = ((e - (-6)) * 8 + m.to(tl.int32)).to(tl.uint32)
+    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, -6)  # a >= 0: no sign bit
+    c = (e << 23) + 1237319680  # bits of 1.5 * 2**(23 + e - 3)
+    m = (a + c.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - c
+    code = ((e - (-6)) * 8 + m).to(tl.uint32)
     # NaN -> the positive NaN code: a NaN that went through scaling arithmetic has no defined sign
     return tl.where(v != v, 127, code | sign).to(tl.uint8)
 
@@ -92,17 +92,17 @@ def k_scale_decode(code):
 @triton.jit
 def v_encode(v):
     # fp32 -> fp8_e4m3 code by bit manipulation (the interpreter's low-precision casts are wrong):
-    # saturate |v| to 448.0, find its binade e (clamped to the subnormal binade -6),
-    # scale the magnitude to an integer grid of 2**3 steps per binade, round half to even, then
+    # saturate |v| to 448.0, find its binade e (clamped to the subnormal binade -6), and round it half to even
+    # onto the binade's grid of 2**3 steps by one fp32 add: c = 1.5 * 2**(23 + e - 3) has that step as its ulp, so
+    # the bits of a + c minus those of c are m = round(a / step) (a < 2**(e + 1) stays far below c's binade). Then
     # code = (e - (-6)) * 2**3 + m  (a carry of m moves into the next binade by itself).
     bits = v.to(tl.uint32, bitcast=True)
     sign = (bits >> 24) & 128
     a = tl.minimum(tl.abs(v), 448.0)
-    e = ((a.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
-    e = tl.maximum(e, -6)
-    step_inv = ((127 + 3 - e) << 23).to(tl.float32, bitcast=True)  # 2**(mant - e), exact
-    m = (a * step_inv + 12582912.0) - 12582912.0
-    code = ((e - (-6)) * 8 + m.to(tl.int32)).to(tl.uint32)
+    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, -6)  # a >= 0: no sign bit
+    c = (e << 23) + 1237319680  # bits of 1.5 * 2**(23 + e - 3)
+    m = (a + c.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - c
+    code = ((e - (-6)) * 8 + m).to(tl.uint32)
     # NaN -> the positive NaN code: a NaN that went through scaling arithmetic has no defined sign
     return tl.where(v != v, 127, code | sign).to(tl.uint8)
 
@@ -195,12 +195,12 @@ def reshape_and_cache_kernel(
     # dynamic scale per group of HEAD_PAD elements: scale = max(absmax / 448, 1e-06) stored as fp32
     k_xg = tl.reshape(x_key, [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
     k_ax = tl.abs(k_xg)
-    k_s = tl.math.div_rn(tl.max(tl.where(k_ax < float("inf"), k_ax, 0.0), axis=2), 448.0)  # finite absmax
+    k_s = ((tl.max(tl.where(k_ax < float("inf"), k_ax, 0.0), axis=2)).to(tl.float64) * (1.0 / tl.full([], 448.0, tl.float64))).to(tl.float32)  # finite absmax / 448.0
     k_s = tl.maximum(k_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     k_scode = k_scale_encode(k_s)
     k_eff_g = k_scale_decode(k_scode)
-    k_eff = tl.reshape(tl.broadcast_to(k_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
-    k_v = x_key * tl.math.div_rn(tl.full(k_eff.shape, 1.0, tl.float32), k_eff)
+    k_rcp = (1.0 / (k_eff_g).to(tl.float64))  # fp64 reciprocal of each group's scale, for x / s
+    k_v = x_key * tl.reshape(tl.broadcast_to(k_rcp.to(tl.float32)[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])  # x * (1 / s), 1 / s rounded to fp32
     k_codes = k_encode_native(k_v, NATIVE_CASTS)
     k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
     tl.store(k_row[:, None] + d[None, :], k_codes, mask=valid[:, None] & dmask[None, :])
@@ -213,12 +213,12 @@ def reshape_and_cache_kernel(
     # dynamic scale per group of HEAD_PAD elements: scale = max(absmax / 448, 1e-06) stored as fp32
     v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
     v_ax = tl.abs(v_xg)
-    v_s = tl.math.div_rn(tl.max(tl.where(v_ax < float("inf"), v_ax, 0.0), axis=2), 448.0)  # finite absmax
+    v_s = ((tl.max(tl.where(v_ax < float("inf"), v_ax, 0.0), axis=2)).to(tl.float64) * (1.0 / tl.full([], 448.0, tl.float64))).to(tl.float32)  # finite absmax / 448.0
     v_s = tl.maximum(v_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     v_scode = v_scale_encode(v_s)
     v_eff_g = v_scale_decode(v_scode)
-    v_eff = tl.reshape(tl.broadcast_to(v_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
-    v_v = x_value * tl.math.div_rn(tl.full(v_eff.shape, 1.0, tl.float32), v_eff)
+    v_rcp = (1.0 / (v_eff_g).to(tl.float64))  # fp64 reciprocal of each group's scale, for x / s
+    v_v = x_value * tl.reshape(tl.broadcast_to(v_rcp.to(tl.float32)[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])  # x * (1 / s), 1 / s rounded to fp32
     v_codes = v_encode_native(v_v, NATIVE_CASTS)
     v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
     tl.store(v_row[:, None] + d[None, :], v_codes, mask=valid[:, None] & dmask[None, :])

@@ -28,9 +28,11 @@ BLOCK_N_GROUP = None
 
 @triton.jit
 def k_encode(v):
-    # clamp to [0.0, 255.0], then round half to even by adding and subtracting 1.5 * 2**23
+    # clamp to [0.0, 255.0], then round half to even by adding 1.5 * 2**23 (ulp 1): the sum's bits minus
+    # 0x4B400000 (whose low 22 bits are zero) are the rounded value, so its low 8 bits (the mask below) are the
+    # value's two's complement
     r = tl.minimum(tl.maximum(v, 0.0), 255.0)
-    q = ((r + 12582912.0) - 12582912.0).to(tl.int32)
+    q = (r + 12582912.0).to(tl.int32, bitcast=True)
     return (q & 255).to(tl.uint8)  # unsigned, 8 bits
 
 
@@ -68,9 +70,11 @@ def k_scale_decode(code):
 
 @triton.jit
 def v_encode(v):
-    # clamp to [0.0, 255.0], then round half to even by adding and subtracting 1.5 * 2**23
+    # clamp to [0.0, 255.0], then round half to even by adding 1.5 * 2**23 (ulp 1): the sum's bits minus
+    # 0x4B400000 (whose low 22 bits are zero) are the rounded value, so its low 8 bits (the mask below) are the
+    # value's two's complement
     r = tl.minimum(tl.maximum(v, 0.0), 255.0)
-    q = ((r + 12582912.0) - 12582912.0).to(tl.int32)
+    q = (r + 12582912.0).to(tl.int32, bitcast=True)
     return (q & 255).to(tl.uint8)  # unsigned, 8 bits
 
 
@@ -153,13 +157,13 @@ def reshape_and_cache_kernel(
     # the range always includes 0: lo = min(min x, 0), hi = max(max x, 0)
     k_lo = tl.minimum(tl.min(tl.where(k_mg, k_xg, float("inf")), axis=2), 0.0)
     k_hi = tl.maximum(tl.max(tl.where(k_mg, k_xg, float("-inf")), axis=2), 0.0)
-    k_s = tl.math.div_rn(k_hi - k_lo, 255.0)
+    k_s = ((k_hi - k_lo).to(tl.float64) * (1.0 / tl.full([], 255.0, tl.float64))).to(tl.float32)
     k_s = tl.maximum(k_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     k_scode = k_scale_encode(k_s)
     k_eff_g = k_scale_decode(k_scode)
-    k_zcode = k_encode(tl.math.div_rn(-k_lo, k_eff_g))  # zero point, rounded and clamped like a code
-    k_eff = tl.reshape(tl.broadcast_to(k_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
-    k_v = tl.math.div_rn(x_key, k_eff)
+    k_rcp = (1.0 / (k_eff_g).to(tl.float64))  # fp64 reciprocal of each group's scale, for x / s
+    k_zcode = k_encode(((-k_lo).to(tl.float64) * k_rcp).to(tl.float32))  # zero point, rounded and clamped like a code
+    k_v = ((x_key).to(tl.float64) * tl.reshape(tl.broadcast_to(k_rcp[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])).to(tl.float32)  # x / s
     k_v = k_v + tl.reshape(tl.broadcast_to(k_zcode.to(tl.float32)[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
     k_codes = k_encode(k_v)
     k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
@@ -180,13 +184,13 @@ def reshape_and_cache_kernel(
     # the range always includes 0: lo = min(min x, 0), hi = max(max x, 0)
     v_lo = tl.minimum(tl.min(tl.where(v_mg, v_xg, float("inf")), axis=2), 0.0)
     v_hi = tl.maximum(tl.max(tl.where(v_mg, v_xg, float("-inf")), axis=2), 0.0)
-    v_s = tl.math.div_rn(v_hi - v_lo, 255.0)
+    v_s = ((v_hi - v_lo).to(tl.float64) * (1.0 / tl.full([], 255.0, tl.float64))).to(tl.float32)
     v_s = tl.maximum(v_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     v_scode = v_scale_encode(v_s)
     v_eff_g = v_scale_decode(v_scode)
-    v_zcode = v_encode(tl.math.div_rn(-v_lo, v_eff_g))  # zero point, rounded and clamped like a code
-    v_eff = tl.reshape(tl.broadcast_to(v_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
-    v_v = tl.math.div_rn(x_value, v_eff)
+    v_rcp = (1.0 / (v_eff_g).to(tl.float64))  # fp64 reciprocal of each group's scale, for x / s
+    v_zcode = v_encode(((-v_lo).to(tl.float64) * v_rcp).to(tl.float32))  # zero point, rounded and clamped like a code
+    v_v = ((x_value).to(tl.float64) * tl.reshape(tl.broadcast_to(v_rcp[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])).to(tl.float32)  # x / s
     v_v = v_v + tl.reshape(tl.broadcast_to(v_zcode.to(tl.float32)[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
     v_codes = v_encode(v_v)
     v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL

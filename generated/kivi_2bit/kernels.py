@@ -27,9 +27,11 @@ BLOCK_N_GROUP = 32
 
 @triton.jit
 def k_encode(v):
-    # clamp to [0.0, 3.0], then round half to even by adding and subtracting 1.5 * 2**23
+    # clamp to [0.0, 3.0], then round half to even by adding 1.5 * 2**23 (ulp 1): the sum's bits minus
+    # 0x4B400000 (whose low 22 bits are zero) are the rounded value, so its low 2 bits (the mask below) are the
+    # value's two's complement
     r = tl.minimum(tl.maximum(v, 0.0), 3.0)
-    q = ((r + 12582912.0) - 12582912.0).to(tl.int32)
+    q = (r + 12582912.0).to(tl.int32, bitcast=True)
     return (q & 3).to(tl.uint8)  # unsigned, 2 bits
 
 
@@ -100,9 +102,11 @@ def k_zp_decode(code):
 
 @triton.jit
 def v_encode(v):
-    # clamp to [0.0, 3.0], then round half to even by adding and subtracting 1.5 * 2**23
+    # clamp to [0.0, 3.0], then round half to even by adding 1.5 * 2**23 (ulp 1): the sum's bits minus
+    # 0x4B400000 (whose low 22 bits are zero) are the rounded value, so its low 2 bits (the mask below) are the
+    # value's two's complement
     r = tl.minimum(tl.maximum(v, 0.0), 3.0)
-    q = ((r + 12582912.0) - 12582912.0).to(tl.int32)
+    q = (r + 12582912.0).to(tl.int32, bitcast=True)
     return (q & 3).to(tl.uint8)  # unsigned, 2 bits
 
 
@@ -221,7 +225,10 @@ def kivi_flush_kernel(
         off = pos % BLOCK_SIZE
         d = tl.arange(0, HEAD_PAD)
         dmask = d < HEAD_SIZE
-        # the group's full-precision values: new tokens from the input, older ones from the ring
+        # the group's full-precision values: new tokens from the input, older ones from the ring. The ring rows are
+        # addressed as typed pointers plus channel indices, so the compiler sees them contiguous: their loads get the
+        # input's vectorised row-major layout (byte offsets d * size gave a token-per-lane layout, and the key ranges
+        # and value groups then reduced across lanes and warps)
         from_input = pos >= old_len
         in_row = (q_start + pos - old_len).to(tl.int64)
         sid = tl.load(seq_ids_ptr + seq).to(tl.int64)
@@ -229,9 +236,9 @@ def kivi_flush_kernel(
         in_mask = from_input[:, None] & dmask[None, :]
         ring_mask = (~from_input)[:, None] & dmask[None, :]
         x_key = tl.where(in_mask, tl.load(key_ptr + in_row[:, None] * stride_kt + head * stride_kh + d[None, :], mask=in_mask, other=0.0).to(tl.float32),
-                         r_decode(tl.load((k_res_ptr + ring[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=ring_mask, other=0)))
+                         r_decode(tl.load((k_res_ptr + ring).to(tl.pointer_type(tl.uint16))[:, None] + d[None, :], mask=ring_mask, other=0)))
         x_value = tl.where(in_mask, tl.load(value_ptr + in_row[:, None] * stride_vt + head * stride_vh + d[None, :], mask=in_mask, other=0.0).to(tl.float32),
-                           r_decode(tl.load((v_res_ptr + ring[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=ring_mask, other=0)))
+                           r_decode(tl.load((v_res_ptr + ring).to(tl.pointer_type(tl.uint16))[:, None] + d[None, :], mask=ring_mask, other=0)))
 
         # ---- key: one scale and minimum per channel over the group's 32 tokens ----
         x_key = tl.where(x_key == x_key, x_key, 0.0)  # key codes have no NaN: NaN is stored as 0.0 would be
@@ -271,15 +278,15 @@ def kivi_flush_kernel(
         v_none = v_lo > v_hi  # no finite value in the group
         v_lo = tl.where(v_none, 0.0, v_lo)
         v_hi = tl.where(v_none, 0.0, v_hi)
-        v_s = tl.math.div_rn(v_hi - v_lo, 3.0)
+        v_s = ((v_hi - v_lo).to(tl.float64) * (1.0 / tl.full([], 3.0, tl.float64))).to(tl.float32)
         v_s = tl.maximum(v_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
         v_s = tl.minimum(v_s, 65504.0)  # saturate at the scale dtype's largest finite value
         v_scode = v_scale_encode(v_s)
         v_eff_g = v_scale_decode(v_scode)
+        v_rcp = (1.0 / (v_eff_g).to(tl.float64))  # fp64 reciprocal of each group's scale, for x / s
         v_zcode = v_zp_encode(tl.minimum(tl.maximum(v_lo, -65504.0), 65504.0))  # the minimum, saturated and rounded
         x_value = x_value - tl.reshape(tl.broadcast_to(v_zp_decode(v_zcode)[:, :, None], [BLOCK_T, HEAD_PAD // 32, 32]), [BLOCK_T, HEAD_PAD])
-        v_eff = tl.reshape(tl.broadcast_to(v_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // 32, 32]), [BLOCK_T, HEAD_PAD])
-        v_v = tl.math.div_rn(x_value, v_eff)
+        v_v = ((x_value).to(tl.float64) * tl.reshape(tl.broadcast_to(v_rcp[:, :, None], [BLOCK_T, HEAD_PAD // 32, 32]), [BLOCK_T, HEAD_PAD])).to(tl.float32)  # x / s
         v_codes = v_encode(v_v)
         v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
         # 4 codes per byte, element i at bit (i % 4) * 2 of byte i // 4

@@ -27,17 +27,17 @@ BLOCK_N_GROUP = None
 @triton.jit
 def k_encode(v):
     # fp32 -> fp4_e2m1 code by bit manipulation (the interpreter's low-precision casts are wrong):
-    # saturate |v| to 6.0, find its binade e (clamped to the subnormal binade 0),
-    # scale the magnitude to an integer grid of 2**1 steps per binade, round half to even, then
+    # saturate |v| to 6.0, find its binade e (clamped to the subnormal binade 0), and round it half to even
+    # onto the binade's grid of 2**1 steps by one fp32 add: c = 1.5 * 2**(23 + e - 1) has that step as its ulp, so
+    # the bits of a + c minus those of c are m = round(a / step) (a < 2**(e + 1) stays far below c's binade). Then
     # code = (e - (0)) * 2**1 + m  (a carry of m moves into the next binade by itself).
     bits = v.to(tl.uint32, bitcast=True)
     sign = (bits >> 28) & 8
     a = tl.minimum(tl.abs(v), 6.0)
-    e = ((a.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
-    e = tl.maximum(e, 0)
-    step_inv = ((127 + 1 - e) << 23).to(tl.float32, bitcast=True)  # 2**(mant - e), exact
-    m = (a * step_inv + 12582912.0) - 12582912.0
-    code = ((e - (0)) * 2 + m.to(tl.int32)).to(tl.uint32)
+    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, 0)  # a >= 0: no sign bit
+    c = (e << 23) + 1254096896  # bits of 1.5 * 2**(23 + e - 1)
+    m = (a + c.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - c
+    code = ((e - (0)) * 2 + m).to(tl.uint32)
     return (code | sign).to(tl.uint8)
 
 
@@ -126,19 +126,27 @@ def k_scale_decode(code):
 
 
 @triton.jit
+def k_scale_reciprocal(code):
+    # e8m0 byte -> 1 / 2**(byte - 127) = 2**(127 - byte), exactly (a power of two): dividing by the scale and
+    # multiplying by this round the same real number, so they give the same fp32. Byte 254 gives 2**-127, subnormal.
+    c = code.to(tl.uint32)
+    return tl.where(c >= 254, 5.877471754111438e-39, ((254 - tl.minimum(c, 253)) << 23).to(tl.float32, bitcast=True))
+
+
+@triton.jit
 def v_encode(v):
     # fp32 -> fp4_e2m1 code by bit manipulation (the interpreter's low-precision casts are wrong):
-    # saturate |v| to 6.0, find its binade e (clamped to the subnormal binade 0),
-    # scale the magnitude to an integer grid of 2**1 steps per binade, round half to even, then
+    # saturate |v| to 6.0, find its binade e (clamped to the subnormal binade 0), and round it half to even
+    # onto the binade's grid of 2**1 steps by one fp32 add: c = 1.5 * 2**(23 + e - 1) has that step as its ulp, so
+    # the bits of a + c minus those of c are m = round(a / step) (a < 2**(e + 1) stays far below c's binade). Then
     # code = (e - (0)) * 2**1 + m  (a carry of m moves into the next binade by itself).
     bits = v.to(tl.uint32, bitcast=True)
     sign = (bits >> 28) & 8
     a = tl.minimum(tl.abs(v), 6.0)
-    e = ((a.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
-    e = tl.maximum(e, 0)
-    step_inv = ((127 + 1 - e) << 23).to(tl.float32, bitcast=True)  # 2**(mant - e), exact
-    m = (a * step_inv + 12582912.0) - 12582912.0
-    code = ((e - (0)) * 2 + m.to(tl.int32)).to(tl.uint32)
+    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, 0)  # a >= 0: no sign bit
+    c = (e << 23) + 1254096896  # bits of 1.5 * 2**(23 + e - 1)
+    m = (a + c.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - c
+    code = ((e - (0)) * 2 + m).to(tl.uint32)
     return (code | sign).to(tl.uint8)
 
 
@@ -226,6 +234,14 @@ def v_scale_decode(code):
     return tl.where(c == 0, 5.877471754111438e-39, (c << 23).to(tl.float32, bitcast=True))
 
 
+@triton.jit
+def v_scale_reciprocal(code):
+    # e8m0 byte -> 1 / 2**(byte - 127) = 2**(127 - byte), exactly (a power of two): dividing by the scale and
+    # multiplying by this round the same real number, so they give the same fp32. Byte 254 gives 2**-127, subnormal.
+    c = code.to(tl.uint32)
+    return tl.where(c >= 254, 5.877471754111438e-39, ((254 - tl.minimum(c, 253)) << 23).to(tl.float32, bitcast=True))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # reshape_and_cache: one program per (BLOCK_T tokens, KV head). Token t goes to slot slot_mapping[t]
 # (block slot // BLOCK_SIZE, offset slot % BLOCK_SIZE); slot -1 writes nothing.
@@ -269,12 +285,12 @@ def reshape_and_cache_kernel(
     # dynamic scale per group of 32 elements: scale = max(absmax / 6, 1e-06) stored as e8m0
     k_xg = tl.reshape(x_key, [BLOCK_T, HEAD_PAD // 32, 32])
     k_ax = tl.abs(k_xg)
-    k_s = tl.math.div_rn(tl.max(tl.where(k_ax < float("inf"), k_ax, 0.0), axis=2), 6.0)  # finite absmax
+    k_s = ((tl.max(tl.where(k_ax < float("inf"), k_ax, 0.0), axis=2)).to(tl.float64) * (1.0 / tl.full([], 6.0, tl.float64))).to(tl.float32)  # finite absmax / 6.0
     k_s = tl.maximum(k_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     k_scode = k_scale_encode(k_s)
     k_eff_g = k_scale_decode(k_scode)
-    k_eff = tl.reshape(tl.broadcast_to(k_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // 32, 32]), [BLOCK_T, HEAD_PAD])
-    k_v = tl.math.div_rn(x_key, k_eff)
+    # power-of-two scales: x / s is x times the exact reciprocal 1 / s (the same real number, rounded once)
+    k_v = x_key * tl.reshape(tl.broadcast_to(k_scale_reciprocal(k_scode)[:, :, None], [BLOCK_T, HEAD_PAD // 32, 32]), [BLOCK_T, HEAD_PAD])
     k_codes = k_encode(k_v)
     k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
     # 2 codes per byte, element i at bit (i % 2) * 4 of byte i // 2
@@ -293,12 +309,12 @@ def reshape_and_cache_kernel(
     # dynamic scale per group of 32 elements: scale = max(absmax / 6, 1e-06) stored as e8m0
     v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // 32, 32])
     v_ax = tl.abs(v_xg)
-    v_s = tl.math.div_rn(tl.max(tl.where(v_ax < float("inf"), v_ax, 0.0), axis=2), 6.0)  # finite absmax
+    v_s = ((tl.max(tl.where(v_ax < float("inf"), v_ax, 0.0), axis=2)).to(tl.float64) * (1.0 / tl.full([], 6.0, tl.float64))).to(tl.float32)  # finite absmax / 6.0
     v_s = tl.maximum(v_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     v_scode = v_scale_encode(v_s)
     v_eff_g = v_scale_decode(v_scode)
-    v_eff = tl.reshape(tl.broadcast_to(v_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // 32, 32]), [BLOCK_T, HEAD_PAD])
-    v_v = tl.math.div_rn(x_value, v_eff)
+    # power-of-two scales: x / s is x times the exact reciprocal 1 / s (the same real number, rounded once)
+    v_v = x_value * tl.reshape(tl.broadcast_to(v_scale_reciprocal(v_scode)[:, :, None], [BLOCK_T, HEAD_PAD // 32, 32]), [BLOCK_T, HEAD_PAD])
     v_codes = v_encode(v_v)
     v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
     # 2 codes per byte, element i at bit (i % 2) * 4 of byte i // 2

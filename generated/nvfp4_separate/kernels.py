@@ -28,17 +28,17 @@ BLOCK_N_GROUP = None
 @triton.jit
 def k_encode(v):
     # fp32 -> fp4_e2m1 code by bit manipulation (the interpreter's low-precision casts are wrong):
-    # saturate |v| to 6.0, find its binade e (clamped to the subnormal binade 0),
-    # scale the magnitude to an integer grid of 2**1 steps per binade, round half to even, then
+    # saturate |v| to 6.0, find its binade e (clamped to the subnormal binade 0), and round it half to even
+    # onto the binade's grid of 2**1 steps by one fp32 add: c = 1.5 * 2**(23 + e - 1) has that step as its ulp, so
+    # the bits of a + c minus those of c are m = round(a / step) (a < 2**(e + 1) stays far below c's binade). Then
     # code = (e - (0)) * 2**1 + m  (a carry of m moves into the next binade by itself).
     bits = v.to(tl.uint32, bitcast=True)
     sign = (bits >> 28) & 8
     a = tl.minimum(tl.abs(v), 6.0)
-    e = ((a.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
-    e = tl.maximum(e, 0)
-    step_inv = ((127 + 1 - e) << 23).to(tl.float32, bitcast=True)  # 2**(mant - e), exact
-    m = (a * step_inv + 12582912.0) - 12582912.0
-    code = ((e - (0)) * 2 + m.to(tl.int32)).to(tl.uint32)
+    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, 0)  # a >= 0: no sign bit
+    c = (e << 23) + 1254096896  # bits of 1.5 * 2**(23 + e - 1)
+    m = (a + c.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - c
+    code = ((e - (0)) * 2 + m).to(tl.uint32)
     return (code | sign).to(tl.uint8)
 
 
@@ -111,17 +111,17 @@ def k_decode_dot_bytes_unscaled(byte):
 @triton.jit
 def k_scale_encode(v):
     # fp32 -> fp8_e4m3 code by bit manipulation (the interpreter's low-precision casts are wrong):
-    # saturate |v| to 448.0, find its binade e (clamped to the subnormal binade -6),
-    # scale the magnitude to an integer grid of 2**3 steps per binade, round half to even, then
+    # saturate |v| to 448.0, find its binade e (clamped to the subnormal binade -6), and round it half to even
+    # onto the binade's grid of 2**3 steps by one fp32 add: c = 1.5 * 2**(23 + e - 3) has that step as its ulp, so
+    # the bits of a + c minus those of c are m = round(a / step) (a < 2**(e + 1) stays far below c's binade). Then
     # code = (e - (-6)) * 2**3 + m  (a carry of m moves into the next binade by itself).
     bits = v.to(tl.uint32, bitcast=True)
     sign = (bits >> 24) & 128
     a = tl.minimum(tl.abs(v), 448.0)
-    e = ((a.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
-    e = tl.maximum(e, -6)
-    step_inv = ((127 + 3 - e) << 23).to(tl.float32, bitcast=True)  # 2**(mant - e), exact
-    m = (a * step_inv + 12582912.0) - 12582912.0
-    code = ((e - (-6)) * 8 + m.to(tl.int32)).to(tl.uint32)
+    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, -6)  # a >= 0: no sign bit
+    c = (e << 23) + 1237319680  # bits of 1.5 * 2**(23 + e - 3)
+    m = (a + c.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - c
+    code = ((e - (-6)) * 8 + m).to(tl.uint32)
     # NaN -> the positive NaN code: a NaN that went through scaling arithmetic has no defined sign
     return tl.where(v != v, 127, code | sign).to(tl.uint8)
 
@@ -152,17 +152,17 @@ def k_scale_decode(code):
 @triton.jit
 def v_encode(v):
     # fp32 -> fp4_e2m1 code by bit manipulation (the interpreter's low-precision casts are wrong):
-    # saturate |v| to 6.0, find its binade e (clamped to the subnormal binade 0),
-    # scale the magnitude to an integer grid of 2**1 steps per binade, round half to even, then
+    # saturate |v| to 6.0, find its binade e (clamped to the subnormal binade 0), and round it half to even
+    # onto the binade's grid of 2**1 steps by one fp32 add: c = 1.5 * 2**(23 + e - 1) has that step as its ulp, so
+    # the bits of a + c minus those of c are m = round(a / step) (a < 2**(e + 1) stays far below c's binade). Then
     # code = (e - (0)) * 2**1 + m  (a carry of m moves into the next binade by itself).
     bits = v.to(tl.uint32, bitcast=True)
     sign = (bits >> 28) & 8
     a = tl.minimum(tl.abs(v), 6.0)
-    e = ((a.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
-    e = tl.maximum(e, 0)
-    step_inv = ((127 + 1 - e) << 23).to(tl.float32, bitcast=True)  # 2**(mant - e), exact
-    m = (a * step_inv + 12582912.0) - 12582912.0
-    code = ((e - (0)) * 2 + m.to(tl.int32)).to(tl.uint32)
+    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, 0)  # a >= 0: no sign bit
+    c = (e << 23) + 1254096896  # bits of 1.5 * 2**(23 + e - 1)
+    m = (a + c.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - c
+    code = ((e - (0)) * 2 + m).to(tl.uint32)
     return (code | sign).to(tl.uint8)
 
 
@@ -235,17 +235,17 @@ def v_decode_dot_bytes_unscaled(byte):
 @triton.jit
 def v_scale_encode(v):
     # fp32 -> fp8_e4m3 code by bit manipulation (the interpreter's low-precision casts are wrong):
-    # saturate |v| to 448.0, find its binade e (clamped to the subnormal binade -6),
-    # scale the magnitude to an integer grid of 2**3 steps per binade, round half to even, then
+    # saturate |v| to 448.0, find its binade e (clamped to the subnormal binade -6), and round it half to even
+    # onto the binade's grid of 2**3 steps by one fp32 add: c = 1.5 * 2**(23 + e - 3) has that step as its ulp, so
+    # the bits of a + c minus those of c are m = round(a / step) (a < 2**(e + 1) stays far below c's binade). Then
     # code = (e - (-6)) * 2**3 + m  (a carry of m moves into the next binade by itself).
     bits = v.to(tl.uint32, bitcast=True)
     sign = (bits >> 24) & 128
     a = tl.minimum(tl.abs(v), 448.0)
-    e = ((a.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
-    e = tl.maximum(e, -6)
-    step_inv = ((127 + 3 - e) << 23).to(tl.float32, bitcast=True)  # 2**(mant - e), exact
-    m = (a * step_inv + 12582912.0) - 12582912.0
-    code = ((e - (-6)) * 8 + m.to(tl.int32)).to(tl.uint32)
+    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, -6)  # a >= 0: no sign bit
+    c = (e << 23) + 1237319680  # bits of 1.5 * 2**(23 + e - 3)
+    m = (a + c.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - c
+    code = ((e - (-6)) * 8 + m).to(tl.uint32)
     # NaN -> the positive NaN code: a NaN that went through scaling arithmetic has no defined sign
     return tl.where(v != v, 127, code | sign).to(tl.uint8)
 
@@ -316,14 +316,14 @@ def reshape_and_cache_kernel(
     # dynamic scale per group of 16 elements: scale = max(absmax / 6 / global, 1e-06) stored as fp8_e4m3
     k_xg = tl.reshape(x_key, [BLOCK_T, HEAD_PAD // 16, 16])
     k_ax = tl.abs(k_xg)
-    k_s = tl.math.div_rn(tl.max(tl.where(k_ax < float("inf"), k_ax, 0.0), axis=2), 6.0)  # finite absmax
+    k_s = ((tl.max(tl.where(k_ax < float("inf"), k_ax, 0.0), axis=2)).to(tl.float64) * (1.0 / tl.full([], 6.0, tl.float64))).to(tl.float32)  # finite absmax / 6.0
     k_g = tl.load(k_scale_ptr)  # second-level fp32 scale of the layer
-    k_s = tl.math.div_rn(k_s, k_g)
+    k_s = ((k_s).to(tl.float64) / (k_g.to(tl.float64))).to(tl.float32)  # / global
     k_s = tl.maximum(k_s, 0.001953125)  # the spec's min, or the scale dtype's smallest value
     k_scode = k_scale_encode_native(k_s, NATIVE_CASTS)
     k_eff_g = k_scale_decode(k_scode) * k_g
-    k_eff = tl.reshape(tl.broadcast_to(k_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD])
-    k_v = tl.math.div_rn(x_key, k_eff)
+    k_rcp = (1.0 / (k_eff_g).to(tl.float64))  # fp64 reciprocal of each group's scale, for x / s
+    k_v = ((x_key).to(tl.float64) * tl.reshape(tl.broadcast_to(k_rcp[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD])).to(tl.float32)  # x / s
     k_codes = k_encode(k_v)
     k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
     # 2 codes per byte, element i at bit (i % 2) * 4 of byte i // 2
@@ -342,14 +342,14 @@ def reshape_and_cache_kernel(
     # dynamic scale per group of 16 elements: scale = max(absmax / 6 / global, 1e-06) stored as fp8_e4m3
     v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // 16, 16])
     v_ax = tl.abs(v_xg)
-    v_s = tl.math.div_rn(tl.max(tl.where(v_ax < float("inf"), v_ax, 0.0), axis=2), 6.0)  # finite absmax
+    v_s = ((tl.max(tl.where(v_ax < float("inf"), v_ax, 0.0), axis=2)).to(tl.float64) * (1.0 / tl.full([], 6.0, tl.float64))).to(tl.float32)  # finite absmax / 6.0
     v_g = tl.load(v_scale_ptr)  # second-level fp32 scale of the layer
-    v_s = tl.math.div_rn(v_s, v_g)
+    v_s = ((v_s).to(tl.float64) / (v_g.to(tl.float64))).to(tl.float32)  # / global
     v_s = tl.maximum(v_s, 0.001953125)  # the spec's min, or the scale dtype's smallest value
     v_scode = v_scale_encode_native(v_s, NATIVE_CASTS)
     v_eff_g = v_scale_decode(v_scode) * v_g
-    v_eff = tl.reshape(tl.broadcast_to(v_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD])
-    v_v = tl.math.div_rn(x_value, v_eff)
+    v_rcp = (1.0 / (v_eff_g).to(tl.float64))  # fp64 reciprocal of each group's scale, for x / s
+    v_v = ((x_value).to(tl.float64) * tl.reshape(tl.broadcast_to(v_rcp[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD])).to(tl.float32)  # x / s
     v_codes = v_encode(v_v)
     v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
     # 2 codes per byte, element i at bit (i % 2) * 4 of byte i // 2
@@ -461,11 +461,13 @@ def paged_attention_kernel(
         q = tl.load(q_ptr + q_rows[:, None] * stride_qt + q_head[:, None] * stride_qh + d[None, :],
                     mask=row_mask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
         k_g = tl.load(k_scale_ptr)  # static key scale of the layer
+        k_fix = 128.0 * k_g  # the block ratios' shift and the global scale: one factor of the key dot
         v_g = tl.load(v_scale_ptr)  # static value scale of the layer
-        # scores = (q / 2**e) . k_op * (2**e * qk_scale) * k_tok: a power of two per row keeps q in the dot type's range
+        v_fix = 128.0 * v_g  # the block ratios' shift and the global scale: one factor of the value dot
+        # scores = (q / 2**e) . k_op * (2**e * qk_scale * k_fix): a power of two per row keeps q in the dot type's range
         q_norm = pow2_floor(tl.max(tl.abs(q), axis=1))
         q = q * pow2_inv(q_norm)[:, None]
-        row_scale = q_norm * qk_scale
+        row_scale = q_norm * qk_scale * k_fix
 
         # KV positions this program reads: [lo, hi), the tile's causal and window range within the split's chunk
         last_q = tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1
@@ -504,13 +506,14 @@ def paged_attention_kernel(
                 else:
                     k_tile = k_decode(k_code)
             k_srow = k_meta_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
-            # one scale per 16 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
+            # one scale per 16 elements: the operand keeps scale * 0.0078125 (exact), the same power of two everywhere
             k_gi = tl.arange(0, HEAD_PAD // 16)
             k_gmask = (k_gi < HEAD_SIZE // 16)[None, :]
             k_scode = tl.load(k_srow[:, None] + k_gi[None, :], mask=k_gmask, other=0)
             k_bs = k_scale_decode(k_scode)
-            k_tok = pow2_floor(tl.max(k_bs, axis=1))
-            k_ratio = k_bs * pow2_inv(k_tok)[:, None]
+            # every fp8_e4m3 scale times 0.0078125 and its products with the codes are fp16 values: no power of two
+            # per position; the dot's result takes 128.0 back (k_fix)
+            k_ratio = k_bs * 0.0078125
             if DOT_K != 0:
                 # the codes were decoded without their factor 16384.0 (a power of two): the ratios carry it, which
                 # keeps each product's value (one multiply per block instead of one per code)
@@ -518,9 +521,7 @@ def paged_attention_kernel(
             # one dot term, fp8_e4m3 scales: every ratio is an fp16 value; the multiply runs in the tile's
             # type (two elements per instruction), rounding the exact product once as converting an fp32 one would
             k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio.to(k_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 16, 16]), [BLOCK_N, HEAD_PAD])
-            k_tok = k_tok * k_g
             scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
-            scores = scores * k_tok[None, :]
             visible = (n[None, :] <= q_pos[:, None])
             visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
             scores = tl.where(visible, scores, float("-inf"))
@@ -545,13 +546,14 @@ def paged_attention_kernel(
                 else:
                     v_tile = v_decode(v_code)
             v_srow = v_meta_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
-            # one scale per 16 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
+            # one scale per 16 elements: the operand keeps scale * 0.0078125 (exact), the same power of two everywhere
             v_gi = tl.arange(0, HEAD_PAD // 16)
             v_gmask = (v_gi < HEAD_SIZE // 16)[None, :]
             v_scode = tl.load(v_srow[:, None] + v_gi[None, :], mask=v_gmask, other=0)
             v_bs = v_scale_decode(v_scode)
-            v_tok = pow2_floor(tl.max(v_bs, axis=1))
-            v_ratio = v_bs * pow2_inv(v_tok)[:, None]
+            # every fp8_e4m3 scale times 0.0078125 and its products with the codes are fp16 values: no power of two
+            # per position; the dot's result takes 128.0 back (v_fix)
+            v_ratio = v_bs * 0.0078125
             if DOT_V != 0:
                 # the codes were decoded without their factor 16384.0 (a power of two): the ratios carry it, which
                 # keeps each product's value (one multiply per block instead of one per code)
@@ -559,13 +561,7 @@ def paged_attention_kernel(
             # one dot term, fp8_e4m3 scales: every ratio is an fp16 value; the multiply runs in the tile's
             # type (two elements per instruction), rounding the exact product once as converting an fp32 one would
             v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio.to(v_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 16, 16]), [BLOCK_N, HEAD_PAD])
-            v_tok = v_tok * v_g
-            # the per-position value factors enter the probabilities, relative to each query row's largest weight
-            # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
-            pw = p * v_tok[None, :]
-            pw_top = tl.max(pw, axis=1)
-            pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
-            pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
+            pv = mma(p, v_op, DOT_V, P_TERMS, V_TERMS)
             acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
@@ -593,13 +589,14 @@ def paged_attention_kernel(
                 else:
                     k_tile = k_decode(k_code)
             k_srow = k_meta_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
-            # one scale per 16 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
+            # one scale per 16 elements: the operand keeps scale * 0.0078125 (exact), the same power of two everywhere
             k_gi = tl.arange(0, HEAD_PAD // 16)
             k_gmask = n_mask[:, None] & (k_gi < HEAD_SIZE // 16)[None, :]
             k_scode = tl.load(k_srow[:, None] + k_gi[None, :], mask=k_gmask, other=0)
             k_bs = k_scale_decode(k_scode)
-            k_tok = pow2_floor(tl.max(k_bs, axis=1))
-            k_ratio = k_bs * pow2_inv(k_tok)[:, None]
+            # every fp8_e4m3 scale times 0.0078125 and its products with the codes are fp16 values: no power of two
+            # per position; the dot's result takes 128.0 back (k_fix)
+            k_ratio = k_bs * 0.0078125
             if DOT_K != 0:
                 # the codes were decoded without their factor 16384.0 (a power of two): the ratios carry it, which
                 # keeps each product's value (one multiply per block instead of one per code)
@@ -607,9 +604,7 @@ def paged_attention_kernel(
             # one dot term, fp8_e4m3 scales: every ratio is an fp16 value; the multiply runs in the tile's
             # type (two elements per instruction), rounding the exact product once as converting an fp32 one would
             k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio.to(k_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 16, 16]), [BLOCK_N, HEAD_PAD])
-            k_tok = k_tok * k_g
             scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
-            scores = scores * k_tok[None, :]
             visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
             visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
             scores = tl.where(visible, scores, float("-inf"))
@@ -634,13 +629,14 @@ def paged_attention_kernel(
                 else:
                     v_tile = v_decode(v_code)
             v_srow = v_meta_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
-            # one scale per 16 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
+            # one scale per 16 elements: the operand keeps scale * 0.0078125 (exact), the same power of two everywhere
             v_gi = tl.arange(0, HEAD_PAD // 16)
             v_gmask = n_mask[:, None] & (v_gi < HEAD_SIZE // 16)[None, :]
             v_scode = tl.load(v_srow[:, None] + v_gi[None, :], mask=v_gmask, other=0)
             v_bs = v_scale_decode(v_scode)
-            v_tok = pow2_floor(tl.max(v_bs, axis=1))
-            v_ratio = v_bs * pow2_inv(v_tok)[:, None]
+            # every fp8_e4m3 scale times 0.0078125 and its products with the codes are fp16 values: no power of two
+            # per position; the dot's result takes 128.0 back (v_fix)
+            v_ratio = v_bs * 0.0078125
             if DOT_V != 0:
                 # the codes were decoded without their factor 16384.0 (a power of two): the ratios carry it, which
                 # keeps each product's value (one multiply per block instead of one per code)
@@ -648,16 +644,12 @@ def paged_attention_kernel(
             # one dot term, fp8_e4m3 scales: every ratio is an fp16 value; the multiply runs in the tile's
             # type (two elements per instruction), rounding the exact product once as converting an fp32 one would
             v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio.to(v_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 16, 16]), [BLOCK_N, HEAD_PAD])
-            v_tok = v_tok * v_g
-            # the per-position value factors enter the probabilities, relative to each query row's largest weight
-            # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
-            pw = p * tl.where(n_mask, v_tok, 0.0)[None, :]
-            pw_top = tl.max(pw, axis=1)
-            pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
-            pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
+            pv = mma(p, v_op, DOT_V, P_TERMS, V_TERMS)
             acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
+        # the value block ratios' shift and the global scale, for the paged positions only
+        acc = acc * v_fix
         out_mask = row_mask[:, None] & dmask[None, :]
         if NUM_SPLITS == 1:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
