@@ -58,6 +58,7 @@ class SideContext:
     scale_floor: str
     scale_max: str  # saturation of fp16 / bf16 scales ("" when the codec saturates itself)
     apply: str
+    fp64: bool  # write divisions through fp64 (fp64_quotient) instead of tl.math.div_rn
     rcp_overflow: bool  # reciprocal_multiply whose 1 / s can overflow to inf (global or static scale, or a floor below 2**-128)
     sunit: str
     sunit_bytes: int
@@ -122,6 +123,20 @@ def _float_codec_for(dtype: str) -> Codec:
 # the fp32 product's conversion to the dot's fp16 would give). e8m0 ratios reach 2**-254, fp16 / bf16 ones 2**-39:
 # they stay fp32. tests/test_dot_operand.py enumerates the claim.
 RATIOS_IN_FP16 = ("fp8_e4m3",)
+
+
+def fp64_quotient(side: SideSpec) -> bool:
+    """Whether the write divides through fp64 (side.jinja's ``quotient`` / ``div64``: IEEE fp32 division's result,
+    without ``tl.math.div_rn``'s long sequence) or keeps ``div_rn``. Both give the same bytes; the choice is speed.
+    Measured on the H200 (writes of 32768 tokens as graph replays, benchmarks/RESULTS.md, eighth session): fp64 wins
+    where the per-element quotient x / s is most of the work, static scales (fp8_e4m3 64 -> 59 us) and rotated sides
+    (int4_per_token_head 141 -> 128 us); it loses where the per-group reciprocal and range divisions dominate
+    (per-token-head reciprocal_multiply: int8 / fp8 85 / 82 -> 90 / 87 us, q8_0 80 -> 88, int8 asym 108 -> 115) and
+    ties on the per-block divide formats (nvfp4, q4_0, mxfp8, mxfp4), which keep div_rn."""
+    sc = side.scale
+    if sc is None or sc.apply != ApplyScale.divide:
+        return False
+    return sc.granularity.is_static or side.rotation is not None
 
 
 def dot_operand(side: SideSpec, scale: str, zp: str, block: bool, name: str = "key") -> tuple[str, int, str]:
@@ -281,6 +296,7 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
         scale_floor=_fp32_constant(max(sc.min, SCALE_TINY[sc.dtype])) if dynamic else "0.0",
         scale_max=_float_literal(SCALE_MAX[sc.dtype]) if dynamic and sc.dtype in SCALE_MAX else "",
         apply="none" if sc is None else sc.apply.value,
+        fp64=fp64_quotient(side),
         rcp_overflow=sc is not None and sc.apply == ApplyScale.reciprocal_multiply and (
             not dynamic or bool(sc.global_scale) or not np.isfinite(np.float32(1) / np.float32(max(sc.min, SCALE_TINY[sc.dtype])))),
         sunit=scodec.unit if scodec else "tl.uint8", sunit_bytes=scodec.unit_bytes if scodec else 1,

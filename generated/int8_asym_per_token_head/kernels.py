@@ -157,13 +157,13 @@ def reshape_and_cache_kernel(
     # the range always includes 0: lo = min(min x, 0), hi = max(max x, 0)
     k_lo = tl.minimum(tl.min(tl.where(k_mg, k_xg, float("inf")), axis=2), 0.0)
     k_hi = tl.maximum(tl.max(tl.where(k_mg, k_xg, float("-inf")), axis=2), 0.0)
-    k_s = ((k_hi - k_lo).to(tl.float64) * (1.0 / tl.full([], 255.0, tl.float64))).to(tl.float32)
+    k_s = tl.math.div_rn(k_hi - k_lo, 255.0)
     k_s = tl.maximum(k_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     k_scode = k_scale_encode(k_s)
     k_eff_g = k_scale_decode(k_scode)
-    k_rcp = (1.0 / (k_eff_g).to(tl.float64))  # fp64 reciprocal of each group's scale, for x / s
-    k_zcode = k_encode(((-k_lo).to(tl.float64) * k_rcp).to(tl.float32))  # zero point, rounded and clamped like a code
-    k_v = ((x_key).to(tl.float64) * tl.reshape(tl.broadcast_to(k_rcp[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])).to(tl.float32)  # x / s
+    k_zcode = k_encode(tl.math.div_rn(-k_lo, k_eff_g))  # zero point, rounded and clamped like a code
+    k_eff = tl.reshape(tl.broadcast_to(k_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
+    k_v = tl.math.div_rn(x_key, k_eff)  # x / s
     k_v = k_v + tl.reshape(tl.broadcast_to(k_zcode.to(tl.float32)[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
     k_codes = k_encode(k_v)
     k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
@@ -184,13 +184,13 @@ def reshape_and_cache_kernel(
     # the range always includes 0: lo = min(min x, 0), hi = max(max x, 0)
     v_lo = tl.minimum(tl.min(tl.where(v_mg, v_xg, float("inf")), axis=2), 0.0)
     v_hi = tl.maximum(tl.max(tl.where(v_mg, v_xg, float("-inf")), axis=2), 0.0)
-    v_s = ((v_hi - v_lo).to(tl.float64) * (1.0 / tl.full([], 255.0, tl.float64))).to(tl.float32)
+    v_s = tl.math.div_rn(v_hi - v_lo, 255.0)
     v_s = tl.maximum(v_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     v_scode = v_scale_encode(v_s)
     v_eff_g = v_scale_decode(v_scode)
-    v_rcp = (1.0 / (v_eff_g).to(tl.float64))  # fp64 reciprocal of each group's scale, for x / s
-    v_zcode = v_encode(((-v_lo).to(tl.float64) * v_rcp).to(tl.float32))  # zero point, rounded and clamped like a code
-    v_v = ((x_value).to(tl.float64) * tl.reshape(tl.broadcast_to(v_rcp[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])).to(tl.float32)  # x / s
+    v_zcode = v_encode(tl.math.div_rn(-v_lo, v_eff_g))  # zero point, rounded and clamped like a code
+    v_eff = tl.reshape(tl.broadcast_to(v_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
+    v_v = tl.math.div_rn(x_value, v_eff)  # x / s
     v_v = v_v + tl.reshape(tl.broadcast_to(v_zcode.to(tl.float32)[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
     v_codes = v_encode(v_v)
     v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL

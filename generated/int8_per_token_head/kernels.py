@@ -166,12 +166,12 @@ def reshape_and_cache_kernel(
     # dynamic scale per group of HEAD_PAD elements: scale = max(absmax / 127, 1e-06) stored as fp32
     k_xg = tl.reshape(x_key, [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
     k_ax = tl.abs(k_xg)
-    k_s = ((tl.max(tl.where(k_ax < float("inf"), k_ax, 0.0), axis=2)).to(tl.float64) * (1.0 / tl.full([], 127.0, tl.float64))).to(tl.float32)  # finite absmax / 127.0
+    k_s = tl.math.div_rn(tl.max(tl.where(k_ax < float("inf"), k_ax, 0.0), axis=2), 127.0)  # finite absmax / 127.0
     k_s = tl.maximum(k_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     k_scode = k_scale_encode(k_s)
     k_eff_g = k_scale_decode(k_scode)
-    k_rcp = (1.0 / (k_eff_g).to(tl.float64))  # fp64 reciprocal of each group's scale, for x / s
-    k_v = x_key * tl.reshape(tl.broadcast_to(k_rcp.to(tl.float32)[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])  # x * (1 / s), 1 / s rounded to fp32
+    k_eff = tl.reshape(tl.broadcast_to(k_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
+    k_v = x_key * tl.math.div_rn(tl.full(k_eff.shape, 1.0, tl.float32), k_eff)  # x * (1 / s), 1 / s rounded to fp32
     k_codes = k_encode(k_v)
     k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
     tl.store(k_row[:, None] + d[None, :], k_codes, mask=valid[:, None] & dmask[None, :])
@@ -185,12 +185,12 @@ def reshape_and_cache_kernel(
     # dynamic scale per group of HEAD_PAD elements: scale = max(absmax / 127, 1e-06) stored as fp32
     v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
     v_ax = tl.abs(v_xg)
-    v_s = ((tl.max(tl.where(v_ax < float("inf"), v_ax, 0.0), axis=2)).to(tl.float64) * (1.0 / tl.full([], 127.0, tl.float64))).to(tl.float32)  # finite absmax / 127.0
+    v_s = tl.math.div_rn(tl.max(tl.where(v_ax < float("inf"), v_ax, 0.0), axis=2), 127.0)  # finite absmax / 127.0
     v_s = tl.maximum(v_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     v_scode = v_scale_encode(v_s)
     v_eff_g = v_scale_decode(v_scode)
-    v_rcp = (1.0 / (v_eff_g).to(tl.float64))  # fp64 reciprocal of each group's scale, for x / s
-    v_v = x_value * tl.reshape(tl.broadcast_to(v_rcp.to(tl.float32)[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])  # x * (1 / s), 1 / s rounded to fp32
+    v_eff = tl.reshape(tl.broadcast_to(v_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
+    v_v = x_value * tl.math.div_rn(tl.full(v_eff.shape, 1.0, tl.float32), v_eff)  # x * (1 / s), 1 / s rounded to fp32
     v_codes = v_encode(v_v)
     v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
     tl.store(v_row[:, None] + d[None, :], v_codes, mask=valid[:, None] & dmask[None, :])

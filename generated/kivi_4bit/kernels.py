@@ -266,15 +266,15 @@ def kivi_flush_kernel(
         v_none = v_lo > v_hi  # no finite value in the group
         v_lo = tl.where(v_none, 0.0, v_lo)
         v_hi = tl.where(v_none, 0.0, v_hi)
-        v_s = ((v_hi - v_lo).to(tl.float64) * (1.0 / tl.full([], 15.0, tl.float64))).to(tl.float32)
+        v_s = tl.math.div_rn(v_hi - v_lo, 15.0)
         v_s = tl.maximum(v_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
         v_s = tl.minimum(v_s, 65504.0)  # saturate at the scale dtype's largest finite value
         v_scode = v_scale_encode(v_s)
         v_eff_g = v_scale_decode(v_scode)
-        v_rcp = (1.0 / (v_eff_g).to(tl.float64))  # fp64 reciprocal of each group's scale, for x / s
         v_zcode = v_zp_encode(tl.minimum(tl.maximum(v_lo, -65504.0), 65504.0))  # the minimum, saturated and rounded
         x_value = x_value - tl.reshape(tl.broadcast_to(v_zp_decode(v_zcode)[:, :, None], [BLOCK_T, HEAD_PAD // 32, 32]), [BLOCK_T, HEAD_PAD])
-        v_v = ((x_value).to(tl.float64) * tl.reshape(tl.broadcast_to(v_rcp[:, :, None], [BLOCK_T, HEAD_PAD // 32, 32]), [BLOCK_T, HEAD_PAD])).to(tl.float32)  # x / s
+        v_eff = tl.reshape(tl.broadcast_to(v_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // 32, 32]), [BLOCK_T, HEAD_PAD])
+        v_v = tl.math.div_rn(x_value, v_eff)  # x / s
         v_codes = v_encode(v_v)
         v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
         # 2 codes per byte, element i at bit (i % 2) * 4 of byte i // 2

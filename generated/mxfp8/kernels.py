@@ -226,7 +226,7 @@ def reshape_and_cache_kernel(
     # dynamic scale per group of 32 elements: scale = max(absmax / 448, 1e-06) stored as e8m0
     k_xg = tl.reshape(x_key, [BLOCK_T, HEAD_PAD // 32, 32])
     k_ax = tl.abs(k_xg)
-    k_s = ((tl.max(tl.where(k_ax < float("inf"), k_ax, 0.0), axis=2)).to(tl.float64) * (1.0 / tl.full([], 448.0, tl.float64))).to(tl.float32)  # finite absmax / 448.0
+    k_s = tl.math.div_rn(tl.max(tl.where(k_ax < float("inf"), k_ax, 0.0), axis=2), 448.0)  # finite absmax / 448.0
     k_s = tl.maximum(k_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     k_scode = k_scale_encode(k_s)
     k_eff_g = k_scale_decode(k_scode)
@@ -244,7 +244,7 @@ def reshape_and_cache_kernel(
     # dynamic scale per group of 32 elements: scale = max(absmax / 448, 1e-06) stored as e8m0
     v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // 32, 32])
     v_ax = tl.abs(v_xg)
-    v_s = ((tl.max(tl.where(v_ax < float("inf"), v_ax, 0.0), axis=2)).to(tl.float64) * (1.0 / tl.full([], 448.0, tl.float64))).to(tl.float32)  # finite absmax / 448.0
+    v_s = tl.math.div_rn(tl.max(tl.where(v_ax < float("inf"), v_ax, 0.0), axis=2), 448.0)  # finite absmax / 448.0
     v_s = tl.maximum(v_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     v_scode = v_scale_encode(v_s)
     v_eff_g = v_scale_decode(v_scode)

@@ -316,14 +316,14 @@ def reshape_and_cache_kernel(
     # dynamic scale per group of 16 elements: scale = max(absmax / 6 / global, 1e-06) stored as fp8_e4m3
     k_xg = tl.reshape(x_key, [BLOCK_T, HEAD_PAD // 16, 16])
     k_ax = tl.abs(k_xg)
-    k_s = ((tl.max(tl.where(k_ax < float("inf"), k_ax, 0.0), axis=2)).to(tl.float64) * (1.0 / tl.full([], 6.0, tl.float64))).to(tl.float32)  # finite absmax / 6.0
+    k_s = tl.math.div_rn(tl.max(tl.where(k_ax < float("inf"), k_ax, 0.0), axis=2), 6.0)  # finite absmax / 6.0
     k_g = tl.load(k_scale_ptr)  # second-level fp32 scale of the layer
-    k_s = ((k_s).to(tl.float64) / (k_g.to(tl.float64))).to(tl.float32)  # / global
+    k_s = tl.math.div_rn(k_s, k_g)  # / global
     k_s = tl.maximum(k_s, 0.001953125)  # the spec's min, or the scale dtype's smallest value
     k_scode = k_scale_encode_native(k_s, NATIVE_CASTS)
     k_eff_g = k_scale_decode(k_scode) * k_g
-    k_rcp = (1.0 / (k_eff_g).to(tl.float64))  # fp64 reciprocal of each group's scale, for x / s
-    k_v = ((x_key).to(tl.float64) * tl.reshape(tl.broadcast_to(k_rcp[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD])).to(tl.float32)  # x / s
+    k_eff = tl.reshape(tl.broadcast_to(k_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD])
+    k_v = tl.math.div_rn(x_key, k_eff)  # x / s
     k_codes = k_encode(k_v)
     k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
     # 2 codes per byte, element i at bit (i % 2) * 4 of byte i // 2
@@ -342,14 +342,14 @@ def reshape_and_cache_kernel(
     # dynamic scale per group of 16 elements: scale = max(absmax / 6 / global, 1e-06) stored as fp8_e4m3
     v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // 16, 16])
     v_ax = tl.abs(v_xg)
-    v_s = ((tl.max(tl.where(v_ax < float("inf"), v_ax, 0.0), axis=2)).to(tl.float64) * (1.0 / tl.full([], 6.0, tl.float64))).to(tl.float32)  # finite absmax / 6.0
+    v_s = tl.math.div_rn(tl.max(tl.where(v_ax < float("inf"), v_ax, 0.0), axis=2), 6.0)  # finite absmax / 6.0
     v_g = tl.load(v_scale_ptr)  # second-level fp32 scale of the layer
-    v_s = ((v_s).to(tl.float64) / (v_g.to(tl.float64))).to(tl.float32)  # / global
+    v_s = tl.math.div_rn(v_s, v_g)  # / global
     v_s = tl.maximum(v_s, 0.001953125)  # the spec's min, or the scale dtype's smallest value
     v_scode = v_scale_encode_native(v_s, NATIVE_CASTS)
     v_eff_g = v_scale_decode(v_scode) * v_g
-    v_rcp = (1.0 / (v_eff_g).to(tl.float64))  # fp64 reciprocal of each group's scale, for x / s
-    v_v = ((x_value).to(tl.float64) * tl.reshape(tl.broadcast_to(v_rcp[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD])).to(tl.float32)  # x / s
+    v_eff = tl.reshape(tl.broadcast_to(v_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD])
+    v_v = tl.math.div_rn(x_value, v_eff)  # x / s
     v_codes = v_encode(v_v)
     v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
     # 2 codes per byte, element i at bit (i % 2) * 4 of byte i // 2
