@@ -4,6 +4,7 @@
     python benchmarks/sass_count.py --write [FORMAT ...]         # reshape-and-cache, as Format.write launches it
     python benchmarks/sass_count.py --tiles 64/4/3/128 [FORMAT ...]  # another tile choice (tune_tiles.py's syntax)
     python benchmarks/sass_count.py --write-streaming [FORMAT ...]   # KIVI's flush and residual-store kernels
+    python benchmarks/sass_count.py --prefill [FORMAT ...]       # bench.py's chunked prefill (4 x 2048 new on 8192)
 
 Compiles each format's paged_attention_kernel for sm_90 with Triton's own ptxas exactly as the runtime would launch
 it on an H200 for decode at 64 x 8192 (32 query heads over 8 KV heads, head size 128, block size 16, bf16 queries):
@@ -148,34 +149,34 @@ def _bound_source(fn, args, kwargs):
     return ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs), launch
 
 
-def runtime_source(fmt, seqs: int, ctx: int, block: int, dot_precision: str):
-    """The attention kernel exactly as the runtime would launch it on an H200 for decode of ``seqs`` sequences of
-    ``ctx`` tokens with bf16 queries: the launch is captured from ``Format.attend`` (CPU tensors, the kernel call
-    stubbed) and bound by Triton's own binder, so the constexprs, the tile options and the argument specialisation
-    (16-byte aligned pointers, integers divisible by 16 or equal to 1) match a real launch.
-    Returns (ASTSource, compile options, BLOCK_N)."""
+def runtime_source(fmt, seqs: int, ctx: int, block: int, dot_precision: str, q_len: int = 1):
+    """The attention kernel exactly as the runtime would launch it on an H200 for a step of ``q_len`` new tokens
+    (1: decode) on each of ``seqs`` sequences of ``ctx`` tokens with bf16 queries: the launch is captured from
+    ``Format.attend`` (CPU tensors, the kernel call stubbed) and bound by Triton's own binder, so the constexprs, the
+    tile options and the argument specialisation (16-byte aligned pointers, integers divisible by 16 or equal to 1)
+    match a real launch. Returns (ASTSource, compile options, BLOCK_N)."""
     res = fmt.layout.RESIDUAL
     blocks_per_seq = -(-ctx // block)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cache = fmt.allocate(seqs * blocks_per_seq, block, 8, 128, **({"max_seqs": seqs} if res else {}))
-    q = torch.zeros(seqs, 32, 128, dtype=torch.bfloat16)
+    q = torch.zeros(seqs * q_len, 32, 128, dtype=torch.bfloat16)
     table = torch.arange(seqs * blocks_per_seq, dtype=torch.int32).reshape(seqs, blocks_per_seq)
     extra = {"seq_ids": torch.arange(seqs, dtype=torch.int32)} if res else {}
     launches = _captured(fmt, lambda: fmt.attend(
-        q, cache, table, torch.full((seqs,), ctx, dtype=torch.int32), torch.arange(seqs + 1, dtype=torch.int32),
-        max_query_len=1, dot_precision=dot_precision, **extra))
+        q, cache, table, torch.full((seqs,), ctx, dtype=torch.int32), torch.arange(seqs + 1, dtype=torch.int32) * q_len,
+        max_query_len=q_len, dot_precision=dot_precision, **extra))
     args, kwargs = launches["paged_attention_kernel"]
     src, launch = _bound_source(fmt._kernels.module.paged_attention_kernel, args, kwargs)
     return src, launch, kwargs["BLOCK_N"]
 
 
-def count(name: str, dot_precision: str = "auto", seqs: int = 64, ctx: int = 8192) -> dict:
+def count(name: str, dot_precision: str = "auto", seqs: int = 64, ctx: int = 8192, q_len: int = 1) -> dict:
     fmt = kvgen.load(name)
     res = fmt.layout.RESIDUAL
     block = res["group"] if res else 16
     os.environ["TRITON_INTERPRET"] = "0"
-    src, tiles, block_n = runtime_source(fmt, seqs, ctx, block, dot_precision)
+    src, tiles, block_n = runtime_source(fmt, seqs, ctx, block, dot_precision, q_len)
     kernel, sass, usage = compile_sm90(src, tiles)
     loop = main_loop(sass)
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
@@ -302,6 +303,9 @@ def main() -> int:
         kernels.TILE_OVERRIDE, args = parse(args[1]), args[2:]
     if args[:1] == ["--quantized"]:  # the quantized compute domain, for the formats that offer it
         precision, args = "quantized", args[1:]
+    shape = dict(seqs=64, ctx=8192, q_len=1)
+    if args[:1] == ["--prefill"]:  # bench.py's chunked prefill: 2048 new tokens on each of 4 sequences of 8192
+        shape, args = dict(seqs=4, ctx=8192, q_len=2048), args[1:]
     names = args or kvgen.shipped_names()
     if precision == "quantized":
         names = [n for n in names if any(kvgen.load(n).quantized_dot.values())]
@@ -309,7 +313,7 @@ def main() -> int:
           "programs / SM | spill ld+st / position | most frequent |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name in names:
-        r = count(name, dot_precision=precision)
+        r = count(name, dot_precision=precision, **shape)
         mix = ", ".join(f"{op} {n / r['block_n']:.1f}" for op, n in r["mix"])
         print(f"| {name} | {r['per_position']:.1f} | {r['bytes']:.0f} | {r['per_byte']:.3f} | {r['regs']} | "
               f"{r['smem'] / 1024:.0f} | {r['occupancy']} | {r['spills']:.1f} | {mix} |",
