@@ -9,7 +9,6 @@ import re
 from pathlib import Path
 
 import jinja2
-import numpy as np
 
 from . import layout as layout_mod
 from .codecs import SCALE_MAX, SCALE_TINY, Codec, element_codec, scale_codec
@@ -59,7 +58,7 @@ class SideContext:
     scale_max: str  # saturation of fp16 / bf16 scales ("" when the codec saturates itself)
     apply: str
     fp64: bool  # write divisions through fp64 (fp64_quotient) instead of tl.math.div_rn
-    rcp_overflow: bool  # reciprocal_multiply whose 1 / s can overflow to inf (global or static scale, or a floor below 2**-128)
+    rcp_overflow: bool  # reciprocal_multiply whose 1 / s can overflow to inf (rcp_can_overflow)
     sunit: str
     sunit_bytes: int
     meta_ptr: str
@@ -137,6 +136,19 @@ def fp64_quotient(side: SideSpec) -> bool:
     if sc is None or sc.apply != ApplyScale.divide:
         return False
     return sc.granularity.is_static or side.rotation is not None
+
+
+def rcp_can_overflow(side: SideSpec) -> bool:
+    """Whether a reciprocal_multiply side's 1 / s can be inf in fp32 (s at or below 2**-128), where the write must keep
+    zeros at zero (0 * inf is NaN): a runtime scale (static, or times a global scale), or a floor below fp32's normal
+    range. The floor is tested before it is stored: a bf16 scale rounds, and zero points in a scale's low bits mask
+    it, down to 2**-128 from floors just above it; a floor at or above 2**-126 stays there."""
+    sc = side.scale
+    if sc is None or sc.apply != ApplyScale.reciprocal_multiply:
+        return False
+    if sc.granularity.is_static or sc.global_scale:
+        return True
+    return max(sc.min, SCALE_TINY[sc.dtype]) < 2.0 ** -126
 
 
 def dot_operand(side: SideSpec, scale: str, zp: str, block: bool, name: str = "key") -> tuple[str, int, str]:
@@ -297,8 +309,7 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
         scale_max=_float_literal(SCALE_MAX[sc.dtype]) if dynamic and sc.dtype in SCALE_MAX else "",
         apply="none" if sc is None else sc.apply.value,
         fp64=fp64_quotient(side),
-        rcp_overflow=sc is not None and sc.apply == ApplyScale.reciprocal_multiply and (
-            not dynamic or bool(sc.global_scale) or not np.isfinite(np.float32(1) / np.float32(max(sc.min, SCALE_TINY[sc.dtype])))),
+        rcp_overflow=rcp_can_overflow(side),
         sunit=scodec.unit if scodec else "tl.uint8", sunit_bytes=scodec.unit_bytes if scodec else 1,
         meta_ptr=f"{p}_meta_ptr" if dynamic and sc.placement == Placement.separate else f"{p}_cache_ptr",
         rotate=side.rotation is not None,

@@ -297,7 +297,7 @@ def apply_scale(side: SideSpec, x: np.ndarray, scale: np.ndarray) -> np.ndarray:
         return (x / s).astype(np.float32)
     with np.errstate(divide="ignore", over="ignore"):
         inv = (np.float32(1.0) / s).astype(np.float32)
-    # a reciprocal that overflowed to inf (a scale below 2**-128) leaves zeros as they are: 0 * inf would be NaN
+    # a reciprocal that overflowed to inf (a scale at or below 2**-128) leaves zeros as they are: 0 * inf would be NaN
     with np.errstate(invalid="ignore"):
         return np.where(x == 0, x, x * inv).astype(np.float32)
 

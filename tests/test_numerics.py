@@ -82,65 +82,88 @@ def test_edge_values_bytes_and_behaviour(name):
     assert np.all(np.isfinite(k[4]))
 
 
+def _bytes_match_reference(tmp_path, spec: dict, x: np.ndarray, **scales) -> None:
+    """Write the tokens x [T, 1, D] as keys and values of a one-head cache (slot t = token t) and compare every byte
+    of the cache with the reference's encoding."""
+    import yaml
+
+    path = tmp_path / f"{spec['name']}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    fmt = kvgen.load(path)
+    tokens, _, head = x.shape
+    slots = np.arange(tokens, dtype=np.int64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache = fmt.allocate(1, tokens, 1, head, device=DEVICE, **scales)
+    xt = torch.from_numpy(x).to(DEVICE)
+    fmt.write(cache, xt, xt, torch.from_numpy(slots).to(DEVICE))
+    expected = R.new_cache(fmt.spec, 1, tokens, 1, head)
+    R.write(fmt.spec, expected, x, x, slots, **scales)
+    for t, want in expected.items():
+        got = cache.tensors[t].view(torch.uint8).reshape(1, -1).cpu().numpy()
+        assert np.array_equal(got, want), f"{t}: bytes differ at {np.argwhere(got != want)[:3].tolist()}"
+
+
+@pytest.mark.parametrize("element", ["int8", "fp8_e4m3"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_scale_floor_below_fp32_normals(tmp_path, dtype):
+def test_scale_floor_below_fp32_normals(tmp_path, dtype, element):
     """A spec whose scale floor is below fp32's normal range (min 1e-45: the floor is the scale dtype's smallest
     value, 2**-149 for fp32, 2**-133 for bf16) compiles, and tokens that small keep the reference's bytes. Their
     scales have no finite fp32 reciprocal: the zeros among them, and a token of zeros (scale = the floor), must stay
-    code 0 (0 * inf is NaN, which the GPU's clamp turns into -128)."""
-    import yaml
-
-    spec = {"name": f"tiny_floor_{dtype}", "cache": {"layout": "interleaved", "storage_dtype": "uint8"},
-            "key": {"element": "int8", "scale": {"granularity": "per_block", "block": 16, "dtype": dtype,
-                                                 "min": 1.0e-45}}}
-    spec["value"] = spec["key"]
-    path = tmp_path / f"tiny_floor_{dtype}.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    fmt = kvgen.load(path)
+    code 0 (0 * inf is NaN: the interpreter stores fp8's NaN code for it, the GPU's clamp turns it into int8 -128)."""
+    side = {"element": element, "scale": {"granularity": "per_block", "block": 16, "dtype": dtype, "min": 1.0e-45}}
+    spec = {"name": f"tiny_floor_{dtype}_{element}", "cache": {"layout": "interleaved", "storage_dtype": "uint8"},
+            "key": side, "value": side}
     x = np.zeros((3, 1, 16), dtype=np.float32)  # token 2: all zeros
     x[0, 0, :] = np.float32(2.0 ** -140) * np.arange(16, dtype=np.float32)  # subnormal inputs, one of them 0
     x[1, 0, :] = np.linspace(-1, 1, 16, dtype=np.float32)
-    slots = np.arange(3, dtype=np.int64)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        cache = fmt.allocate(1, 3, 1, 16, device=DEVICE)
-    xt = torch.from_numpy(x).to(DEVICE)
-    fmt.write(cache, xt, xt, torch.from_numpy(slots).to(DEVICE))
-    expected = R.new_cache(fmt.spec, 1, 3, 1, 16)
-    R.write(fmt.spec, expected, x, x, slots)
-    assert not expected["kv_cache"].reshape(3, -1)[2, :16].any()  # the reference keeps the zero token's codes 0
-    for t, want in expected.items():
-        got = cache.tensors[t].view(torch.uint8).reshape(1, -1).cpu().numpy()
-        assert np.array_equal(got, want), f"{t}: bytes differ at {np.argwhere(got != want)[:3].tolist()}"
+    _bytes_match_reference(tmp_path, spec, x)
 
 
-def test_scale_division_rounds_subnormal_ties_like_ieee(tmp_path):
+@pytest.mark.parametrize("case", ["bf16_rounds_down", "low_bits_mask"])
+def test_floor_stored_at_2_pow_minus_128(tmp_path, case):
+    """Floors just above 2**-128 (whose fp32 reciprocal is finite) that the stored scale takes down to 2**-128 (whose
+    reciprocal is inf): a bf16 scale rounds 2**-128 + 2**-135 to it, and a zero point in an fp32 scale's 4 low bits
+    masks 2**-128 + 8 * 2**-149 to it. The zeros of such a group must still encode as the reference's zeros."""
+    if case == "bf16_rounds_down":
+        side = {"element": "fp8_e4m3", "scale": {"granularity": "per_block", "block": 16, "dtype": "bf16",
+                                                 "min": 2.0 ** -128 + 2.0 ** -135}}
+        x = np.zeros((2, 1, 16), dtype=np.float32)  # token 0: zeros, scale = the floor
+    else:
+        side = {"element": "uint4", "packing": "lsb_first", "zero_point": {"storage": "scale_low_bits"},
+                "scale": {"granularity": "per_token_head", "dtype": "fp32", "min": 2.0 ** -128 + 8 * 2.0 ** -149,
+                          "apply": "reciprocal_multiply"}}
+        x = np.zeros((2, 1, 16), dtype=np.float32)
+        x[0, 0, 0] = -np.float32(8 * 2.0 ** -128)  # range 8 * 2**-128 over 15: the floor, masked; zero point 8
+    x[1, 0, :] = np.linspace(-1, 1, 16, dtype=np.float32)
+    spec = {"name": f"floor_{case}", "cache": {"layout": "interleaved", "storage_dtype": "uint8"},
+            "key": side, "value": side}
+    _bytes_match_reference(tmp_path, spec, x)
+
+
+@pytest.mark.parametrize("path", ["div_rn", "fp64"])
+def test_scale_division_rounds_subnormal_ties_like_ieee(tmp_path, path):
     """A group's scale over the global scale landing exactly on a midpoint of fp32's subnormal grid: the bytes must
     be IEEE division's (round half to even), which a product with a rounded reciprocal would miss. int8 codes with an
     fp32 scale per 16 elements, a global scale of 98 and no floor above fp32's smallest: the block's absmax is
-    127 * 147 * 2**-149, so absmax / 127 = 147 * 2**-149 and over 98 it is 1.5 * 2**-149 (IEEE: 2 * 2**-149)."""
-    import yaml
+    127 * 147 * 2**-149, so absmax / 127 = 147 * 2**-149 and over 98 it is 1.5 * 2**-149 (IEEE: 2 * 2**-149).
+    Both division paths of the writes (codegen.render.fp64_quotient): the default side keeps tl.math.div_rn; a
+    rotated side that divides takes the fp64 quotient (the one-hot token rotates to 16 elements of the same size)."""
+    from kvgen.codegen.render import fp64_quotient
+    from kvgen.codegen.spec import SideSpec
 
-    spec = {"name": "subnormal_scales", "cache": {"layout": "interleaved", "storage_dtype": "uint8"},
-            "key": {"element": "int8", "scale": {"granularity": "per_block", "block": 16, "dtype": "fp32",
-                                                 "global_scale": True, "min": 1.0e-45}}}
-    spec["value"] = spec["key"]
-    path = tmp_path / "subnormal_scales.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    fmt = kvgen.load(path)
+    side = {"element": "int8", "scale": {"granularity": "per_block", "block": 16, "dtype": "fp32",
+                                         "global_scale": True, "min": 1.0e-45}}
     x = np.zeros((1, 1, 16), dtype=np.float32)
     x[0, 0, 3] = np.float32(127 * 147 * 2.0 ** -149)
-    x[0, 0, 7] = -np.float32(5 * 2.0 ** -149)
-    slots = np.zeros(1, dtype=np.int64)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        cache = fmt.allocate(1, 1, 1, 16, device=DEVICE, k_scale=98.0, v_scale=98.0)
-    xt = torch.from_numpy(x).to(DEVICE)
-    fmt.write(cache, xt, xt, torch.from_numpy(slots).to(DEVICE))
-    expected = R.new_cache(fmt.spec, 1, 1, 1, 16)
-    R.write(fmt.spec, expected, x, x, slots, k_scale=98.0, v_scale=98.0)
-    scale = np.float32(x[0, 0, 3] / np.float32(127.0)) / np.float32(98.0)
-    assert scale.view(np.uint32) == 2  # the tie rounded to even, as the reference computes it
-    for t, want in expected.items():
-        got = cache.tensors[t].view(torch.uint8).reshape(1, -1).cpu().numpy()
-        assert np.array_equal(got, want), f"{t}: bytes differ at {np.argwhere(got != want)[:3].tolist()}"
+    if path == "fp64":
+        side["rotation"] = {"kind": "hadamard", "seed": 0}
+        side["scale"]["apply"] = "divide"
+    else:
+        x[0, 0, 7] = -np.float32(5 * 2.0 ** -149)
+    assert fp64_quotient(SideSpec.model_validate(side)) == (path == "fp64")
+    premise = np.float32(x[0, 0, 3] / np.float32(127.0)) / np.float32(98.0)
+    assert premise.view(np.uint32) == 2  # the test's premise: 1.5 * 2**-149, a tie that rounds to even
+    spec = {"name": f"subnormal_scales_{path}", "cache": {"layout": "interleaved", "storage_dtype": "uint8"},
+            "key": side, "value": side}
+    _bytes_match_reference(tmp_path, spec, x, k_scale=98.0, v_scale=98.0)
