@@ -6,14 +6,12 @@ import sys
 from pathlib import Path
 
 import click
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from .codegen.errors import KvgenError, StaleError
 
-console = Console(soft_wrap=True)
-err_console = Console(stderr=True, soft_wrap=True)
+from .consoles import console, err_console
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "generated"
 

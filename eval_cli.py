@@ -9,15 +9,13 @@ import json
 import sys
 
 import click
-from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from .codegen.errors import KvgenError
 
-console = Console(soft_wrap=True)
-err_console = Console(stderr=True, soft_wrap=True)
+from .consoles import console, err_console
 
 
 class _EvalCommand(click.Command):

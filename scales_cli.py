@@ -5,13 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-from rich.console import Console
 from rich.markup import escape
 
 from .codegen.errors import KvgenError
 
-console = Console(soft_wrap=True)
-err_console = Console(stderr=True, soft_wrap=True)
+from .consoles import console, err_console
 
 
 @click.command("import-scheme")
