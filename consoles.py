@@ -1,23 +1,31 @@
 """The rich consoles the command-line tools print through.
 
 Output that is not a terminal (a pipe, a log file, ``make demo``'s output) gets 160 columns instead of rich's default
-80, so the tables keep their columns; a terminal keeps its own width.
+80, so the tables keep their columns; a terminal keeps its own width, and ``COLUMNS`` in the environment wins over
+both. Decided at each print, not at import (a test runner may set ``COLUMNS`` or swap the streams later).
 """
 
 from __future__ import annotations
 
-import sys
+import os
 
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 
 PIPE_WIDTH = 160
 
 
-def _console(stderr: bool) -> Console:
-    stream = sys.stderr if stderr else sys.stdout
-    tty = getattr(stream, "isatty", lambda: False)()
-    return Console(stderr=stderr, soft_wrap=True, width=None if tty else PIPE_WIDTH)
+class _Console(Console):
+    @property
+    def size(self) -> ConsoleDimensions:
+        size = Console.size.fget(self)
+        if self._width is None and "COLUMNS" not in os.environ and not self.is_terminal:
+            return ConsoleDimensions(PIPE_WIDTH, size.height)
+        return size
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        Console.size.fset(self, new_size)
 
 
-console = _console(stderr=False)
-err_console = _console(stderr=True)
+console = _Console(soft_wrap=True)
+err_console = _Console(stderr=True, soft_wrap=True)
