@@ -94,8 +94,6 @@ def eval_cmd(specs, contexts, seeds, as_json, png, backend, dot_precision):
                                "dot_precision": dot_precision, "num_kv_heads": 8, "num_q_heads": 32,
                                "head_size": 128, "top_k": 8, "results": rows, "png": png}, indent=2))
         return
-    if not console.is_terminal:  # piped output: room for every column
-        console.width = max(console.width, 120)
     where = "generated kernels" if resolve_backend(backend) == "kernels" else "NumPy reference"
     if dot_precision != "auto":
         where += f", dot_precision={dot_precision}"
