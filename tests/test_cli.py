@@ -217,3 +217,16 @@ def test_doctor_reports_the_interpreter_and_runs():
     r = CliRunner().invoke(cli_main, ["doctor"])
     assert r.exit_code == 0, r.output
     assert "interpreter" in r.output and "ok" in r.output
+
+
+def test_piped_list_keeps_every_column():
+    """Output to a pipe with no COLUMNS set (make demo's, a log's) is laid out 160 wide, not rich's 80: the page-size
+    table keeps its headers whole and its scales column (at 80 columns the headers were cut to 'vs bf…' and the
+    scales column to nothing)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    r = subprocess.run([str(KVGEN), "list"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    header = next(line for line in r.stdout.splitlines() if "format" in line)
+    for name in ("K+V B/tok/head", "page B", "vs bf16", "scales"):
+        assert name in header, header
+    assert "e8m0 per 32 elements, separate" in r.stdout  # mxfp4's scales, whole
