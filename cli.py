@@ -10,7 +10,6 @@ from rich.markup import escape
 from rich.table import Table
 
 from .codegen.errors import KvgenError, StaleError
-
 from .consoles import console, err_console
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "generated"

@@ -14,7 +14,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .codegen.errors import KvgenError
-
 from .consoles import console, err_console
 
 

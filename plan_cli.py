@@ -13,7 +13,6 @@ from rich.markup import escape
 from rich.table import Table
 
 from .codegen.errors import KvgenError
-
 from .consoles import console, err_console
 
 

@@ -8,7 +8,6 @@ import click
 from rich.markup import escape
 
 from .codegen.errors import KvgenError
-
 from .consoles import console, err_console
 
 
