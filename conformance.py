@@ -387,6 +387,10 @@ def run_stream(fmt: Format, case: StreamCase, device: str = "cpu") -> dict:
         qsl = np.concatenate([[0], np.cumsum([step[s] for s in batch])]).astype(np.int32)
         rows = int(qsl[-1])
         key = (rng.standard_normal((rows + case.pad_rows, H, D)) * (1 + 9 * (rng.random(D) < 0.1))).astype(np.float32)
+        # a few channels of zeros of either sign: channel groups whose minimum is 0 (-0 == +0, so the sign a
+        # reduction returns depends on its order unless the format fixes it)
+        zero = rng.random(D) < 0.05
+        key[:, :, zero] = np.where(rng.random(key[:, :, zero].shape) < 0.5, np.float32(-0.0), np.float32(0.0))
         value = rng.standard_normal((rows + case.pad_rows, H, D)).astype(np.float32)
         slots = np.full(rows + case.pad_rows, -1, dtype=np.int64)  # padding rows at the end: slot -1
         for i, s in enumerate(batch):

@@ -152,13 +152,16 @@ def decode_zero(side: SideSpec, stored: np.ndarray) -> np.ndarray:
 
 def finite_range(x: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
     """Min and max over the finite values along ``axis`` (SEMANTICS.md "Non-finite inputs": NaN and +-inf do not
-    set scales); a group with no finite value gets (0, 0)."""
+    set scales); a group with no finite value gets (0, 0). A zero minimum or maximum is +0 (SEMANTICS.md "Float zero
+    points": -0 and +0 compare equal, so which one a reduction returns depends on its order)."""
     x = np.asarray(x, dtype=np.float32)
     fin = np.isfinite(x)
     lo = np.min(np.where(fin, x, np.float32(np.inf)), axis=axis)
     hi = np.max(np.where(fin, x, np.float32(-np.inf)), axis=axis)
     empty = lo > hi
-    return np.where(empty, np.float32(0), lo).astype(np.float32), np.where(empty, np.float32(0), hi).astype(np.float32)
+    lo = np.where(empty | (lo == 0), np.float32(0), lo).astype(np.float32)
+    hi = np.where(empty | (hi == 0), np.float32(0), hi).astype(np.float32)
+    return lo, hi
 
 
 def sanitize_nan(side: SideSpec, x: np.ndarray) -> np.ndarray:

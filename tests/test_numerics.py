@@ -167,3 +167,19 @@ def test_scale_division_rounds_subnormal_ties_like_ieee(tmp_path, path):
     spec = {"name": f"subnormal_scales_{path}", "cache": {"layout": "interleaved", "storage_dtype": "uint8"},
             "key": side, "value": side}
     _bytes_match_reference(tmp_path, spec, x, k_scale=98.0, v_scale=98.0)
+
+
+@pytest.mark.parametrize("zeros", ["neg_pos", "pos_neg", "all_neg"])
+def test_float_zero_point_of_signed_zeros(tmp_path, zeros):
+    """A group whose minimum is zero, held as -0 and +0 in either order: -0 == +0, so np.min and the kernel's
+    reduction may return either; the stored fp16 minimum is +0 in both (SEMANTICS.md "Float zero points")."""
+    side = {"element": "uint8", "zero_point": {"storage": "beside_scale", "dtype": "fp16"},
+            "scale": {"granularity": "per_block", "block": 16, "dtype": "fp16"}}
+    x = np.zeros((2, 1, 32), dtype=np.float32)
+    pattern = {"neg_pos": [-0.0, 0.0], "pos_neg": [0.0, -0.0], "all_neg": [-0.0, -0.0]}[zeros]
+    x[0, 0, :] = np.array(pattern * 16, dtype=np.float32)
+    x[1, 0, :16] = np.array(pattern * 8, dtype=np.float32)
+    x[1, 0, 16:] = np.linspace(0, 1, 16, dtype=np.float32)  # a zero minimum beside positive values
+    spec = {"name": f"float_zp_{zeros}", "cache": {"layout": "interleaved", "storage_dtype": "uint8"},
+            "key": side, "value": side}
+    _bytes_match_reference(tmp_path, spec, x)
