@@ -93,10 +93,11 @@ def fill_random(cache) -> None:
 
 
 def decode_case(fmt, num_seqs: int, ctx: int, block_size: int, head_size: int = D, q_len: int = 1,
-                planned: bool = False, graphs: bool | None = None):
+                planned: bool = False, graphs: bool | None = None, num_splits: int | None = None):
     """A cache holding num_seqs sequences of ctx tokens, and the arguments of one attention step with q_len new
     tokens per sequence (1: decode). ``planned``: the step as an engine runs it per layer, ``plan.run`` of a plan
-    made once (Format.plan_attention). ``graphs``: time CUDA-graph replays (None: as --cuda-graphs says)."""
+    made once (Format.plan_attention). ``graphs``: time CUDA-graph replays (None: as --cuda-graphs says).
+    ``num_splits``: the KV splits per program (None: the runtime's choice)."""
     torch.manual_seed(0)  # the same block table and bytes in every run: runs of one shape compare
     blocks_per_seq = math.ceil(ctx / block_size)
     num_blocks = num_seqs * blocks_per_seq
@@ -109,7 +110,7 @@ def decode_case(fmt, num_seqs: int, ctx: int, block_size: int, head_size: int = 
     seq_lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
     qsl = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda") * q_len
     q = torch.randn(num_seqs * q_len, HQ, head_size, dtype=torch.bfloat16, device="cuda")
-    kwargs = dict(max_query_len=q_len, dot_precision=fmt.runs_dot_precision(DOT))
+    kwargs = dict(max_query_len=q_len, dot_precision=fmt.runs_dot_precision(DOT), num_splits=num_splits)
     if fmt.spec.streaming:
         kwargs["seq_ids"] = torch.arange(num_seqs, dtype=torch.int32, device="cuda")
     bytes_read = num_blocks * fmt.page_bytes(block_size, HKV, head_size)
@@ -125,6 +126,7 @@ def decode_case(fmt, num_seqs: int, ctx: int, block_size: int, head_size: int = 
             first = fmt.allocate(num_blocks, block_size, HKV, head_size, device="cuda", **extra)
         plan = fmt.plan_attention(q, first, table, seq_lens, qsl, **kwargs)
         fn = lambda: plan.run(q, cache)  # noqa: E731
+        fn.plan = plan  # for scripts that read the launch the runtime chose (tune_splits.py)
     return (graphed(fn) if (GRAPHS if graphs is None else graphs) else fn), bytes_read
 
 

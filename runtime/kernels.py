@@ -71,6 +71,16 @@ ATTENTION_TILES = (
     ((None, None, None, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=4)),  # the rest
 )
 INTERPRETER_TILES = {"BLOCK_N": 128}
+# KV splits (flash decoding): a grid of (sequence, query tile, KV head) programs is split along the KV positions so
+# that it fills the GPU, at the cost of a reduction over the splits' partial results. The split targets the tile
+# rule's programs_per_sm, each split at least MIN_SPLIT positions; and, as a floor for few sequences, at least
+# FEW_PROGRAMS_PER_SM programs per SM, each split at least MIN_FEW_SPLIT positions (short contexts, where MIN_SPLIT
+# alone left most SMs idle). H200, ninth session (benchmarks/RESULTS.md, `python benchmarks/tune_splits.py`): at 4 x
+# 1024 bf16 25 -> 17 us, q8_0 39 -> 21, KIVI 94 -> 67; at 1 x 8192 bf16 29 -> 24; two programs per SM alone (no
+# programs_per_sm target) lost 5-10% at 4 x 32768 and 4 x 65536, so it is a floor, not the target.
+MIN_SPLIT = 512
+FEW_PROGRAMS_PER_SM = 2
+MIN_FEW_SPLIT = 128
 # experiments and tests: tiles used for every format instead of the rules above (None: the rules)
 TILE_OVERRIDE: dict | None = None
 # reshape_and_cache, compiled: tokens per program and warps (the interpreter takes 64 tokens per program). One warp
@@ -348,14 +358,16 @@ class KernelSet:
 
     def _splits(self, programs: int, max_kv: int, num_tokens: int, num_q_heads: int, head_pad: int,
                 device: torch.device, programs_per_sm: int = 4) -> int:
-        """KV splits per program so that the grid fills the GPU (flash decoding): about programs_per_sm per SM,
-        each split at least 512 positions, partial results at most 64 MiB. 1 in the interpreter."""
+        """KV splits per program so that the grid fills the GPU (flash decoding; the rule is above MIN_SPLIT),
+        partial results at most 64 MiB. 1 in the interpreter."""
         if interpreting():
             return 1
         sms = self._SMS.get(device.index)
         if sms is None:
             sms = self._SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-        splits = min(triton_cdiv(programs_per_sm * sms, programs), max(1, max_kv // 512))
+        splits = min(triton_cdiv(programs_per_sm * sms, programs), max(1, max_kv // MIN_SPLIT))
+        few = min(FEW_PROGRAMS_PER_SM * sms // programs, max(1, max_kv // MIN_FEW_SPLIT))  # 0 for many sequences
+        splits = max(splits, few)
         splits = min(splits, max(1, (64 << 20) // (num_tokens * num_q_heads * head_pad * 4)))
         return max(1, splits)
 

@@ -123,3 +123,32 @@ def test_small_heads_stay_off_warpgroup_dots(compiled):
                     assert K.tensor_core_rows_ok(rows, head_pad), where
                     if group * q_len >= 64 and group <= 64:  # prefill fills its 64 rows
                         assert rows == 64, where
+
+
+def test_split_rule(compiled, monkeypatch):
+    """KV splits on a 132-SM GPU (the H200), as benchmarks/RESULTS.md measured them (ninth session,
+    benchmarks/tune_splits.py): the tile rule's programs per SM with at least 512 positions per split, and for few
+    sequences at least two programs per SM with at least 128 positions per split."""
+    ks = kvgen.load("bf16")._kernels
+    monkeypatch.setitem(K.KernelSet._SMS, 0, 132)
+    dev = torch.device("cuda", 0)
+
+    def splits(seqs, ctx, programs_per_sm=8, heads=8):
+        return ks._splits(seqs * heads, ctx, seqs, 4 * heads, 128, dev, programs_per_sm)
+
+    # short contexts, few sequences: two programs per SM (264 in all), splits of 128 positions at least
+    assert splits(4, 1024) == 8  # 32 programs x 8
+    assert splits(1, 8192) == 33  # 8 programs x 33
+    assert splits(4, 512) == 4
+    assert splits(4, 100) == 1
+    # longer contexts: the tile rule's 8 programs per SM (1056), splits of 512 positions at least
+    assert splits(4, 4096) == 8
+    assert splits(4, 16384) == 32
+    assert splits(4, 65536) == 33
+    assert splits(4, 65536, programs_per_sm=4) == 17
+    assert splits(16, 1024) == 2
+    # many sequences (512 programs, more than two per SM): the tile rule alone
+    assert splits(64, 8192) == 3
+    assert splits(64, 8192, programs_per_sm=4) == 2
+    assert splits(64, 1024) == 2
+    assert splits(256, 1024) == 1
