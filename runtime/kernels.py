@@ -77,7 +77,7 @@ INTERPRETER_TILES = {"BLOCK_N": 128}
 # FEW_PROGRAMS_PER_SM programs per SM, each split at least MIN_FEW_SPLIT positions (short contexts, where MIN_SPLIT
 # alone left most SMs idle). H200, ninth session (benchmarks/RESULTS.md, `python benchmarks/tune_splits.py`): at 4 x
 # 1024 bf16 25 -> 17 us, q8_0 39 -> 21, KIVI 94 -> 67; at 1 x 8192 bf16 29 -> 24; two programs per SM alone (no
-# programs_per_sm target) lost 5-10% at 4 x 32768 and 4 x 65536, so it is a floor, not the target.
+# programs_per_sm target) lost up to 10% at 4 x 32768 and 4 x 65536 (KIVI aside), so it is a floor, not the target.
 MIN_SPLIT = 512
 FEW_PROGRAMS_PER_SM = 2
 MIN_FEW_SPLIT = 128
