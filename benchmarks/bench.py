@@ -70,6 +70,15 @@ def graphed(fn):
     return graph.replay
 
 
+def require_gpu(parser: argparse.ArgumentParser) -> None:
+    """Exit with a clear message where there is no CUDA GPU: these scripts time kernels, which the CPU interpreter
+    cannot (its times say nothing about a GPU's). ``benchmarks/sass_count.py`` counts instructions without one."""
+    if not torch.cuda.is_available():
+        parser.error("this script times kernels on a CUDA GPU, and torch sees none here (torch "
+                     f"{torch.__version__}); `python benchmarks/sass_count.py` compiles the kernels for the H200 "
+                     "and counts their instructions without a GPU")
+
+
 def bench(fn) -> float:
     import triton.testing
 
@@ -268,6 +277,7 @@ def main() -> int:
         rows, sweep, meta = merge_runs(runs, args.replot)
         write_results(out, rows, sweep, meta, final=True, ratios=False)
         return 0
+    require_gpu(parser)
     global DOT, GRAPHS
     DOT = args.dot_precision
     GRAPHS = args.cuda_graphs

@@ -25,6 +25,7 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["auto", "quantized"], choices=["auto", "ieee", "quantized"])
     ap.add_argument("--shapes", nargs="+", default=["64x8192", "4x65536"])
     args = ap.parse_args()
+    bench.require_gpu(ap)
     copy = bench.copy_bandwidth()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
     bf16 = {}

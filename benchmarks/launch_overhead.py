@@ -177,6 +177,7 @@ def main() -> int:
     ap.add_argument("--python-only", action="store_true", help="kvgen's own Python per call, launches stubbed")
     ap.add_argument("--profile", action="store_true", help="cProfile of attend calls on the GPU: where the time goes")
     args = ap.parse_args()
+    bench.require_gpu(ap)
     if args.profile:
         profile(args.formats, args.calls)
         return 0

@@ -40,6 +40,7 @@ def main() -> None:
                     help="also time the runtime's rule with these constants of kvgen.runtime.kernels changed, e.g. "
                          "FEW_PROGRAMS_PER_SM=0 (the rule before the ninth session) or MIN_FEW_SPLIT=256")
     args = ap.parse_args()
+    bench.require_gpu(ap)
     shapes = []
     for shape in args.shapes:
         m = re.fullmatch(r"(\d+)x(\d+)", shape)

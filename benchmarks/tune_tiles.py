@@ -40,6 +40,7 @@ def main() -> None:
     ap.add_argument("--programs-per-sm", nargs="+", type=int, default=[4])
     ap.add_argument("--shapes", nargs="+", default=["64x8192", "4x65536"])
     args = ap.parse_args()
+    bench.require_gpu(ap)
     shapes = {}
     for shape in args.shapes:
         m = re.fullmatch(r"(\d+)x(\d+)(?:hs(\d+))?", shape)

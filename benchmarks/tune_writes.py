@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--no-decode-first", action="store_true",
                     help="skip the decode case run before each format's writes (see below)")
     args = ap.parse_args()
+    bench.require_gpu(ap)
     configs = {c: parse(c) for c in args.configs}
     bench.GRAPHS = True
     copy = bench.copy_bandwidth()
