@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pprint
+import math
 import re
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import jinja2
 
 from . import layout as layout_mod
 from .codecs import SCALE_MAX, SCALE_TINY, Codec, element_codec, scale_codec
-from .spec import ApplyScale, FormatSpec, Granularity, Placement, ScaleDType, SideSpec
+from .spec import FP32_MAX, ApplyScale, FormatSpec, Granularity, Placement, ScaleDType, SideSpec
 from .support import check_supported
 from .version import KVGEN_VERSION
 
@@ -96,7 +97,11 @@ def _float_literal(x: float) -> str:
 
 def _fp32_constant(x: float) -> str:
     """An fp32 constant for Triton code: a literal, or for a value below fp32's normal range (a scale floor of 2**-149
-    or 2**-133) a typed constant, since Triton takes such a literal as fp64 and would widen the tensor it meets."""
+    or 2**-133) a typed constant, since Triton takes such a literal as fp64 and would widen the tensor it meets. A
+    value just above fp32's largest that rounds to it (a floor of 3.402823466385289e38; the schema rejects what rounds
+    to infinity) is written as that largest value, which Triton takes as fp32."""
+    if abs(x) > FP32_MAX:
+        x = math.copysign(FP32_MAX, x)
     if x == 0 or abs(x) >= 2.0 ** -126:
         return _float_literal(x)
     return f"tl.full([], {_float_literal(x)}, tl.float32)"

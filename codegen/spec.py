@@ -21,6 +21,10 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+# fp32's largest finite value, and the smallest value that rounds to infinity in fp32 (2**128 - 2**103, the midpoint)
+FP32_MAX = 3.4028234663852886e38
+FP32_OVERFLOW = 2.0 ** 128 - 2.0 ** 103
+
 SPEC_VERSION = 1
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 
@@ -165,6 +169,15 @@ class ScaleSpec(_Strict):
         "reciprocal_multiply for dynamic ones, as vLLM does)."
     )
     global_scale: bool = Field(False, description="A second-level fp32 scale per layer (NVFP4).")
+
+    @field_validator("min")
+    @classmethod
+    def _min_is_a_finite_fp32(cls, v: float) -> float:
+        # scales are computed in fp32 (reference and kernels): a floor that rounds to inf there has no meaning
+        if v >= FP32_OVERFLOW:
+            raise ValueError(f"{v!r} rounds to infinity in fp32, where scales are computed; the largest floor is "
+                             f"{FP32_MAX!r}")
+        return v
 
     @model_validator(mode="after")
     def _fill_defaults(self) -> "ScaleSpec":

@@ -13,6 +13,7 @@ import torch
 
 import kvgen
 from kvgen import reference as R
+from kvgen.codegen.spec import FormatSpec
 
 DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 FORMATS = [n for n in kvgen.shipped_names() if not kvgen.load(n).spec.streaming]
@@ -118,6 +119,24 @@ def test_scale_floor_below_fp32_normals(tmp_path, dtype, element):
     x[0, 0, :] = np.float32(2.0 ** -140) * np.arange(16, dtype=np.float32)  # subnormal inputs, one of them 0
     x[1, 0, :] = np.linspace(-1, 1, 16, dtype=np.float32)
     _bytes_match_reference(tmp_path, spec, x)
+
+
+@pytest.mark.parametrize("apply", ["reciprocal_multiply", "divide"])
+def test_scale_floor_at_fp32_max(tmp_path, apply):
+    """A floor written just above fp32's largest value that rounds to it (3.402823466385289e38, as a fuzzed spec had
+    it): the kernel's constant must stay fp32 (Triton takes a literal beyond fp32's largest as fp64 and widened the
+    scale, whose bitcast to its 32-bit code then failed) and every scale is that largest value. A floor that rounds
+    to infinity in fp32 is rejected by the schema, naming the field."""
+    side = {"element": "int8", "scale": {"granularity": "per_token_head", "dtype": "fp32",
+                                         "min": 3.402823466385289e38, "apply": apply}}
+    spec = {"name": f"huge_floor_{apply}", "cache": {"layout": "interleaved", "storage_dtype": "uint8"},
+            "key": side, "value": side}
+    x = np.zeros((2, 1, 16), dtype=np.float32)
+    x[1, 0, :] = np.linspace(-3e38, 3e38, 16, dtype=np.float32)
+    _bytes_match_reference(tmp_path, spec, x)
+    bad = dict(spec, key=dict(side, scale=dict(side["scale"], min=3.4028236e38)))
+    with pytest.raises(ValueError, match="(?s)min.*rounds to infinity in fp32"):
+        FormatSpec.model_validate(bad)
 
 
 @pytest.mark.parametrize("case", ["bf16_rounds_down", "low_bits_mask"])
