@@ -1,5 +1,6 @@
 """Split experiment (issue 5): decode time for each number of KV splits per program (flash decoding), per format and
-shape, timed as CUDA-graph replays (at short contexts an eager call's host work outlasts the kernel). On a GPU:
+shape, timed as CUDA-graph replays of a planned step (at short contexts an eager call's host work outlasts the
+kernel; the ninth session's runs 3-4 replayed `attend` calls, the same kernels). On a GPU:
 
     python benchmarks/tune_splits.py bf16 fp8_e4m3 kivi_2bit
     python benchmarks/tune_splits.py q4_0 --shapes 4x1024 4x4096 16x2048 --splits 1 2 4 8 16
@@ -25,10 +26,11 @@ DEFAULT_SHAPES = ["4x1024", "4x2048", "4x4096", "16x1024", "1x16384", "64x8192"]
 DEFAULT_SPLITS = [1, 2, 4, 8, 16, 32]
 
 
-def chosen_splits(fmt, seqs: int, ctx: int, block_size: int) -> int:
-    """The split count the runtime picks for this decode shape (read off a plan's launch grid)."""
-    fn, _ = bench.decode_case(fmt, seqs, ctx, block_size, planned=True, graphs=False)
-    return fn.plan._launch.grid[2]
+def timed(fmt, seqs: int, ctx: int, block_size: int, num_splits: int | None = None) -> tuple[float, int]:
+    """Microseconds of one decode step as a CUDA-graph replay of its plan, and the split count the plan launches
+    (its grid's third axis; ``num_splits`` None: the runtime's choice)."""
+    fn, _ = bench.decode_case(fmt, seqs, ctx, block_size, planned=True, graphs=False, num_splits=num_splits)
+    return bench.bench(bench.graphed(fn)) * 1e6, fn.plan._launch.grid[2]
 
 
 def main() -> None:
@@ -63,24 +65,17 @@ def main() -> None:
         fmt = kvgen.load(name)
         block = fmt.layout.RESIDUAL["group"] if fmt.spec.streaming else 16
         for label, seqs, ctx in shapes:
-            fn, _ = bench.decode_case(fmt, seqs, ctx, block, graphs=True)
-            times = {"runtime": bench.bench(fn) * 1e6}
-            del fn
-            chosen = {"runtime": chosen_splits(fmt, seqs, ctx, block)}
+            times, chosen = {}, {}
+            times["runtime"], chosen["runtime"] = timed(fmt, seqs, ctx, block)
             for rule, assign in rules.items():
                 saved = {k: getattr(K, k) for k in assign}
                 vars(K).update(assign)
                 try:
-                    fn, _ = bench.decode_case(fmt, seqs, ctx, block, graphs=True)
-                    times[rule] = bench.bench(fn) * 1e6
-                    chosen[rule] = chosen_splits(fmt, seqs, ctx, block)
-                    del fn
+                    times[rule], chosen[rule] = timed(fmt, seqs, ctx, block)
                 finally:
                     vars(K).update(saved)
             for s in args.splits:
-                fn, _ = bench.decode_case(fmt, seqs, ctx, block, graphs=True, num_splits=s)
-                times[s] = bench.bench(fn) * 1e6
-                del fn
+                times[s], _ = timed(fmt, seqs, ctx, block, s)
             best = min(times.values())
             cell = lambda t: f"**{t:.1f}**" if t == best else f"{t:.1f}"  # noqa: E731
             ruled = [f"{cell(times[r])} ({chosen[r]})" for r in rules]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pprint
 import math
+import pprint
 import re
 from pathlib import Path
 
