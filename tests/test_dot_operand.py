@@ -224,3 +224,19 @@ def test_nvfp4_takes_fixed_block_ratios():
         spec = kvgen.load(name).spec
         assert side_context("key", spec.key)[0].tok == tok, name
         assert side_context("value", spec.value)[0].tok == tok, name
+
+
+def test_block_dots_only_for_two_term_block_sides():
+    """Decode takes one dot per block on the codes (BLOCK_DOTS) only where the block ratios would need two fp16 terms
+    (fp16 scales: q8_0, q4_0) and blocks hold 32+ elements; one-term block formats (MX), fixed ratios (NVFP4), zero
+    points (KIVI) and per-token scales keep their operand."""
+    import kvgen
+
+    for name in kvgen.shipped_names():
+        spec = kvgen.load(name).spec
+        for side_name, side in (("key", spec.key), ("value", spec.value)):
+            ctx = side_context(side_name, side)[0]
+            want = name in ("q8_0", "q4_0")
+            assert ctx.block_dots == want, (name, side_name)
+            if ctx.block_dots:
+                assert (ctx.dot, ctx.op_terms, ctx.tok) == ("fp16", 2, "block") and not ctx.asym, name

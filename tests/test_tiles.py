@@ -8,6 +8,8 @@ query and probability; a second query dot (fp32 or rotated queries) spilled unde
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -152,3 +154,29 @@ def test_split_rule(compiled, monkeypatch):
     assert splits(64, 8192, programs_per_sm=4) == 2
     assert splits(64, 1024) == 2
     assert splits(256, 1024) == 1
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+def test_block_dots_in_decode_only(name, monkeypatch):
+    """Decode plans of the two-term block formats take per-block dots on the codes (one term, so the one-term block
+    classes' tiles); prefill plans keep the block ratios in two terms (and their class's tiles)."""
+    fmt = kvgen.load(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache = fmt.allocate(4, 16, 2, 128)
+    table = torch.arange(4, dtype=torch.int32)[None]
+    seen = {}
+    for q_len in (1, 16):
+        q = torch.randn(q_len, 8, 128).to(torch.bfloat16)
+        plan = fmt.plan_attention(q, cache, table, torch.tensor([40], dtype=torch.int32),
+                                  torch.tensor([0, q_len], dtype=torch.int32), max_query_len=q_len)
+        seen[q_len] = plan._launch.kwargs
+    decode, prefill = seen[1], seen[16]
+    assert decode["BLOCK_DOTS"] and decode["K_TERMS"] == decode["V_TERMS"] == 1
+    assert not prefill["BLOCK_DOTS"] and prefill["K_TERMS"] == prefill["V_TERMS"] == 2
+    ks = fmt._kernels
+    dots = {k: decode[k] for k in ("DOT_K", "DOT_V", "Q_TERMS", "K_TERMS", "P_TERMS", "V_TERMS")}
+    monkeypatch.setattr(K, "interpreting", lambda: False)  # the tiles a GPU would take for these dots
+    tiles = K.attention_tiles(ks.module.CODE_BITS, ks.module.DOT_OPERANDS, dots, ks.block_scaled)
+    # one term: the classes measured for mxfp8 (8-bit) and nvfp4 / mxfp4 (4-bit); not q4_0's two-term class (64/4/3)
+    assert tiles == dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8), tiles

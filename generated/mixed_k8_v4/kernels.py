@@ -17,6 +17,9 @@ QUANTIZED_DOT = {"k": "int8", "v": ""}
 # keys scaled per channel and token group: attention steps hold whole groups, so KV positions per step are a multiple
 # of this; None where the runtime's choice is free
 BLOCK_N_GROUP = None
+# sides that can take one dot per block on their codes in decode (the kernel's BLOCK_DOTS; see the attention
+# template): their operand is then the codes alone, one term
+BLOCK_DOTS = {"k": False, "v": False}
 
 # ---------------------------------------------------------------------------------------------------------------
 # Codecs. key: int8, round half away from zero, clamp to [-128, 127]; scales fp32 per token and head, inline
@@ -383,6 +386,7 @@ def paged_attention_kernel(
             v_scode = tl.load(v_srow.to(tl.pointer_type(tl.uint32)))
             v_op = v_tile
             v_tok = v_scale_decode(v_scode)
+
             # the per-position value factors enter the probabilities, relative to each query row's largest weight
             # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
             pw = p * v_tok[None, :]
@@ -442,6 +446,7 @@ def paged_attention_kernel(
             v_scode = tl.load(v_srow.to(tl.pointer_type(tl.uint32)), mask=n_mask, other=0)
             v_op = v_tile
             v_tok = v_scale_decode(v_scode)
+
             # the per-position value factors enter the probabilities, relative to each query row's largest weight
             # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
             pw = p * tl.where(n_mask, v_tok, 0.0)[None, :]

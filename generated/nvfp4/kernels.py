@@ -18,6 +18,9 @@ QUANTIZED_DOT = {"k": "", "v": ""}
 # keys scaled per channel and token group: attention steps hold whole groups, so KV positions per step are a multiple
 # of this; None where the runtime's choice is free
 BLOCK_N_GROUP = None
+# sides that can take one dot per block on their codes in decode (the kernel's BLOCK_DOTS; see the attention
+# template): their operand is then the codes alone, one term
+BLOCK_DOTS = {"k": False, "v": False}
 
 # ---------------------------------------------------------------------------------------------------------------
 # Codecs. key: fp4_e2m1 by bit manipulation: saturate to +-6, round half to even; scales fp8_e4m3 per 16 elements, page_end
@@ -511,6 +514,7 @@ def paged_attention_kernel(
             k_gmask = (k_gi < HEAD_SIZE // 16)[None, :]
             k_scode = tl.load(k_srow[:, None] + k_gi[None, :], mask=k_gmask, other=0)
             k_bs = k_scale_decode(k_scode)
+
             # every fp8_e4m3 scale times 0.0078125 and its products with the codes are fp16 values: no power of two
             # per position; the dot's result takes 128.0 back (k_fix)
             k_ratio = k_bs * 0.0078125
@@ -551,6 +555,7 @@ def paged_attention_kernel(
             v_gmask = (v_gi < HEAD_SIZE // 16)[None, :]
             v_scode = tl.load(v_srow[:, None] + v_gi[None, :], mask=v_gmask, other=0)
             v_bs = v_scale_decode(v_scode)
+
             # every fp8_e4m3 scale times 0.0078125 and its products with the codes are fp16 values: no power of two
             # per position; the dot's result takes 128.0 back (v_fix)
             v_ratio = v_bs * 0.0078125
@@ -594,6 +599,7 @@ def paged_attention_kernel(
             k_gmask = n_mask[:, None] & (k_gi < HEAD_SIZE // 16)[None, :]
             k_scode = tl.load(k_srow[:, None] + k_gi[None, :], mask=k_gmask, other=0)
             k_bs = k_scale_decode(k_scode)
+
             # every fp8_e4m3 scale times 0.0078125 and its products with the codes are fp16 values: no power of two
             # per position; the dot's result takes 128.0 back (k_fix)
             k_ratio = k_bs * 0.0078125
@@ -634,6 +640,7 @@ def paged_attention_kernel(
             v_gmask = n_mask[:, None] & (v_gi < HEAD_SIZE // 16)[None, :]
             v_scode = tl.load(v_srow[:, None] + v_gi[None, :], mask=v_gmask, other=0)
             v_bs = v_scale_decode(v_scode)
+
             # every fp8_e4m3 scale times 0.0078125 and its products with the codes are fp16 values: no power of two
             # per position; the dot's result takes 128.0 back (v_fix)
             v_ratio = v_bs * 0.0078125
