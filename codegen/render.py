@@ -162,14 +162,18 @@ def rcp_can_overflow(side: SideSpec) -> bool:
 # (the runtime's BLOCK_DOTS), for blocks of at least BLOCK_DOT_MIN elements (fewer would mean more dots per head
 # than the registers hold). H200, eighth session (benchmarks/RESULTS.md): decode q4_0 1206 -> 772 us at 64 x 8192,
 # q8_0 at head size 64 607 -> 484; but chunked prefill 3-14x slower (byte permutes per block, spills) and the
-# one-term block formats (mxfp8, mxfp4) slower, so prefill and those keep the block ratios.
+# one-term block formats (mxfp8, mxfp4) slower, so prefill and those keep the block ratios. Only fp16 scales without
+# a global scale: the keys' block results meet their scales unnormalised, q' . codes * scale, which stays far from
+# fp32's top for scales up to 65504 but could overflow with bf16 / fp32 scales or a global scale where the
+# dequantized values do not (a review found NaN scores at 1e37 with bf16 scales).
 BLOCK_DOT_MIN = 32
 
 
 def takes_block_dots(side: SideSpec, dot: tuple, asym: bool) -> bool:
     """Whether decode attention takes one dot per block on this side's codes (see BLOCK_DOT_MIN)."""
     sc = side.scale
-    return dot == ("fp16", 2, "block") and not asym and sc is not None and (sc.block or 0) >= BLOCK_DOT_MIN
+    return (dot == ("fp16", 2, "block") and not asym and sc is not None and (sc.block or 0) >= BLOCK_DOT_MIN
+            and sc.dtype == ScaleDType.fp16 and not sc.global_scale)
 
 
 def dot_operand(side: SideSpec, scale: str, zp: str, block: bool, name: str = "key") -> tuple[str, int, str]:

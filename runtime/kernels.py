@@ -92,8 +92,8 @@ WRITE_TILES = {"BLOCK_T": 4, "num_warps": 1}
 WRITE_OVERRIDE: dict | None = None
 
 
-def attention_tiles(code_bits: dict, dot_operands: dict, dots: dict, block_scaled: bool,
-                    block_m: int = DECODE_ROWS, head_pad: int = 128) -> dict:
+def attention_tiles(code_bits: dict, dots: dict, block_scaled: bool, block_m: int = DECODE_ROWS,
+                    head_pad: int = 128) -> dict:
     """The launch configuration of a format's attention kernel for one call's dot constexprs ``dots`` and query rows
     per program ``block_m`` and padded head size ``head_pad`` (a new dict: BLOCK_N, num_warps, num_stages, optional
     maxnreg, programs_per_sm)."""
@@ -260,15 +260,13 @@ class KernelSet:
             dots = self._cached_dot_modes(query.dtype, "ieee", rotated_keys, consts["HEAD_PAD"], query.device)
         block_dots = getattr(self.module, "BLOCK_DOTS", {})
         if any(block_dots.values()):
-            # decode (one query row per KV head and query head group): block-scaled sides in two terms take one dot
-            # per block on their codes alone (one term) instead; prefill keeps the block ratios (render.BLOCK_DOT_MIN)
-            on = block_m <= DECODE_ROWS
-            dots = dict(dots, BLOCK_DOTS=on)
-            for side, on_side in block_dots.items():
-                if on and on_side and dots[f"DOT_{side.upper()}"] in (1, 2):
-                    dots[f"{side.upper()}_TERMS"] = 1
-        tiles = attention_tiles(self.module.CODE_BITS, self.module.DOT_OPERANDS, dots, self.block_scaled, block_m,
-                                consts["HEAD_PAD"])
+            # decode (one query row per KV head and query head group): block-scaled sides in two terms take one
+            # tensor-core dot per block on their codes alone (one term) instead; prefill, and exact fp32 dots, keep
+            # the block ratios (render.BLOCK_DOT_MIN)
+            sides = [s.upper() for s, on in block_dots.items() if on and dots[f"DOT_{s.upper()}"] in (1, 2)]
+            on = block_m <= DECODE_ROWS and bool(sides)
+            dots = dict(dots, BLOCK_DOTS=on, **({f"{s}_TERMS": 1 for s in sides} if on else {}))
+        tiles = attention_tiles(self.module.CODE_BITS, dots, self.block_scaled, block_m, consts["HEAD_PAD"])
         block_n = tiles.pop("BLOCK_N")
         group_n = getattr(self.module, "BLOCK_N_GROUP", None)
         if group_n:  # KIVI keys: whole token groups per step (both powers of two)

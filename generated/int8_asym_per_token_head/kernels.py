@@ -376,7 +376,6 @@ def paged_attention_kernel(
             v_tile = v_tile - v_zcode.to(v_tile.dtype)[:, None]
             v_op = v_tile
             v_tok = v_scale_decode(v_scode)
-
             # the per-position value factors enter the probabilities, relative to each query row's largest weight
             # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
             pw = p * v_tok[None, :]
@@ -440,7 +439,6 @@ def paged_attention_kernel(
             v_tile = v_tile - v_zcode.to(v_tile.dtype)[:, None]
             v_op = v_tile
             v_tok = v_scale_decode(v_scode)
-
             # the per-position value factors enter the probabilities, relative to each query row's largest weight
             # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
             pw = p * tl.where(n_mask, v_tok, 0.0)[None, :]

@@ -540,11 +540,9 @@ def paged_attention_kernel(
             v_gmin = v_zp_decode(tl.load(v_zrow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], mask=v_gmask, other=0))
             v_min = tl.reshape(tl.broadcast_to(v_gmin[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
             v_bs = v_scale_decode(v_scode)
-
             v_tok = pow2_floor(tl.max(v_bs, axis=1))
             v_ratio = v_bs * pow2_inv(v_tok)[:, None]
             v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
-
             # the per-position value factors enter the probabilities, relative to each query row's largest weight
             # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
             pw = p * v_tok[None, :]
@@ -642,11 +640,9 @@ def paged_attention_kernel(
             v_gmin = v_zp_decode(tl.load(v_zrow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], mask=v_gmask, other=0))
             v_min = tl.reshape(tl.broadcast_to(v_gmin[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
             v_bs = v_scale_decode(v_scode)
-
             v_tok = pow2_floor(tl.max(v_bs, axis=1))
             v_ratio = v_bs * pow2_inv(v_tok)[:, None]
             v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
-
             # the per-position value factors enter the probabilities, relative to each query row's largest weight
             # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
             pw = p * tl.where(n_mask, v_tok, 0.0)[None, :]

@@ -397,7 +397,6 @@ def paged_attention_kernel(
             k_gmask = (k_gi < HEAD_SIZE // 32)[None, :]
             k_scode = tl.load(k_srow[:, None] + k_gi[None, :], mask=k_gmask, other=0)
             k_bs = k_scale_decode(k_scode)
-
             k_tok = pow2_floor(tl.max(k_bs, axis=1))
             k_ratio = k_bs * pow2_inv(k_tok)[:, None]
             k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
@@ -422,11 +421,9 @@ def paged_attention_kernel(
             v_gmask = (v_gi < HEAD_SIZE // 32)[None, :]
             v_scode = tl.load(v_srow[:, None] + v_gi[None, :], mask=v_gmask, other=0)
             v_bs = v_scale_decode(v_scode)
-
             v_tok = pow2_floor(tl.max(v_bs, axis=1))
             v_ratio = v_bs * pow2_inv(v_tok)[:, None]
             v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
-
             # the per-position value factors enter the probabilities, relative to each query row's largest weight
             # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
             pw = p * v_tok[None, :]
@@ -455,7 +452,6 @@ def paged_attention_kernel(
             k_gmask = n_mask[:, None] & (k_gi < HEAD_SIZE // 32)[None, :]
             k_scode = tl.load(k_srow[:, None] + k_gi[None, :], mask=k_gmask, other=0)
             k_bs = k_scale_decode(k_scode)
-
             k_tok = pow2_floor(tl.max(k_bs, axis=1))
             k_ratio = k_bs * pow2_inv(k_tok)[:, None]
             k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
@@ -480,11 +476,9 @@ def paged_attention_kernel(
             v_gmask = n_mask[:, None] & (v_gi < HEAD_SIZE // 32)[None, :]
             v_scode = tl.load(v_srow[:, None] + v_gi[None, :], mask=v_gmask, other=0)
             v_bs = v_scale_decode(v_scode)
-
             v_tok = pow2_floor(tl.max(v_bs, axis=1))
             v_ratio = v_bs * pow2_inv(v_tok)[:, None]
             v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
-
             # the per-position value factors enter the probabilities, relative to each query row's largest weight
             # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
             pw = p * tl.where(n_mask, v_tok, 0.0)[None, :]

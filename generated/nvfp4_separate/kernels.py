@@ -514,7 +514,6 @@ def paged_attention_kernel(
             k_gmask = (k_gi < HEAD_SIZE // 16)[None, :]
             k_scode = tl.load(k_srow[:, None] + k_gi[None, :], mask=k_gmask, other=0)
             k_bs = k_scale_decode(k_scode)
-
             # every fp8_e4m3 scale times 0.0078125 and its products with the codes are fp16 values: no power of two
             # per position; the dot's result takes 128.0 back (k_fix)
             k_ratio = k_bs * 0.0078125
@@ -555,7 +554,6 @@ def paged_attention_kernel(
             v_gmask = (v_gi < HEAD_SIZE // 16)[None, :]
             v_scode = tl.load(v_srow[:, None] + v_gi[None, :], mask=v_gmask, other=0)
             v_bs = v_scale_decode(v_scode)
-
             # every fp8_e4m3 scale times 0.0078125 and its products with the codes are fp16 values: no power of two
             # per position; the dot's result takes 128.0 back (v_fix)
             v_ratio = v_bs * 0.0078125
@@ -599,7 +597,6 @@ def paged_attention_kernel(
             k_gmask = n_mask[:, None] & (k_gi < HEAD_SIZE // 16)[None, :]
             k_scode = tl.load(k_srow[:, None] + k_gi[None, :], mask=k_gmask, other=0)
             k_bs = k_scale_decode(k_scode)
-
             # every fp8_e4m3 scale times 0.0078125 and its products with the codes are fp16 values: no power of two
             # per position; the dot's result takes 128.0 back (k_fix)
             k_ratio = k_bs * 0.0078125
@@ -640,7 +637,6 @@ def paged_attention_kernel(
             v_gmask = n_mask[:, None] & (v_gi < HEAD_SIZE // 16)[None, :]
             v_scode = tl.load(v_srow[:, None] + v_gi[None, :], mask=v_gmask, other=0)
             v_bs = v_scale_decode(v_scode)
-
             # every fp8_e4m3 scale times 0.0078125 and its products with the codes are fp16 values: no power of two
             # per position; the dot's result takes 128.0 back (v_fix)
             v_ratio = v_bs * 0.0078125
