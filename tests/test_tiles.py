@@ -8,6 +8,7 @@ query and probability; a second query dot (fp32 or rotated queries) spilled unde
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -17,6 +18,8 @@ import kvgen
 from kvgen.runtime import kernels as K
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# the plan tests below run where the suite runs: the interpreter on the CPU, compiled kernels on a GPU
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 
 
 def choices():
@@ -164,20 +167,21 @@ def test_block_dots_in_decode_only(name, monkeypatch):
     fmt = kvgen.load(name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cache = fmt.allocate(4, 16, 2, 128)
-    table = torch.arange(4, dtype=torch.int32)[None]
+        cache = fmt.allocate(4, 16, 2, 128, device=DEVICE)
+    table = torch.arange(4, dtype=torch.int32, device=DEVICE)[None]
     seen = {}
     for q_len in (1, 16):
-        q = torch.randn(q_len, 8, 128).to(torch.bfloat16)
-        plan = fmt.plan_attention(q, cache, table, torch.tensor([40], dtype=torch.int32),
-                                  torch.tensor([0, q_len], dtype=torch.int32), max_query_len=q_len)
+        q = torch.randn(q_len, 8, 128).to(torch.bfloat16).to(DEVICE)
+        plan = fmt.plan_attention(q, cache, table, torch.tensor([40], dtype=torch.int32, device=DEVICE),
+                                  torch.tensor([0, q_len], dtype=torch.int32, device=DEVICE), max_query_len=q_len)
         seen[q_len] = plan._launch.kwargs
     decode, prefill = seen[1], seen[16]
     assert decode["BLOCK_DOTS"] and decode["K_TERMS"] == decode["V_TERMS"] == 1
     assert not prefill["BLOCK_DOTS"] and prefill["K_TERMS"] == prefill["V_TERMS"] == 2
     # decode of 32 query heads per KV head (32 rows per program) and exact fp32 dots keep the block ratios
-    q = torch.randn(1, 64, 128).to(torch.bfloat16)
-    meta = (table, torch.tensor([40], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32))
+    q = torch.randn(1, 64, 128).to(torch.bfloat16).to(DEVICE)
+    meta = (table, torch.tensor([40], dtype=torch.int32, device=DEVICE),
+            torch.tensor([0, 1], dtype=torch.int32, device=DEVICE))
     wide = fmt.plan_attention(q, cache, *meta, max_query_len=1)._launch.kwargs
     assert wide["BLOCK_M"] == 32 and not wide["BLOCK_DOTS"] and wide["K_TERMS"] == wide["V_TERMS"] == 2
     exact = fmt.plan_attention(q[:, :8], cache, *meta, max_query_len=1, dot_precision="ieee")._launch.kwargs
