@@ -77,6 +77,7 @@ class SideContext:
     dot_factor: str  # fp32 literal: what the unscaled decoders leave out of the codes, folded into the block ratios
     tok: str  # how the scale leaves the dot: none / const (one scalar) / token (one per row) / block / channel /
     #           fixed (block scales whose ratios need no per-row power of two: one constant, see fixed_block_shift)
+    block_dots: bool  # tok "block" in two terms: decode (BLOCK_DOTS) takes one dot per block on the codes instead
     qdot: str  # quantized compute domain: "int8" dots on the codes themselves ("" = not offered)
     qdot_max: str  # fp32 literal: the largest code value of that type (127), what a row's largest maps to
     native_encode: bool  # compiled writes encode codes with the hardware's conversion ({p}_encode_native)
@@ -154,6 +155,25 @@ def rcp_can_overflow(side: SideSpec) -> bool:
     if sc.granularity.is_static or sc.global_scale:
         return True
     return max(sc.min, SCALE_TINY[sc.dtype]) < 2.0 ** -126
+
+
+# Block-scaled sides whose operand (code times block ratio) needs two fp16 terms (q8_0, q4_0: fp16 scales) can take
+# one tensor-core dot per block on the codes alone (one term), each block's result times its scales: in decode only
+# (the runtime's BLOCK_DOTS), for blocks of at least BLOCK_DOT_MIN elements (fewer would mean more dots per head
+# than the registers hold). H200, eighth session (benchmarks/RESULTS.md): decode q4_0 1206 -> 772 us at 64 x 8192,
+# q8_0 at head size 64 607 -> 484; but chunked prefill 3-14x slower (byte permutes per block, spills) and the
+# one-term block formats (mxfp8, mxfp4) slower, so prefill and those keep the block ratios. Only fp16 scales without
+# a global scale: the keys' block results meet their scales unnormalised, q' . codes * scale, which stays far from
+# fp32's top for scales up to 65504 but could overflow with bf16 / fp32 scales or a global scale where the
+# dequantized values do not (a review found NaN scores at 1e37 with bf16 scales).
+BLOCK_DOT_MIN = 32
+
+
+def takes_block_dots(side: SideSpec, dot: tuple, asym: bool) -> bool:
+    """Whether decode attention takes one dot per block on this side's codes (see BLOCK_DOT_MIN)."""
+    sc = side.scale
+    return (dot == ("fp16", 2, "block") and not asym and sc is not None and (sc.block or 0) >= BLOCK_DOT_MIN
+            and sc.dtype == ScaleDType.fp16 and not sc.global_scale)
 
 
 def dot_operand(side: SideSpec, scale: str, zp: str, block: bool, name: str = "key") -> tuple[str, int, str]:
@@ -323,6 +343,7 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
         + (f", the {side.zero_point.dtype} minimum as offset" if zp == "float" else "") if dynamic else "",
         codec_summary=codec.summary,
         **dict(zip(("dot", "op_terms", "tok"), dot)),
+        block_dots=takes_block_dots(side, dot, asym),
         ratio_in_tile=bool(dot[0]) and dot[1] == 1 and dot[2] in ("block", "fixed") and sc.dtype.value in RATIOS_IN_FP16,
         ratio_shift=_float_literal(2.0 ** shift) if shift is not None else "",
         fixed_factor=_float_literal(2.0 ** -shift) if shift is not None else "",

@@ -41,7 +41,8 @@ def _choose_mode() -> None:
 # Launch configuration of the attention kernel on a GPU, chosen by what shapes the kernel's work, per call:
 #   bits   the widest stored code in bits;
 #   terms  the most fp16 / bf16 terms of a cache operand that goes to tensor cores (0: exact fp32 dots only, as for
-#          KIVI or dot_precision="ieee"; 1 also for int8 dots; 2: hi + lo, e.g. q8_0's codes times block ratios);
+#          dot_precision="ieee"; 1 also for int8 dots and for per-block dots on the codes (q8_0 / q4_0 in decode,
+#          BLOCK_DOTS); 2: hi + lo, e.g. q8_0's codes times block ratios in prefill);
 #   block  whether block scales enter the operand;
 #   split  whether the query or the probabilities take two terms (fp32 or rotated queries): a second dot, more
 #          registers;
@@ -66,7 +67,7 @@ ATTENTION_TILES = (
     ((8, 2, True, None, 16, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # q8_0
     ((4, 1, True, False, 16, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # nvfp4, mxfp4
     ((4, 1, False, True, 16, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # int4 per token-head
-    ((None, 2, True, False, 16, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=8)),  # q4_0, KIVI
+    ((None, 2, True, False, 16, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=8)),  # KIVI (q4_0 before per-block dots)
     ((8, None, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # other 8-bit
     ((None, None, None, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=4)),  # the rest
 )
@@ -91,8 +92,8 @@ WRITE_TILES = {"BLOCK_T": 4, "num_warps": 1}
 WRITE_OVERRIDE: dict | None = None
 
 
-def attention_tiles(code_bits: dict, dot_operands: dict, dots: dict, block_scaled: bool,
-                    block_m: int = DECODE_ROWS, head_pad: int = 128) -> dict:
+def attention_tiles(code_bits: dict, dots: dict, block_scaled: bool, block_m: int = DECODE_ROWS,
+                    head_pad: int = 128) -> dict:
     """The launch configuration of a format's attention kernel for one call's dot constexprs ``dots`` and query rows
     per program ``block_m`` and padded head size ``head_pad`` (a new dict: BLOCK_N, num_warps, num_stages, optional
     maxnreg, programs_per_sm)."""
@@ -106,8 +107,8 @@ def attention_tiles(code_bits: dict, dot_operands: dict, dots: dict, block_scale
         mode = dots[f"DOT_{side}"]
         if mode == 3:  # int8 dots on the codes
             terms = max(terms, 1)
-        elif mode != 0:
-            terms = max(terms, dot_operands[side.lower()][1])
+        elif mode != 0:  # the call's terms: per-block dots (BLOCK_DOTS) take the codes alone, one term
+            terms = max(terms, dots[f"{side}_TERMS"])
             split = split or dots[f"{x}_TERMS"] > 1
     key = (bits, terms, block_scaled, split, DECODE_ROWS if block_m <= DECODE_ROWS else block_m, head_pad)
     for rule, tiles in ATTENTION_TILES:
@@ -257,8 +258,15 @@ class KernelSet:
                              "int8 keys need a head of at least 32 elements, and the values are not int8")
         if not tensor_core_rows_ok(block_m, consts["HEAD_PAD"]):
             dots = self._cached_dot_modes(query.dtype, "ieee", rotated_keys, consts["HEAD_PAD"], query.device)
-        tiles = attention_tiles(self.module.CODE_BITS, self.module.DOT_OPERANDS, dots, self.block_scaled, block_m,
-                                consts["HEAD_PAD"])
+        block_dots = getattr(self.module, "BLOCK_DOTS", {})
+        if any(block_dots.values()):
+            # decode (one query row per KV head and query head group): block-scaled sides in two terms take one
+            # tensor-core dot per block on their codes alone (one term) instead; prefill, and exact fp32 dots, keep
+            # the block ratios (render.BLOCK_DOT_MIN)
+            sides = [s.upper() for s, on in block_dots.items() if on and dots[f"DOT_{s.upper()}"] in (1, 2)]
+            on = block_m <= DECODE_ROWS and bool(sides)
+            dots = dict(dots, BLOCK_DOTS=on, **({f"{s}_TERMS": 1 for s in sides} if on else {}))
+        tiles = attention_tiles(self.module.CODE_BITS, dots, self.block_scaled, block_m, consts["HEAD_PAD"])
         block_n = tiles.pop("BLOCK_N")
         group_n = getattr(self.module, "BLOCK_N_GROUP", None)
         if group_n:  # KIVI keys: whole token groups per step (both powers of two)

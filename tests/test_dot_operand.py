@@ -224,3 +224,42 @@ def test_nvfp4_takes_fixed_block_ratios():
         spec = kvgen.load(name).spec
         assert side_context("key", spec.key)[0].tok == tok, name
         assert side_context("value", spec.value)[0].tok == tok, name
+
+
+def test_block_dots_only_for_two_term_block_sides():
+    """Decode takes one dot per block on the codes (BLOCK_DOTS) only where the block ratios would need two fp16 terms
+    (fp16 scales: q8_0, q4_0) and blocks hold 32+ elements; one-term block formats (MX), fixed ratios (NVFP4), zero
+    points (KIVI) and per-token scales keep their operand."""
+    import kvgen
+
+    for name in kvgen.shipped_names():
+        spec = kvgen.load(name).spec
+        for side_name, side in (("key", spec.key), ("value", spec.value)):
+            ctx = side_context(side_name, side)[0]
+            want = name in ("q8_0", "q4_0")
+            assert ctx.block_dots == want, (name, side_name)
+            if ctx.block_dots:
+                assert (ctx.dot, ctx.op_terms, ctx.tok) == ("fp16", 2, "block") and not ctx.asym, name
+
+
+def test_block_dots_take_exact_codes_and_bounded_scales():
+    """Over element x scale dtype x block x global scale: a side that takes per-block dots in decode has codes exact
+    in one fp16 term (the dots' operand is the codes alone) and fp16 scales without a global scale (the keys' block
+    results meet their scales unnormalised: wider scales could overflow fp32 where the values do not)."""
+    taken = []
+    for element, dtype, block, global_scale in itertools.product(
+            ELEMENTS, ("fp16", "bf16", "fp8_e4m3", "e8m0", "fp32"), (16, 32, 64), (False, True)):
+        side = {"element": element, "scale": {"granularity": "per_block", "block": block, "dtype": dtype,
+                                               "global_scale": global_scale}}
+        try:
+            spec = FormatSpec.model_validate({"name": "t", "key": side, "value": side,
+                                              "cache": {"layout": "interleaved", "storage_dtype": "uint8"}})
+        except ValueError:
+            continue
+        for name, s in (("key", spec.key), ("value", spec.value)):
+            ctx = side_context(name, s)[0]
+            if ctx.block_dots:
+                taken.append((element, dtype, block, global_scale))
+                assert exact_in_fp16_terms(code_values(element), 1), element
+                assert dtype == "fp16" and not global_scale and block >= 32, (element, dtype, block)
+    assert {(e, b) for e, _, b, _ in taken} >= {("int8", 32), ("int4", 32), ("int8", 64)}, taken

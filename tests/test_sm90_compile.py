@@ -45,6 +45,14 @@ def test_attention_kernels_compile_for_sm90(tmp_path):
     assert rows[1:-1] == names and rows[-1] == str(spec), out
 
 
+def test_prefill_kernels_of_block_dot_formats_compile_for_sm90(tmp_path):
+    """q8_0 and q4_0 launch their attention kernel with BLOCK_DOTS in decode (the test above) and without it in
+    prefill: both variants must compile."""
+    out = sass_count("--prefill", "q8_0", "q4_0", cache=tmp_path / "cache")
+    rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[1:] == ["q8_0", "q4_0"], out
+
+
 def test_write_kernels_compile_for_sm90(tmp_path):
     out = sass_count("--write", cache=tmp_path / "cache")
     rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "---" not in line]

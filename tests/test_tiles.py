@@ -8,6 +8,9 @@ query and probability; a second query dot (fp32 or rotated queries) spilled unde
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import pytest
 import torch
 
@@ -15,6 +18,8 @@ import kvgen
 from kvgen.runtime import kernels as K
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# the plan tests below run where the suite runs: the interpreter on the CPU, compiled kernels on a GPU
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 
 
 def choices():
@@ -36,7 +41,7 @@ def compiled(monkeypatch):
 
 def test_register_caps_only_where_measured(compiled):
     for name, precision, dtype, dots, ks in choices():
-        tiles = K.attention_tiles(ks.module.CODE_BITS, ks.module.DOT_OPERANDS, dots, ks.block_scaled)
+        tiles = K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled)
         two_term_query = any(dots[f"DOT_{s}"] in (1, 2) and dots[f"{x}_TERMS"] > 1 for s, x in (("K", "Q"), ("V", "P")))
         exact_only = dots["DOT_K"] == 0 and dots["DOT_V"] == 0
         where = f"{name} {precision} {dtype}"
@@ -51,7 +56,7 @@ def test_measured_choices(compiled):
         fmt = kvgen.load(name)
         ks = fmt._kernels
         dots = ks.dot_modes(dtype, precision, fmt.spec.key.rotation is not None, 128, None)
-        return K.attention_tiles(ks.module.CODE_BITS, ks.module.DOT_OPERANDS, dots, ks.block_scaled)
+        return K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled)
 
     assert tiles("bf16") == dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)
     for name in ("fp8_e4m3", "int8_per_token_head", "int8_per_token_head_separate", "fp8_per_token_head"):
@@ -61,7 +66,8 @@ def test_measured_choices(compiled):
     for name in ("q8_0", "nvfp4", "nvfp4_separate", "mxfp4"):
         assert tiles(name) == dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8), name
     assert tiles("int4_per_token_head") == dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)
-    # q4_0 and KIVI (two terms: a scale and a minimum or offset) split for 8 programs per SM
+    # KIVI, and q4_0 where it keeps two terms (decode without per-block dots: GQA groups above 16, or the exact
+    # dots of these tests' fp32 queries), split for 8 programs per SM
     for name in ("q4_0", "kivi_2bit", "kivi_4bit"):
         assert tiles(name) == dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=8), name
     # head size 64: bf16 and fp16 take 128 positions per step under the 8-bit cap; the 8-bit formats keep theirs
@@ -70,7 +76,7 @@ def test_measured_choices(compiled):
         fmt = kvgen.load(name)
         ks = fmt._kernels
         dots = ks.dot_modes(torch.bfloat16, "auto", fmt.spec.key.rotation is not None, head_pad, None)
-        return K.attention_tiles(ks.module.CODE_BITS, ks.module.DOT_OPERANDS, dots, ks.block_scaled,
+        return K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled,
                                  head_pad=head_pad)
 
     for name in ("bf16", "fp16"):
@@ -92,7 +98,7 @@ def test_prefill_takes_no_decode_cap(compiled):
     """Programs that hold more query rows than a decode step (chunked prefill: 64) keep the configuration used before
     the decode table; the decode caps slowed the 4 x 2048-token prefill by 35-40% on the H200."""
     for name, precision, dtype, dots, ks in choices():
-        args = (ks.module.CODE_BITS, ks.module.DOT_OPERANDS, dots, ks.block_scaled)
+        args = (ks.module.CODE_BITS, dots, ks.block_scaled)
         prefill = K.attention_tiles(*args, block_m=64)
         eight_bit = max(ks.module.CODE_BITS.values()) == 8
         before = (dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4) if eight_bit
@@ -102,7 +108,7 @@ def test_prefill_takes_no_decode_cap(compiled):
         assert K.attention_tiles(*args, block_m=16) == K.attention_tiles(*args), f"{name} {precision} {dtype}"
     fmt = kvgen.load("fp8_e4m3")
     dots = fmt._kernels.dot_modes(torch.bfloat16, "auto", False, 128, None)
-    assert K.attention_tiles(fmt._kernels.module.CODE_BITS, fmt._kernels.module.DOT_OPERANDS, dots, False,
+    assert K.attention_tiles(fmt._kernels.module.CODE_BITS, dots, False,
                              block_m=16)["maxnreg"] == 168
 
 
@@ -152,3 +158,37 @@ def test_split_rule(compiled, monkeypatch):
     assert splits(64, 8192, programs_per_sm=4) == 2
     assert splits(64, 1024) == 2
     assert splits(256, 1024) == 1
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+def test_block_dots_in_decode_only(name, monkeypatch):
+    """Decode plans of the two-term block formats take per-block dots on the codes (one term, so the one-term block
+    classes' tiles); prefill plans keep the block ratios in two terms (and their class's tiles)."""
+    fmt = kvgen.load(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache = fmt.allocate(4, 16, 2, 128, device=DEVICE)
+    table = torch.arange(4, dtype=torch.int32, device=DEVICE)[None]
+    seen = {}
+    for q_len in (1, 16):
+        q = torch.randn(q_len, 8, 128).to(torch.bfloat16).to(DEVICE)
+        plan = fmt.plan_attention(q, cache, table, torch.tensor([40], dtype=torch.int32, device=DEVICE),
+                                  torch.tensor([0, q_len], dtype=torch.int32, device=DEVICE), max_query_len=q_len)
+        seen[q_len] = plan._launch.kwargs
+    decode, prefill = seen[1], seen[16]
+    assert decode["BLOCK_DOTS"] and decode["K_TERMS"] == decode["V_TERMS"] == 1
+    assert not prefill["BLOCK_DOTS"] and prefill["K_TERMS"] == prefill["V_TERMS"] == 2
+    # decode of 32 query heads per KV head (32 rows per program) and exact fp32 dots keep the block ratios
+    q = torch.randn(1, 64, 128).to(torch.bfloat16).to(DEVICE)
+    meta = (table, torch.tensor([40], dtype=torch.int32, device=DEVICE),
+            torch.tensor([0, 1], dtype=torch.int32, device=DEVICE))
+    wide = fmt.plan_attention(q, cache, *meta, max_query_len=1)._launch.kwargs
+    assert wide["BLOCK_M"] == 32 and not wide["BLOCK_DOTS"] and wide["K_TERMS"] == wide["V_TERMS"] == 2
+    exact = fmt.plan_attention(q[:, :8], cache, *meta, max_query_len=1, dot_precision="ieee")._launch.kwargs
+    assert not exact["BLOCK_DOTS"] and exact["DOT_K"] == exact["DOT_V"] == 0
+    ks = fmt._kernels
+    dots = {k: decode[k] for k in ("DOT_K", "DOT_V", "Q_TERMS", "K_TERMS", "P_TERMS", "V_TERMS")}
+    monkeypatch.setattr(K, "interpreting", lambda: False)  # the tiles a GPU would take for these dots
+    tiles = K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled)
+    # one term: the classes measured for mxfp8 (8-bit) and nvfp4 / mxfp4 (4-bit); not q4_0's two-term class (64/4/3)
+    assert tiles == dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8), tiles

@@ -17,6 +17,9 @@ QUANTIZED_DOT = {"k": "", "v": ""}
 # keys scaled per channel and token group: attention steps hold whole groups, so KV positions per step are a multiple
 # of this; None where the runtime's choice is free
 BLOCK_N_GROUP = None
+# sides that can take one dot per block on their codes in decode (the kernel's BLOCK_DOTS; see the attention
+# template): their operand is then the codes alone, one term
+BLOCK_DOTS = {"k": False, "v": False}
 
 # ---------------------------------------------------------------------------------------------------------------
 # Codecs. key: fp8_e4m3 by bit manipulation: saturate to +-448, round half to even
