@@ -169,11 +169,12 @@ def rcp_can_overflow(side: SideSpec) -> bool:
 BLOCK_DOT_MIN = 32
 
 
-def takes_block_dots(side: SideSpec, dot: tuple, asym: bool) -> bool:
-    """Whether decode attention takes one dot per block on this side's codes (see BLOCK_DOT_MIN)."""
+def takes_block_dots(side: SideSpec, dot: tuple, zp: str) -> bool:
+    """Whether decode attention takes one dot per block on this side's codes (see BLOCK_DOT_MIN). A float zero point
+    (KIVI's values: fp16 minima) stays a dot of its own, as with the block ratios."""
     sc = side.scale
-    return (dot == ("fp16", 2, "block") and not asym and sc is not None and (sc.block or 0) >= BLOCK_DOT_MIN
-            and sc.dtype == ScaleDType.fp16 and not sc.global_scale)
+    return (dot == ("fp16", 2, "block") and zp in ("none", "float") and sc is not None
+            and (sc.block or 0) >= BLOCK_DOT_MIN and sc.dtype == ScaleDType.fp16 and not sc.global_scale)
 
 
 def dot_operand(side: SideSpec, scale: str, zp: str, block: bool, name: str = "key") -> tuple[str, int, str]:
@@ -343,7 +344,7 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
         + (f", the {side.zero_point.dtype} minimum as offset" if zp == "float" else "") if dynamic else "",
         codec_summary=codec.summary,
         **dict(zip(("dot", "op_terms", "tok"), dot)),
-        block_dots=takes_block_dots(side, dot, asym),
+        block_dots=takes_block_dots(side, dot, zp),
         ratio_in_tile=bool(dot[0]) and dot[1] == 1 and dot[2] in ("block", "fixed") and sc.dtype.value in RATIOS_IN_FP16,
         ratio_shift=_float_literal(2.0 ** shift) if shift is not None else "",
         fixed_factor=_float_literal(2.0 ** -shift) if shift is not None else "",

@@ -20,7 +20,7 @@ QUANTIZED_DOT = {"k": "", "v": ""}
 BLOCK_N_GROUP = 32
 # sides that can take one dot per block on their codes in decode (the kernel's BLOCK_DOTS; see the attention
 # template): their operand is then the codes alone, one term
-BLOCK_DOTS = {"k": False, "v": False}
+BLOCK_DOTS = {"k": False, "v": True}
 
 # ---------------------------------------------------------------------------------------------------------------
 # Codecs. key: uint4, round half even, clamp to [0, 15]
@@ -372,6 +372,45 @@ def pow2_inv(x):
     return ((254 - tl.minimum(e, 253)) << 23).to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def halves(x):
+    # x [R, C] -> its columns [0, C / 2) and [C / 2, C)
+    R: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    return tl.split(tl.permute(tl.reshape(x, [R, 2, C // 2]), [0, 2, 1]))
+
+
+@triton.jit
+def block_scores(q, k, s, NB: tl.constexpr, DOT: tl.constexpr, Q_TERMS: tl.constexpr):
+    # sum over the NB blocks of the head of (q_b . k_b) * s[:, b]: q [M, H], k [N, H] codes (one dot term), s [N, NB]
+    # the blocks' scales. Splits the head in halves down to one block (the compiler unrolls the recursion).
+    if NB == 1:
+        return mma(q, tl.trans(k), DOT, Q_TERMS, 1) * tl.reshape(s, [s.shape[0]])[None, :]
+    else:
+        q0, q1 = halves(q)
+        k0, k1 = halves(k)
+        s0, s1 = halves(s)
+        return block_scores(q0, k0, s0, NB // 2, DOT, Q_TERMS) + block_scores(q1, k1, s1, NB // 2, DOT, Q_TERMS)
+
+
+@triton.jit
+def block_pv(p, v, s, NB: tl.constexpr, DOT: tl.constexpr, P_TERMS: tl.constexpr):
+    # [M, H], block b of the head = (p * s[:, b]) @ v_b: p [M, N], v [N, H] codes (one dot term), s [N, NB] the blocks'
+    # scales. The weights p * s enter the dot relative to each row's largest of them in the block (at most 1 in the
+    # dot's type: what rounds away is below 2**-24 of that row's largest term), which multiplies the row after
+    if NB == 1:
+        pw = p * tl.reshape(s, [s.shape[0]])[None, :]
+        top = tl.max(pw, axis=1)
+        top = tl.where(top >= 1.1754944e-38, top, 1.0)  # a subnormal top would make 1 / top infinite
+        return mma(pw * (1.0 / top)[:, None], v, DOT, P_TERMS, 1) * top[:, None]
+    else:
+        v0, v1 = halves(v)
+        s0, s1 = halves(s)
+        o0 = block_pv(p, v0, s0, NB // 2, DOT, P_TERMS)
+        o1 = block_pv(p, v1, s1, NB // 2, DOT, P_TERMS)
+        return tl.reshape(tl.permute(tl.join(o0, o1), [0, 2, 1]), [o0.shape[0], 2 * o0.shape[1]])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # paged_attention: one program per (sequence, tile of BLOCK_Q query tokens, KV head, split). Its BLOCK_M rows are
 # (query token, query head) pairs: row r is query token tile * BLOCK_Q + r // GROUP and query head
@@ -407,6 +446,7 @@ def paged_attention_kernel(
     DOT_K: tl.constexpr, Q_TERMS: tl.constexpr, K_TERMS: tl.constexpr,
     DOT_V: tl.constexpr, P_TERMS: tl.constexpr, V_TERMS: tl.constexpr, NATIVE_CASTS: tl.constexpr,
     OFFSETS_64: tl.constexpr,
+    BLOCK_DOTS: tl.constexpr,
     TOKEN_GROUP: tl.constexpr, RESIDUAL: tl.constexpr, RING: tl.constexpr,
 ):
     seq = tl.program_id(0) // num_q_tiles
@@ -540,19 +580,33 @@ def paged_attention_kernel(
             v_gmin = v_zp_decode(tl.load(v_zrow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], mask=v_gmask, other=0))
             v_min = tl.reshape(tl.broadcast_to(v_gmin[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
             v_bs = v_scale_decode(v_scode)
-            v_tok = pow2_floor(tl.max(v_bs, axis=1))
-            v_ratio = v_bs * pow2_inv(v_tok)[:, None]
-            v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
-            # the per-position value factors enter the probabilities, relative to each query row's largest weight
-            # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
-            pw = p * v_tok[None, :]
-            pw_top = tl.max(pw, axis=1)
-            pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
-            pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
-            # the groups' minima: sum over positions of p * min, p relative to its row's largest as above
-            p_top = tl.max(p, axis=1)
-            p_top = tl.where(p_top >= 1.1754944e-38, p_top, 1.0)
-            pv = pv + mma(p * (1.0 / p_top)[:, None], v_min, DOT_V, P_TERMS, 1) * p_top[:, None]
+            if BLOCK_DOTS:
+                # decode: one dot per block on the codes themselves (one fp16 term); v_bs [BLOCK_N, blocks] multiplies
+                # each block's result (block_scores / block_pv)
+                v_op = v_tile
+            else:
+                v_tok = pow2_floor(tl.max(v_bs, axis=1))
+                v_ratio = v_bs * pow2_inv(v_tok)[:, None]
+                v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+            if BLOCK_DOTS:
+                # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
+                # relative to each query row's largest of them in the block (block_pv)
+                pv = block_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS)
+                # the groups' minima: sum over positions of p * min, p relative to its row's largest
+                p_top = tl.max(p, axis=1)
+                p_top = tl.where(p_top >= 1.1754944e-38, p_top, 1.0)
+                pv = pv + mma(p * (1.0 / p_top)[:, None], v_min, DOT_V, P_TERMS, 1) * p_top[:, None]
+            else:
+                # the per-position value factors enter the probabilities, relative to each query row's largest weight
+                # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
+                pw = p * v_tok[None, :]
+                pw_top = tl.max(pw, axis=1)
+                pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
+                pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
+                # the groups' minima: sum over positions of p * min, p relative to its row's largest
+                p_top = tl.max(p, axis=1)
+                p_top = tl.where(p_top >= 1.1754944e-38, p_top, 1.0)
+                pv = pv + mma(p * (1.0 / p_top)[:, None], v_min, DOT_V, P_TERMS, 1) * p_top[:, None]
             acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
@@ -640,19 +694,33 @@ def paged_attention_kernel(
             v_gmin = v_zp_decode(tl.load(v_zrow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], mask=v_gmask, other=0))
             v_min = tl.reshape(tl.broadcast_to(v_gmin[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
             v_bs = v_scale_decode(v_scode)
-            v_tok = pow2_floor(tl.max(v_bs, axis=1))
-            v_ratio = v_bs * pow2_inv(v_tok)[:, None]
-            v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
-            # the per-position value factors enter the probabilities, relative to each query row's largest weight
-            # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
-            pw = p * tl.where(n_mask, v_tok, 0.0)[None, :]
-            pw_top = tl.max(pw, axis=1)
-            pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
-            pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
-            # the groups' minima: sum over positions of p * min, p relative to its row's largest as above
-            p_top = tl.max(p, axis=1)
-            p_top = tl.where(p_top >= 1.1754944e-38, p_top, 1.0)
-            pv = pv + mma(p * (1.0 / p_top)[:, None], v_min, DOT_V, P_TERMS, 1) * p_top[:, None]
+            if BLOCK_DOTS:
+                # decode: one dot per block on the codes themselves (one fp16 term); v_bs [BLOCK_N, blocks] multiplies
+                # each block's result (block_scores / block_pv)
+                v_op = v_tile
+            else:
+                v_tok = pow2_floor(tl.max(v_bs, axis=1))
+                v_ratio = v_bs * pow2_inv(v_tok)[:, None]
+                v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+            if BLOCK_DOTS:
+                # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
+                # relative to each query row's largest of them in the block (block_pv)
+                pv = block_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS)
+                # the groups' minima: sum over positions of p * min, p relative to its row's largest
+                p_top = tl.max(p, axis=1)
+                p_top = tl.where(p_top >= 1.1754944e-38, p_top, 1.0)
+                pv = pv + mma(p * (1.0 / p_top)[:, None], v_min, DOT_V, P_TERMS, 1) * p_top[:, None]
+            else:
+                # the per-position value factors enter the probabilities, relative to each query row's largest weight
+                # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
+                pw = p * tl.where(n_mask, v_tok, 0.0)[None, :]
+                pw_top = tl.max(pw, axis=1)
+                pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
+                pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
+                # the groups' minima: sum over positions of p * min, p relative to its row's largest
+                p_top = tl.max(p, axis=1)
+                p_top = tl.where(p_top >= 1.1754944e-38, p_top, 1.0)
+                pv = pv + mma(p * (1.0 / p_top)[:, None], v_min, DOT_V, P_TERMS, 1) * p_top[:, None]
             acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
