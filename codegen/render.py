@@ -285,7 +285,10 @@ def pow2_ratio_split(side: SideSpec, dot: tuple[str, int, str], dot_factor: floa
     lowest at 2**-24 or above), and the second rounds once. Where the second factor is below 2**-24 and becomes 0,
     every exact product is at most the largest code times 2**-A times 2**-25, so it rounds to 0 too while the largest
     code times 2**-A is at most 1. The codes are the decoded tile's values (codes over the unscaled decoders' factor
-    F), the ratios carry F. tests/test_dot_operand.py enumerates every code and every ratio.
+    F), the ratios carry F. tests/test_dot_operand.py enumerates every code and every ratio (2 .. 2**-254). That
+    covers every scale byte a write stores (0 .. 254); a corrupt byte 255 (NaN in OCP MX and in the reference)
+    decodes to inf in the kernel and makes its token's operands inf or NaN here, where the fp32 path could give
+    finite values.
     """
     if dot[:3] != ("fp16", 1, "block") or side.zero_point is not None or side.scale.dtype.value != "e8m0":
         return None
@@ -298,7 +301,7 @@ def pow2_ratio_split(side: SideSpec, dot: tuple[str, int, str], dot_factor: floa
         return None
     factor = dot_factor or 1.0
     step, top = code_step / factor, code_max / factor
-    if factor > _FP16_MAX:
+    if 2.0 * factor > _FP16_MAX:  # ratios reach 2 (a token's largest scale 2**127: pow2_inv stops at 2**-126)
         return None
     if top <= 1.0:
         return 0
