@@ -71,6 +71,11 @@ class SideContext:
     dot: str  # tensor-core type whose values hold the attention operand exactly ("" = exact fp32 dots only)
     op_terms: int  # how many values of that type sum to one operand element (hi + lo)
     ratio_in_tile: bool  # block ratios multiply the codes in the tile's (fp16) type: every ratio is an fp16 value
+    ratio_factors: int  # power-of-two ratios reaching below fp16 (e8m0; pow2_ratio_split): multiplied in fp16 as
+    #                     one factor (1) or two (2, the first at least 2**-A); 0: not such a side
+    ratio_split: str  # fp32 literal 2**-A
+    ratio_split_inv: str  # 2**A
+    ratio_split_exp: int  # A
     ratio_shift: str  # tok "fixed": fp32 literal 2**s, the block ratio is scale * 2**s for every block ("" otherwise)
     fixed_factor: str  # tok "fixed": fp32 literal 2**-s, what the dot's result takes back (times a global scale)
     byte_decode: bool  # compiled attention decodes all codes of a byte at once ({p}_decode_dot_bytes)
@@ -267,6 +272,45 @@ def fixed_block_shift(side: SideSpec, dot: tuple[str, int, str], dot_factor: flo
     return s
 
 
+def pow2_ratio_split(side: SideSpec, dot: tuple[str, int, str], dot_factor: float | None) -> int | None:
+    """For power-of-two block scales (e8m0) in one fp16 term: an exponent A such that attention may multiply the
+    codes by each block's ratio in fp16 as two factors, max(ratio, 2**-A) and then min(ratio * 2**A, 1), and get
+    the fp16 rounding of the exact product, as converting the fp32 product would; 0 where one fp16 factor, the
+    ratio itself, does; None otherwise.
+
+    e8m0 ratios (a block's scale over its token's largest) reach 2**-254, far below fp16. A ratio below fp16's
+    smallest value (2**-24) becomes 0 in fp16, which is harmless when every code times it rounds to 0 anyway: codes
+    of at most 1 (fp4 e2m1 decoded without its factor 2**14) need one factor. Larger codes take two: with 2**-A =
+    2**-24 over the codes' smallest step, the first multiply is exact for every code (its few significant bits, the
+    lowest at 2**-24 or above), and the second rounds once. Where the second factor is below 2**-24 and becomes 0,
+    every exact product is at most the largest code times 2**-A times 2**-25, so it rounds to 0 too while the largest
+    code times 2**-A is at most 1. The codes are the decoded tile's values (codes over the unscaled decoders' factor
+    F), the ratios carry F. tests/test_dot_operand.py enumerates every code and every ratio (2 .. 2**-254). That
+    covers every scale byte a write stores (0 .. 254); a corrupt byte 255 (NaN in OCP MX and in the reference)
+    decodes to inf in the kernel and makes its token's operands inf or NaN here, where the fp32 path could give
+    finite values.
+    """
+    if dot[:3] != ("fp16", 1, "block") or side.zero_point is not None or side.scale.dtype.value != "e8m0":
+        return None
+    info = side.info
+    if info.kind == "int":
+        code_step, code_max = 1.0, float(max(abs(info.qmin), info.qmax))
+    elif side.element.value in _CODE_STEP:
+        code_step, code_max = _CODE_STEP[side.element.value], float(info.qmax)
+    else:
+        return None
+    factor = dot_factor or 1.0
+    step, top = code_step / factor, code_max / factor
+    if 2.0 * factor > _FP16_MAX:  # ratios reach 2 (a token's largest scale 2**127: pow2_inv stops at 2**-126)
+        return None
+    if top <= 1.0:
+        return 0
+    a = round(math.log2(step)) + 24
+    if 2.0 ** (a - 24) != step or not 0 < a <= 24 or top * 2.0 ** -a > 1.0:
+        return None
+    return a
+
+
 def quantized_dot(codec: Codec, tok: str, asym: bool) -> str:
     """The type of the quantized compute domain for one side (``dot_precision="quantized"``), or "".
 
@@ -310,6 +354,7 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
     shift = fixed_block_shift(side, dot, codec.dot_factor) if dot[0] else None
     if shift is not None:
         dot = (dot[0], dot[1], "fixed")
+    split = pow2_ratio_split(side, dot, codec.dot_factor) if dot[0] else None
     qdot = quantized_dot(codec, dot[2], asym)
     sources = [render_codec(codec, f"{p}_", dot=bool(dot[0]), qdot=qdot)]
     if scodec is not None:
@@ -346,6 +391,10 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
         **dict(zip(("dot", "op_terms", "tok"), dot)),
         block_dots=takes_block_dots(side, dot, zp),
         ratio_in_tile=bool(dot[0]) and dot[1] == 1 and dot[2] in ("block", "fixed") and sc.dtype.value in RATIOS_IN_FP16,
+        ratio_factors=0 if split is None else (1 if split == 0 else 2),
+        ratio_split=_float_literal(2.0 ** -split) if split else "",
+        ratio_split_inv=_float_literal(2.0 ** split) if split else "",
+        ratio_split_exp=split or 0,
         ratio_shift=_float_literal(2.0 ** shift) if shift is not None else "",
         fixed_factor=_float_literal(2.0 ** -shift) if shift is not None else "",
         byte_decode=bool(dot[0]) and codec.byte_decode,

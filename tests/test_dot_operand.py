@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from kvgen.codegen.codecs import element_codec
-from kvgen.codegen.render import RATIOS_IN_FP16, dot_operand, fixed_block_shift, side_context
+from kvgen.codegen.render import RATIOS_IN_FP16, dot_operand, fixed_block_shift, pow2_ratio_split, side_context
 from kvgen.codegen.spec import FormatSpec
 
 ELEMENT_VALUES = {
@@ -181,6 +181,18 @@ def all_scale_values(dtype: str) -> np.ndarray:
     return np.unique(s[s >= 0])
 
 
+def block_side(element: str, scale: dict):
+    """The key side of a spec with these codes and block scales (skipping combinations the schema rejects), its
+    tensor-core operand rule and its codec."""
+    try:
+        spec = FormatSpec.model_validate({"name": "t", "key": {"element": element, "scale": scale},
+                                          "value": {"element": element, "scale": scale},
+                                          "cache": {"layout": "interleaved", "storage_dtype": "uint8"}})
+    except Exception as exc:
+        pytest.skip("not a valid side: " + str(exc).splitlines()[2].strip()[:80])
+    return spec.key, dot_operand(spec.key, "dynamic", "none", True), element_codec(spec.key)
+
+
 # unsigned elements need a zero point, which rules the fixed ratios out before any range question
 @pytest.mark.parametrize("element,dtype", list(itertools.product([e for e in ELEMENTS if not e.startswith("uint")],
                                                                   ["fp8_e4m3", "e8m0", "fp16", "bf16"])))
@@ -189,15 +201,7 @@ def test_fixed_block_shift_is_exact(element, dtype):
     (F: the unscaled decoders' factor) with no per-position power of two. Enumerated: every ratio is an fp16 value,
     and every fp16 product of a decoded code and a ratio equals code * scale * 2**s exactly."""
     scale = {"granularity": "per_block", "block": 16, "dtype": dtype}
-    try:
-        spec = FormatSpec.model_validate({"name": "t", "key": {"element": element, "scale": scale},
-                                          "value": {"element": element, "scale": scale},
-                                          "cache": {"layout": "interleaved", "storage_dtype": "uint8"}})
-    except Exception as exc:
-        pytest.skip("not a valid side: " + str(exc).splitlines()[2].strip()[:80])
-    side = spec.key
-    dot = dot_operand(side, "dynamic", "none", True)
-    codec = element_codec(side)
+    side, dot, codec = block_side(element, scale)
     factor = codec.dot_factor if codec.byte_decode else None
     shift = fixed_block_shift(side, dot, factor)
     if shift is None:
@@ -212,6 +216,60 @@ def test_fixed_block_shift_is_exact(element, dtype):
         in_fp16 = np.multiply.outer(decoded.astype(np.float16), ratios.astype(np.float16)).astype(np.float64)
         exact = np.multiply.outer(codes, all_scale_values(dtype)) * 2.0 ** shift
         assert np.array_equal(in_fp16, exact), f"a product is not exact in fp16 at 2**{shift}"
+
+
+def split_products(codes: np.ndarray, factor: float, a: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every code times every ratio an e8m0 block can have against its token's largest scale, three ways: as the
+    kernel's two fp16 multiplies (max(ratio, 2**-a), then min(ratio * 2**a, 1)), as the fp32 product converted to
+    fp16 (the path without the split), and as the exact product rounded once to fp16."""
+    # the kernel's fp32 ratio: scale 2**(b - 127) over the token's largest, 2**-254 .. 2 (pow2_inv stops at 2**-126
+    # for a largest of 2**127), fp32 subnormals and zero below 2**-126 and 2**-149; times the decoders' factor F
+    ratio = np.ldexp(np.float32(1.0), np.arange(-254, 2)).astype(np.float32) * np.float32(factor)
+    tile = (codes / factor).astype(np.float16)
+    assert np.array_equal(tile.astype(np.float64), codes / factor), "a decoded code is not an fp16 value"
+    r1 = np.maximum(ratio, np.float32(2.0 ** -a)).astype(np.float16)
+    r2 = np.minimum(ratio * np.float32(2.0 ** a), np.float32(1.0)).astype(np.float16)
+    split = (tile[:, None] * r1[None, :]) * r2[None, :]  # numpy's fp16 products round once each, as HMUL2's
+    via_fp32 = (tile.astype(np.float32)[:, None] * ratio[None, :]).astype(np.float16)
+    exact = np.multiply.outer(codes, ratio.astype(np.float64) / factor).astype(np.float16)
+    return split, via_fp32, exact
+
+
+@pytest.mark.parametrize("element", [e for e in ELEMENTS if not e.startswith("uint")])
+def test_pow2_ratio_split_is_exact(element):
+    """Where pow2_ratio_split gives A (e8m0 block scales, one fp16 term), attention multiplies the codes by each
+    block's ratio as two fp16 factors (A = 0: the ratio alone). Enumerated for every code and every ratio (2 ..
+    2**-254): the result is the exact product rounded once to fp16, bit for bit with signed zeros, and what the
+    unsplit fp32 path gives."""
+    scale = {"granularity": "per_block", "block": 32, "dtype": "e8m0"}
+    side, dot, codec = block_side(element, scale)
+    a = pow2_ratio_split(side, dot, codec.dot_factor)
+    codes = code_values(element)
+    factor = codec.dot_factor or 1.0
+    if a is None:  # then no floor would do (fp8_e5m2: 2**-16 steps up to 57344 need more than fp16 spans)
+        if dot[:3] == ("fp16", 1, "block"):
+            for a in range(25):
+                split, _, exact = split_products(codes, factor, a)
+                assert not np.array_equal(split.view(np.uint16), exact.view(np.uint16)), (element, a)
+        return
+    split, via_fp32, exact = split_products(codes, factor, a)
+    assert np.array_equal(split.view(np.uint16), exact.view(np.uint16)), element
+    assert np.array_equal(split.view(np.uint16), via_fp32.view(np.uint16)), element
+    # A = 0 is one factor, the ratio itself (max(ratio, 1) * min(ratio, 1)); two factors only where one would not do
+    ratio = np.ldexp(np.float32(1.0), np.arange(-254, 2)).astype(np.float32) * np.float32(factor)
+    one = (codes / factor).astype(np.float16)[:, None] * ratio.astype(np.float16)[None, :]
+    assert np.array_equal(one.view(np.uint16), exact.view(np.uint16)) == (a == 0), element
+
+
+def test_mx_formats_split_their_ratios():
+    """The shipped MX formats (e8m0 block scales, one fp16 term) multiply their ratios in fp16: two factors for
+    e4m3 codes (up to 448), one for e2m1 codes (decoded without their factor 2**14: at most 6 * 2**-14)."""
+    import kvgen
+
+    for name in ("mxfp8", "mxfp4"):
+        spec = kvgen.load(name).spec
+        for side_name, side in (("key", spec.key), ("value", spec.value)):
+            assert side_context(side_name, side)[0].ratio_factors == (2 if name == "mxfp8" else 1), (name, side_name)
 
 
 def test_nvfp4_takes_fixed_block_ratios():

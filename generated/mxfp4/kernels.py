@@ -483,7 +483,13 @@ def paged_attention_kernel(
                 # the codes were decoded without their factor 16384.0 (a power of two): the ratios carry it, which
                 # keeps each product's value (one multiply per block instead of one per code)
                 k_ratio = k_ratio * 16384.0
-            k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+            if DOT_K != 0:
+                # one dot term, power-of-two ratios down to 2**-254 (e8m0 scales): multiplied in fp16, two elements
+                # per instruction, rounding the exact product once as converting an fp32 one would. A ratio below fp16's
+                # smallest becomes 0, where every product (codes of at most 1 here) rounds to 0 anyway (render.pow2_ratio_split)
+                k_op = tl.reshape(tl.reshape(k_tile, [BLOCK_N, HEAD_PAD // 32, 32]) * k_ratio.to(tl.float16)[:, :, None], [BLOCK_N, HEAD_PAD])
+            else:
+                k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
             scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
             scores = scores * k_tok[None, :]
             visible = (n[None, :] <= q_pos[:, None])
@@ -521,7 +527,13 @@ def paged_attention_kernel(
                 # the codes were decoded without their factor 16384.0 (a power of two): the ratios carry it, which
                 # keeps each product's value (one multiply per block instead of one per code)
                 v_ratio = v_ratio * 16384.0
-            v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+            if DOT_V != 0:
+                # one dot term, power-of-two ratios down to 2**-254 (e8m0 scales): multiplied in fp16, two elements
+                # per instruction, rounding the exact product once as converting an fp32 one would. A ratio below fp16's
+                # smallest becomes 0, where every product (codes of at most 1 here) rounds to 0 anyway (render.pow2_ratio_split)
+                v_op = tl.reshape(tl.reshape(v_tile, [BLOCK_N, HEAD_PAD // 32, 32]) * v_ratio.to(tl.float16)[:, :, None], [BLOCK_N, HEAD_PAD])
+            else:
+                v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
             # the per-position value factors enter the probabilities, relative to each query row's largest weight
             # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
             pw = p * v_tok[None, :]
@@ -566,7 +578,13 @@ def paged_attention_kernel(
                 # the codes were decoded without their factor 16384.0 (a power of two): the ratios carry it, which
                 # keeps each product's value (one multiply per block instead of one per code)
                 k_ratio = k_ratio * 16384.0
-            k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+            if DOT_K != 0:
+                # one dot term, power-of-two ratios down to 2**-254 (e8m0 scales): multiplied in fp16, two elements
+                # per instruction, rounding the exact product once as converting an fp32 one would. A ratio below fp16's
+                # smallest becomes 0, where every product (codes of at most 1 here) rounds to 0 anyway (render.pow2_ratio_split)
+                k_op = tl.reshape(tl.reshape(k_tile, [BLOCK_N, HEAD_PAD // 32, 32]) * k_ratio.to(tl.float16)[:, :, None], [BLOCK_N, HEAD_PAD])
+            else:
+                k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
             scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
             scores = scores * k_tok[None, :]
             visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
@@ -604,7 +622,13 @@ def paged_attention_kernel(
                 # the codes were decoded without their factor 16384.0 (a power of two): the ratios carry it, which
                 # keeps each product's value (one multiply per block instead of one per code)
                 v_ratio = v_ratio * 16384.0
-            v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+            if DOT_V != 0:
+                # one dot term, power-of-two ratios down to 2**-254 (e8m0 scales): multiplied in fp16, two elements
+                # per instruction, rounding the exact product once as converting an fp32 one would. A ratio below fp16's
+                # smallest becomes 0, where every product (codes of at most 1 here) rounds to 0 anyway (render.pow2_ratio_split)
+                v_op = tl.reshape(tl.reshape(v_tile, [BLOCK_N, HEAD_PAD // 32, 32]) * v_ratio.to(tl.float16)[:, :, None], [BLOCK_N, HEAD_PAD])
+            else:
+                v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
             # the per-position value factors enter the probabilities, relative to each query row's largest weight
             # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
             pw = p * tl.where(n_mask, v_tok, 0.0)[None, :]

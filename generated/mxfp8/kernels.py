@@ -399,7 +399,17 @@ def paged_attention_kernel(
             k_bs = k_scale_decode(k_scode)
             k_tok = pow2_floor(tl.max(k_bs, axis=1))
             k_ratio = k_bs * pow2_inv(k_tok)[:, None]
-            k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+            if DOT_K != 0:
+                # one dot term, power-of-two ratios down to 2**-254 (e8m0 scales): two multiplies in fp16, two
+                # elements per instruction. The first, by max(ratio, 2**-15), is exact for every code; the second, by
+                # the rest (1 or ratio * 2**15), rounds the exact product once, as converting an fp32 product would.
+                # A rest below fp16's smallest (ratio < 2**-39) becomes 0, where every product rounds to 0
+                # anyway (render.pow2_ratio_split)
+                k_r1 = tl.maximum(k_ratio, 3.0517578125e-05)
+                k_r2 = tl.minimum(k_ratio * 32768.0, 1.0)
+                k_op = tl.reshape(tl.reshape(k_tile, [BLOCK_N, HEAD_PAD // 32, 32]) * k_r1.to(tl.float16)[:, :, None] * k_r2.to(tl.float16)[:, :, None], [BLOCK_N, HEAD_PAD])
+            else:
+                k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
             scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
             scores = scores * k_tok[None, :]
             visible = (n[None, :] <= q_pos[:, None])
@@ -423,7 +433,17 @@ def paged_attention_kernel(
             v_bs = v_scale_decode(v_scode)
             v_tok = pow2_floor(tl.max(v_bs, axis=1))
             v_ratio = v_bs * pow2_inv(v_tok)[:, None]
-            v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+            if DOT_V != 0:
+                # one dot term, power-of-two ratios down to 2**-254 (e8m0 scales): two multiplies in fp16, two
+                # elements per instruction. The first, by max(ratio, 2**-15), is exact for every code; the second, by
+                # the rest (1 or ratio * 2**15), rounds the exact product once, as converting an fp32 product would.
+                # A rest below fp16's smallest (ratio < 2**-39) becomes 0, where every product rounds to 0
+                # anyway (render.pow2_ratio_split)
+                v_r1 = tl.maximum(v_ratio, 3.0517578125e-05)
+                v_r2 = tl.minimum(v_ratio * 32768.0, 1.0)
+                v_op = tl.reshape(tl.reshape(v_tile, [BLOCK_N, HEAD_PAD // 32, 32]) * v_r1.to(tl.float16)[:, :, None] * v_r2.to(tl.float16)[:, :, None], [BLOCK_N, HEAD_PAD])
+            else:
+                v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
             # the per-position value factors enter the probabilities, relative to each query row's largest weight
             # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
             pw = p * v_tok[None, :]
@@ -454,7 +474,17 @@ def paged_attention_kernel(
             k_bs = k_scale_decode(k_scode)
             k_tok = pow2_floor(tl.max(k_bs, axis=1))
             k_ratio = k_bs * pow2_inv(k_tok)[:, None]
-            k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+            if DOT_K != 0:
+                # one dot term, power-of-two ratios down to 2**-254 (e8m0 scales): two multiplies in fp16, two
+                # elements per instruction. The first, by max(ratio, 2**-15), is exact for every code; the second, by
+                # the rest (1 or ratio * 2**15), rounds the exact product once, as converting an fp32 product would.
+                # A rest below fp16's smallest (ratio < 2**-39) becomes 0, where every product rounds to 0
+                # anyway (render.pow2_ratio_split)
+                k_r1 = tl.maximum(k_ratio, 3.0517578125e-05)
+                k_r2 = tl.minimum(k_ratio * 32768.0, 1.0)
+                k_op = tl.reshape(tl.reshape(k_tile, [BLOCK_N, HEAD_PAD // 32, 32]) * k_r1.to(tl.float16)[:, :, None] * k_r2.to(tl.float16)[:, :, None], [BLOCK_N, HEAD_PAD])
+            else:
+                k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
             scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
             scores = scores * k_tok[None, :]
             visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
@@ -478,7 +508,17 @@ def paged_attention_kernel(
             v_bs = v_scale_decode(v_scode)
             v_tok = pow2_floor(tl.max(v_bs, axis=1))
             v_ratio = v_bs * pow2_inv(v_tok)[:, None]
-            v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+            if DOT_V != 0:
+                # one dot term, power-of-two ratios down to 2**-254 (e8m0 scales): two multiplies in fp16, two
+                # elements per instruction. The first, by max(ratio, 2**-15), is exact for every code; the second, by
+                # the rest (1 or ratio * 2**15), rounds the exact product once, as converting an fp32 product would.
+                # A rest below fp16's smallest (ratio < 2**-39) becomes 0, where every product rounds to 0
+                # anyway (render.pow2_ratio_split)
+                v_r1 = tl.maximum(v_ratio, 3.0517578125e-05)
+                v_r2 = tl.minimum(v_ratio * 32768.0, 1.0)
+                v_op = tl.reshape(tl.reshape(v_tile, [BLOCK_N, HEAD_PAD // 32, 32]) * v_r1.to(tl.float16)[:, :, None] * v_r2.to(tl.float16)[:, :, None], [BLOCK_N, HEAD_PAD])
+            else:
+                v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
             # the per-position value factors enter the probabilities, relative to each query row's largest weight
             # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
             pw = p * tl.where(n_mask, v_tok, 0.0)[None, :]
