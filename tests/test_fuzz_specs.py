@@ -5,7 +5,9 @@ cases is `python -m kvgen.fuzz --cases 10000` (result in docs/fuzz.md)."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
+import yaml
 from hypothesis import HealthCheck, given, settings
 
 from kvgen.fuzz import check_text, fuzz_texts
@@ -27,3 +29,12 @@ def test_fuzzed_spec_builds_and_conforms_or_is_rejected(text, tmp_path_factory):
             os.environ.pop("KVGEN_CACHE_DIR", None)
         else:
             os.environ["KVGEN_CACHE_DIR"] = before
+
+
+def test_block_larger_than_the_test_head_sizes(tmp_path, monkeypatch):
+    """A spec whose scale block (128) exceeds the conformance head sizes (16-64) is valid: it builds and conforms at
+    a head size of its block (CI's fuzz run found conformance asking for head size 64, which the runtime rejects)."""
+    spec = yaml.safe_load((Path(__file__).resolve().parents[1] / "specs" / "nvfp4.yaml").read_text())
+    spec["key"]["scale"]["block"] = spec["value"]["scale"]["block"] = 128
+    monkeypatch.setenv("KVGEN_CACHE_DIR", str(tmp_path / "cache"))
+    assert check_text(yaml.safe_dump(spec), tmp_path) == "built"
