@@ -251,11 +251,17 @@ def write_results(out: Path, rows: list, sweep: dict, meta: dict, final: bool = 
         print("\n".join(lines))
 
 
+KINDS = ("decode", "prefill", "write")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--formats", nargs="*", default=None)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent))
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
+                        help="measure only these cases (e.g. `--kinds prefill --no-sweep` for a quick A/B of the "
+                             "chunked prefill); default: all")
     parser.add_argument("--dot-precision", choices=["auto", "ieee", "quantized"], default="auto",
                         help="attention dots: tensor cores where products stay exact (default), exact fp32, or the "
                              "quantized compute domain where the format offers it")
@@ -295,6 +301,7 @@ def main() -> int:
               + [("decode", label, n, c, hs, bs, 1) for label, n, c, hs, bs in EXTRA_DECODE]
               + [("prefill", f"{PREFILL[0]}x{PREFILL[2]} new on {PREFILL[1]}", PREFILL[0], PREFILL[1], D, None,
                   PREFILL[2])])
+    shapes = [shape for shape in shapes if shape[0] in args.kinds]
     for kind, label, num_seqs, ctx, hs, _, q_len in shapes:
         if "bs64" in label:
             continue  # the same dense computation as the block-16 shape
@@ -316,7 +323,7 @@ def main() -> int:
             print(rows[-1], flush=True)
             del fn
             torch.cuda.empty_cache()
-        for tokens in (32768, 256):
+        for tokens in (32768, 256) if "write" in args.kinds else ():
             fn, moved = write_case(fmt, tokens, bs)
             t = bench(fn)
             rows.append(dict(format=name, kind="write", shape=f"{tokens} tokens", time_us=t * 1e6, bytes=moved,
