@@ -248,9 +248,10 @@ def kivi_flush_kernel(
         k_fin = tl.abs(x_key) < float("inf")  # only finite values set the range
         k_lo = tl.min(tl.where(k_fin, x_key, float("inf")), axis=0)
         k_hi = tl.max(tl.where(k_fin, x_key, float("-inf")), axis=0)
-        # no finite value: (0, 0); a zero minimum or maximum is +0 (-0 == +0: a reduction's order would pick the sign)
-        k_none = k_lo > k_hi
-        k_lo, k_hi = tl.where(k_none | (k_lo == 0.0), 0.0, k_lo), tl.where(k_none | (k_hi == 0.0), 0.0, k_hi)
+        k_none = k_lo > k_hi  # no finite value in the group: (0, 0)
+        # a zero minimum or maximum is +0 whichever zeros the group holds (-0 == +0: a reduction's order would pick the sign)
+        k_lo = tl.where(k_none | (k_lo == 0.0), 0.0, k_lo)
+        k_hi = tl.where(k_none | (k_hi == 0.0), 0.0, k_hi)
         k_s = tl.maximum(tl.math.div_rn(k_hi - k_lo, 3.0), 1e-06)
         k_s = tl.minimum(k_s, 65504.0)
         k_scode = k_scale_encode(k_s)
@@ -280,9 +281,8 @@ def kivi_flush_kernel(
         # float zero point: the group's minimum is the offset
         v_lo = tl.min(tl.where(v_mg, v_xg, float("inf")), axis=2)
         v_hi = tl.max(tl.where(v_mg, v_xg, float("-inf")), axis=2)
-        v_none = v_lo > v_hi  # no finite value in the group
-        # no finite value: (0, 0); a zero minimum or maximum is +0 whichever zeros the group holds (-0 == +0, so a
-        # reduction's order would pick the sign)
+        v_none = v_lo > v_hi  # no finite value in the group: (0, 0)
+        # a zero minimum or maximum is +0 whichever zeros the group holds (-0 == +0: a reduction's order would pick the sign)
         v_lo = tl.where(v_none | (v_lo == 0.0), 0.0, v_lo)
         v_hi = tl.where(v_none | (v_hi == 0.0), 0.0, v_hi)
         v_s = tl.math.div_rn(v_hi - v_lo, 3.0)
