@@ -472,6 +472,7 @@ def render_files(spec: FormatSpec) -> dict[str, str]:
             streaming=spec.streaming,
             r_unit=r_codec.unit if r_codec else "tl.uint16",
             r_unit_bytes=r_codec.unit_bytes if r_codec else 2,
+            residual_dot={"bf16": "bf16", "fp16": "fp16"}.get(spec.key.residual.dtype, "") if spec.streaming else "",
         ),
     }
     out = {name: _tidy(text) for name, text in files.items()}

@@ -334,6 +334,8 @@ class KernelSet:
         DOT_OPERANDS), the query (bf16 8 significant bits, fp16 11, fp32 or rotated in fp32 about 22 kept) and the
         probabilities (rounded to what the query dtype's tolerance allows: 8, 11 or 22 bits). Otherwise, under
         ``dot_precision="ieee"``, and for bf16 dots in the interpreter (which cannot compute them), exact fp32 dots.
+        KIVI formats also get the residual ring's steps (DOT_R, QR_TERMS, PR_TERMS): the ring's values are one term
+        of their dtype (the generated RESIDUAL_DOT), the query and the probabilities as for the paged sides.
         """
         if dot_precision == "quantized":
             return self._quantized_dot_modes(query_dtype, rotated_keys, head_pad, device)
@@ -347,6 +349,15 @@ class KernelSet:
                      or (dtype == "bf16" and interpreting()))
             modes.update({f"DOT_{side}": 0 if exact else {"fp16": 1, "bf16": 2}[dtype],
                           f"{x}_TERMS": 1 if exact else x_terms, f"{side}_TERMS": 1 if exact else terms})
+        if hasattr(self.module, "RESIDUAL_DOT"):
+            # KIVI's residual ring: real values of its dtype, one term; the query and the probabilities as above
+            dtype = self.module.RESIDUAL_DOT
+            per_term = {"fp16": 11, "bf16": 8}.get(dtype, 1)
+            q_terms, p_terms = -(-q_bits // per_term), -(-p_bits // per_term)
+            exact = (dot_precision == "ieee" or not dtype or max(q_terms, p_terms) > 2
+                     or (dtype == "bf16" and interpreting()))
+            modes.update(DOT_R=0 if exact else {"fp16": 1, "bf16": 2}[dtype], QR_TERMS=1 if exact else q_terms,
+                         PR_TERMS=1 if exact else p_terms)
         return modes
 
     def _quantized_dot_modes(self, query_dtype: torch.dtype, rotated_keys: bool, head_pad: int,

@@ -5,6 +5,7 @@ pages and residual buffers after every write, and attention over quantized histo
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import yaml
@@ -167,3 +168,34 @@ def test_fixed_value_ratios_with_a_residual_window(tmp_path):
         assert_stream(fmt, case)
 
     prop()
+
+
+@pytest.mark.parametrize("ring", ["fp16", "bf16"])
+def test_residual_steps_take_tensor_core_dots(ring, tmp_path):
+    """The residual ring's steps dot its values in their own dtype (one term) with tensor cores where the query and
+    the probabilities fit two terms of it (kvgen.runtime.kernels: DOT_R); fp32 queries on a bf16 ring and the
+    interpreter's bf16 keep exact fp32 dots. An fp16 ring runs its tensor-core path here in the interpreter: a stream through it."""
+    import torch
+
+    spec = yaml.safe_load((Path(__file__).resolve().parents[1] / "specs" / "kivi_2bit.yaml").read_text())
+    spec["name"] = f"kivi_2bit_{ring}_ring"
+    for side in ("key", "value"):
+        spec[side]["residual"]["dtype"] = ring
+    path = tmp_path / f"{spec['name']}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    os.environ.setdefault("KVGEN_CACHE_DIR", str(tmp_path / "cache"))
+    fmt = kvgen.load(path)
+    ks = fmt._kernels
+    assert ks.module.RESIDUAL_DOT == ring
+    on_gpu = DEVICE == "cuda"
+    want = {"fp16": 1, "bf16": 2 if on_gpu else 0}[ring]
+    for dtype in (torch.bfloat16, torch.float16):
+        assert ks.dot_modes(dtype, "auto", False, 64)["DOT_R"] == want, dtype
+    # fp32 queries and probabilities keep 22 bits: two fp16 terms, three of bf16 (so exact fp32 dots)
+    assert ks.dot_modes(torch.float32, "auto", False, 64)["DOT_R"] == (1 if ring == "fp16" else 0)
+    assert ks.dot_modes(torch.float16, "ieee", False, 64)["DOT_R"] == 0
+    if want:
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            case = StreamCase(head_size=64, block_size=64, num_kv_heads=2, group=4, steps=STREAMS[0][0],
+                              dtype=dtype, window=STREAMS[0][1], pad_rows=1, seed=13, splits=STREAMS[0][2])
+            assert_stream(fmt, case)

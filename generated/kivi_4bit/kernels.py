@@ -21,6 +21,9 @@ BLOCK_N_GROUP = 32
 # sides that can take one dot per block on their codes in decode (the kernel's BLOCK_DOTS; see the attention
 # template): their operand is then the codes alone, one term
 BLOCK_DOTS = {"k": False, "v": True}
+# the residual ring's values (KIVI's newest tokens, real values): the tensor-core type that holds them exactly in one
+# term ("": exact fp32 dots only); the runtime picks the residual steps' dot mode (DOT_R) from it
+RESIDUAL_DOT = "bf16"
 
 # ---------------------------------------------------------------------------------------------------------------
 # Codecs. key: uint4, round half even, clamp to [0, 15]
@@ -448,6 +451,7 @@ def paged_attention_kernel(
     OFFSETS_64: tl.constexpr,
     BLOCK_DOTS: tl.constexpr,
     TOKEN_GROUP: tl.constexpr, RESIDUAL: tl.constexpr, RING: tl.constexpr,
+    DOT_R: tl.constexpr, QR_TERMS: tl.constexpr, PR_TERMS: tl.constexpr,
 ):
     seq = tl.program_id(0) // num_q_tiles
     tile = tl.program_id(0) % num_q_tiles
@@ -729,7 +733,7 @@ def paged_attention_kernel(
             n_mask = n < hi
             k_tile = r_decode(tl.load((k_res_ptr + ((sid * RING + n % RING) * NUM_KV_HEADS + head).to(tl.int64)[:, None] * (HEAD_SIZE * 2) + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=n_mask[:, None] & dmask[None, :], other=0))
             k_op = k_tile
-            scores = mma(q, tl.trans(k_op), 0, Q_TERMS, K_TERMS) * row_scale[:, None]
+            scores = mma(q, tl.trans(k_op), DOT_R, QR_TERMS, 1) * row_scale[:, None]
             visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
             visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
             scores = tl.where(visible, scores, float("-inf"))
@@ -740,7 +744,11 @@ def paged_attention_kernel(
 
             v_tile = r_decode(tl.load((v_res_ptr + ((sid * RING + n % RING) * NUM_KV_HEADS + head).to(tl.int64)[:, None] * (HEAD_SIZE * 2) + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=n_mask[:, None] & dmask[None, :], other=0))
             v_op = v_tile
-            pv = mma(p, v_op, 0, 1, 1)  # residual values are in the residual dtype: exact fp32 dots
+            # residual values: one term of the residual dtype (RESIDUAL_DOT); the probabilities relative to each
+            # row's largest in the step, as the paged values' (what rounds away is below 2**-24 of that row's largest)
+            p_top = tl.max(p, axis=1)
+            p_top = tl.where(p_top >= 1.1754944e-38, p_top, 1.0)
+            pv = mma(p * (1.0 / p_top)[:, None], v_op, DOT_R, PR_TERMS, 1) * p_top[:, None]
             acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
