@@ -266,6 +266,10 @@ class KernelSet:
             sides = [s.upper() for s, on in block_dots.items() if on and dots[f"DOT_{s.upper()}"] in (1, 2)]
             on = block_m <= DECODE_ROWS and bool(sides)
             dots = dict(dots, BLOCK_DOTS=on, **({f"{s}_TERMS": 1 for s in sides} if on else {}))
+        if any(getattr(self.module, "RATIO_PAIRS", {}).values()):
+            # e8m0 ratios in two fp16 factors pay in decode only (H200: mxfp8's chunked prefill took 9% longer with
+            # them); prefill multiplies the codes by the ratios in fp32. Both give the same operand
+            dots = dict(dots, RATIO_PAIRS=block_m <= DECODE_ROWS)
         tiles = attention_tiles(self.module.CODE_BITS, dots, self.block_scaled, block_m, consts["HEAD_PAD"])
         block_n = tiles.pop("BLOCK_N")
         group_n = getattr(self.module, "BLOCK_N_GROUP", None)

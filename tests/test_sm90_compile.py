@@ -47,8 +47,8 @@ def test_attention_kernels_compile_for_sm90(tmp_path):
 
 def test_prefill_kernels_of_block_dot_formats_compile_for_sm90(tmp_path):
     """q8_0, q4_0 and KIVI launch their attention kernel with BLOCK_DOTS in decode (the test above) and without it
-    in prefill: both variants must compile."""
-    names = ["q8_0", "q4_0", "kivi_2bit"]
+    in prefill, mxfp8 with RATIO_PAIRS and without it: both variants must compile."""
+    names = ["q8_0", "q4_0", "kivi_2bit", "mxfp8"]
     out = sass_count("--prefill", *names, cache=tmp_path / "cache")
     rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "---" not in line]
     assert rows[1:] == names, out

@@ -192,3 +192,25 @@ def test_block_dots_in_decode_only(name, monkeypatch):
     tiles = K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled)
     # one term: the classes measured for mxfp8 (8-bit) and nvfp4 / mxfp4 (4-bit); not q4_0's two-term class (64/4/3)
     assert tiles == dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8), tiles
+
+
+@pytest.mark.parametrize("name, pairs", [("mxfp8", True), ("mxfp4", False), ("q8_0", False)])
+def test_ratio_pairs_in_decode_only(name, pairs):
+    """mxfp8's e8m0 ratios (e4m3 codes) multiply the codes as two fp16 factors in decode and in one fp32 product in
+    prefill (the H200 measured the pair 9% slower there); mxfp4's codes take one fp16 factor everywhere, and formats
+    without e8m0 scales have no such choice."""
+    fmt = kvgen.load(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache = fmt.allocate(4, 16, 2, 128, device=DEVICE)
+    table = torch.arange(4, dtype=torch.int32, device=DEVICE)[None]
+    seen = {}
+    for q_len in (1, 16):
+        q = torch.randn(q_len, 8, 128).to(torch.bfloat16).to(DEVICE)
+        plan = fmt.plan_attention(q, cache, table, torch.tensor([40], dtype=torch.int32, device=DEVICE),
+                                  torch.tensor([0, q_len], dtype=torch.int32, device=DEVICE), max_query_len=q_len)
+        seen[q_len] = plan._launch.kwargs
+    if pairs:
+        assert seen[1]["RATIO_PAIRS"] is True and seen[16]["RATIO_PAIRS"] is False
+    else:
+        assert "RATIO_PAIRS" not in seen[1] and "RATIO_PAIRS" not in seen[16]

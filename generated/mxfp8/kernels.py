@@ -20,6 +20,10 @@ BLOCK_N_GROUP = None
 # sides that can take one dot per block on their codes in decode (the kernel's BLOCK_DOTS; see the attention
 # template): their operand is then the codes alone, one term
 BLOCK_DOTS = {"k": False, "v": False}
+# sides whose e8m0 block ratios multiply their codes as two fp16 factors in decode (the kernel's RATIO_PAIRS); prefill
+# multiplies them in fp32, one product per code (the same operand: H200, eleventh session, mxfp8's chunked prefill
+# took 9% longer with the fp16 pair, its decode 13% less)
+RATIO_PAIRS = {"k": True, "v": True}
 
 # ---------------------------------------------------------------------------------------------------------------
 # Codecs. key: fp8_e4m3 by bit manipulation: saturate to +-448, round half to even; scales e8m0 per 32 elements, separate
@@ -337,6 +341,7 @@ def paged_attention_kernel(
     DOT_K: tl.constexpr, Q_TERMS: tl.constexpr, K_TERMS: tl.constexpr,
     DOT_V: tl.constexpr, P_TERMS: tl.constexpr, V_TERMS: tl.constexpr, NATIVE_CASTS: tl.constexpr,
     OFFSETS_64: tl.constexpr,
+    RATIO_PAIRS: tl.constexpr,
 ):
     seq = tl.program_id(0) // num_q_tiles
     tile = tl.program_id(0) % num_q_tiles
@@ -399,7 +404,7 @@ def paged_attention_kernel(
             k_bs = k_scale_decode(k_scode)
             k_tok = pow2_floor(tl.max(k_bs, axis=1))
             k_ratio = k_bs * pow2_inv(k_tok)[:, None]
-            if DOT_K != 0:
+            if (DOT_K != 0) & RATIO_PAIRS:
                 # one dot term, power-of-two ratios down to 2**-254 (e8m0 scales): two multiplies in fp16, two
                 # elements per instruction. The first, by max(ratio, 2**-15), is exact for every code; the second, by
                 # the rest (1 or ratio * 2**15), rounds the exact product once, as converting an fp32 product would.
@@ -408,7 +413,7 @@ def paged_attention_kernel(
                 k_r1 = tl.maximum(k_ratio, 3.0517578125e-05)
                 k_r2 = tl.minimum(k_ratio * 32768.0, 1.0)
                 k_op = tl.reshape(tl.reshape(k_tile, [BLOCK_N, HEAD_PAD // 32, 32]) * k_r1.to(tl.float16)[:, :, None] * k_r2.to(tl.float16)[:, :, None], [BLOCK_N, HEAD_PAD])
-            else:
+            else:  # exact fp32 dots; prefill (RATIO_PAIRS off): one fp32 product per code
                 k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
             scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
             scores = scores * k_tok[None, :]
@@ -433,7 +438,7 @@ def paged_attention_kernel(
             v_bs = v_scale_decode(v_scode)
             v_tok = pow2_floor(tl.max(v_bs, axis=1))
             v_ratio = v_bs * pow2_inv(v_tok)[:, None]
-            if DOT_V != 0:
+            if (DOT_V != 0) & RATIO_PAIRS:
                 # one dot term, power-of-two ratios down to 2**-254 (e8m0 scales): two multiplies in fp16, two
                 # elements per instruction. The first, by max(ratio, 2**-15), is exact for every code; the second, by
                 # the rest (1 or ratio * 2**15), rounds the exact product once, as converting an fp32 product would.
@@ -442,7 +447,7 @@ def paged_attention_kernel(
                 v_r1 = tl.maximum(v_ratio, 3.0517578125e-05)
                 v_r2 = tl.minimum(v_ratio * 32768.0, 1.0)
                 v_op = tl.reshape(tl.reshape(v_tile, [BLOCK_N, HEAD_PAD // 32, 32]) * v_r1.to(tl.float16)[:, :, None] * v_r2.to(tl.float16)[:, :, None], [BLOCK_N, HEAD_PAD])
-            else:
+            else:  # exact fp32 dots; prefill (RATIO_PAIRS off): one fp32 product per code
                 v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
             # the per-position value factors enter the probabilities, relative to each query row's largest weight
             # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
@@ -474,7 +479,7 @@ def paged_attention_kernel(
             k_bs = k_scale_decode(k_scode)
             k_tok = pow2_floor(tl.max(k_bs, axis=1))
             k_ratio = k_bs * pow2_inv(k_tok)[:, None]
-            if DOT_K != 0:
+            if (DOT_K != 0) & RATIO_PAIRS:
                 # one dot term, power-of-two ratios down to 2**-254 (e8m0 scales): two multiplies in fp16, two
                 # elements per instruction. The first, by max(ratio, 2**-15), is exact for every code; the second, by
                 # the rest (1 or ratio * 2**15), rounds the exact product once, as converting an fp32 product would.
@@ -483,7 +488,7 @@ def paged_attention_kernel(
                 k_r1 = tl.maximum(k_ratio, 3.0517578125e-05)
                 k_r2 = tl.minimum(k_ratio * 32768.0, 1.0)
                 k_op = tl.reshape(tl.reshape(k_tile, [BLOCK_N, HEAD_PAD // 32, 32]) * k_r1.to(tl.float16)[:, :, None] * k_r2.to(tl.float16)[:, :, None], [BLOCK_N, HEAD_PAD])
-            else:
+            else:  # exact fp32 dots; prefill (RATIO_PAIRS off): one fp32 product per code
                 k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
             scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
             scores = scores * k_tok[None, :]
@@ -508,7 +513,7 @@ def paged_attention_kernel(
             v_bs = v_scale_decode(v_scode)
             v_tok = pow2_floor(tl.max(v_bs, axis=1))
             v_ratio = v_bs * pow2_inv(v_tok)[:, None]
-            if DOT_V != 0:
+            if (DOT_V != 0) & RATIO_PAIRS:
                 # one dot term, power-of-two ratios down to 2**-254 (e8m0 scales): two multiplies in fp16, two
                 # elements per instruction. The first, by max(ratio, 2**-15), is exact for every code; the second, by
                 # the rest (1 or ratio * 2**15), rounds the exact product once, as converting an fp32 product would.
@@ -517,7 +522,7 @@ def paged_attention_kernel(
                 v_r1 = tl.maximum(v_ratio, 3.0517578125e-05)
                 v_r2 = tl.minimum(v_ratio * 32768.0, 1.0)
                 v_op = tl.reshape(tl.reshape(v_tile, [BLOCK_N, HEAD_PAD // 32, 32]) * v_r1.to(tl.float16)[:, :, None] * v_r2.to(tl.float16)[:, :, None], [BLOCK_N, HEAD_PAD])
-            else:
+            else:  # exact fp32 dots; prefill (RATIO_PAIRS off): one fp32 product per code
                 v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
             # the per-position value factors enter the probabilities, relative to each query row's largest weight
             # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
