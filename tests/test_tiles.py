@@ -160,11 +160,9 @@ def test_split_rule(compiled, monkeypatch):
     assert splits(256, 1024) == 1
 
 
-@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
-def test_block_dots_in_decode_only(name, monkeypatch):
-    """Decode plans of the two-term block formats take per-block dots on the codes (one term, so the one-term block
-    classes' tiles); prefill plans keep the block ratios in two terms (and their class's tiles)."""
-    fmt = kvgen.load(name)
+def decode_and_prefill_plans(fmt):
+    """The launch arguments of a decode (1 query token) and a prefill (16) plan on a small cache, and the cache and
+    block table: one sequence of 40 tokens, 8 query heads over 2 KV heads, head size 128, on the suite's device."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cache = fmt.allocate(4, 16, 2, 128, device=DEVICE)
@@ -175,7 +173,15 @@ def test_block_dots_in_decode_only(name, monkeypatch):
         plan = fmt.plan_attention(q, cache, table, torch.tensor([40], dtype=torch.int32, device=DEVICE),
                                   torch.tensor([0, q_len], dtype=torch.int32, device=DEVICE), max_query_len=q_len)
         seen[q_len] = plan._launch.kwargs
-    decode, prefill = seen[1], seen[16]
+    return seen[1], seen[16], cache, table
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+def test_block_dots_in_decode_only(name, monkeypatch):
+    """Decode plans of the two-term block formats take per-block dots on the codes (one term, so the one-term block
+    classes' tiles); prefill plans keep the block ratios in two terms (and their class's tiles)."""
+    fmt = kvgen.load(name)
+    decode, prefill, cache, table = decode_and_prefill_plans(fmt)
     assert decode["BLOCK_DOTS"] and decode["K_TERMS"] == decode["V_TERMS"] == 1
     assert not prefill["BLOCK_DOTS"] and prefill["K_TERMS"] == prefill["V_TERMS"] == 2
     # decode of 32 query heads per KV head (32 rows per program) and exact fp32 dots keep the block ratios
@@ -199,18 +205,8 @@ def test_ratio_pairs_in_decode_only(name, pairs):
     """mxfp8's e8m0 ratios (e4m3 codes) multiply the codes as two fp16 factors in decode and in one fp32 product in
     prefill (the H200 measured the pair 9% slower there); mxfp4's codes take one fp16 factor everywhere, and formats
     without e8m0 scales have no such choice."""
-    fmt = kvgen.load(name)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        cache = fmt.allocate(4, 16, 2, 128, device=DEVICE)
-    table = torch.arange(4, dtype=torch.int32, device=DEVICE)[None]
-    seen = {}
-    for q_len in (1, 16):
-        q = torch.randn(q_len, 8, 128).to(torch.bfloat16).to(DEVICE)
-        plan = fmt.plan_attention(q, cache, table, torch.tensor([40], dtype=torch.int32, device=DEVICE),
-                                  torch.tensor([0, q_len], dtype=torch.int32, device=DEVICE), max_query_len=q_len)
-        seen[q_len] = plan._launch.kwargs
+    decode, prefill, _, _ = decode_and_prefill_plans(kvgen.load(name))
     if pairs:
-        assert seen[1]["RATIO_PAIRS"] is True and seen[16]["RATIO_PAIRS"] is False
+        assert decode["RATIO_PAIRS"] is True and prefill["RATIO_PAIRS"] is False
     else:
-        assert "RATIO_PAIRS" not in seen[1] and "RATIO_PAIRS" not in seen[16]
+        assert "RATIO_PAIRS" not in decode and "RATIO_PAIRS" not in prefill
