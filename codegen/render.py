@@ -473,6 +473,9 @@ def render_files(spec: FormatSpec) -> dict[str, str]:
             r_unit=r_codec.unit if r_codec else "tl.uint16",
             r_unit_bytes=r_codec.unit_bytes if r_codec else 2,
             residual_dot={"bf16": "bf16", "fp16": "fp16"}.get(spec.key.residual.dtype, "") if spec.streaming else "",
+            # keys scaled per channel and token group with tensor-core dots: decode may fold the scales into the
+            # query (the kernel's KEY_FOLD, group_scores)
+            key_fold=k_ctx.tok == "channel" and bool(k_ctx.dot),
         ),
     }
     out = {name: _tidy(text) for name, text in files.items()}

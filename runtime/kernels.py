@@ -270,6 +270,10 @@ class KernelSet:
             # e8m0 ratios in two fp16 factors pay in decode only (H200: mxfp8's chunked prefill took 9% longer with
             # them); prefill multiplies the codes by the ratios in fp32. Both give the same operand
             dots = dict(dots, RATIO_PAIRS=block_m <= DECODE_ROWS)
+        if getattr(self.module, "KEY_FOLD", False):
+            # keys scaled per channel and token group (KIVI): in decode, with a query of one dot term, the scales
+            # multiply the query (one row block per group) and the codes enter the dot alone
+            dots = dict(dots, KEY_FOLD=block_m <= DECODE_ROWS and dots["DOT_K"] in (1, 2) and dots["Q_TERMS"] == 1)
         tiles = attention_tiles(self.module.CODE_BITS, dots, self.block_scaled, block_m, consts["HEAD_PAD"])
         block_n = tiles.pop("BLOCK_N")
         group_n = getattr(self.module, "BLOCK_N_GROUP", None)

@@ -199,3 +199,26 @@ def test_residual_steps_take_tensor_core_dots(ring, tmp_path):
             case = StreamCase(head_size=64, block_size=64, num_kv_heads=2, group=4, steps=STREAMS[0][0],
                               dtype=dtype, window=STREAMS[0][1], pad_rows=1, seed=13, splits=STREAMS[0][2])
             assert_stream(fmt, case)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_key_fold_in_decode_only(name):
+    """Decode with a query of one dot term (bf16, fp16) folds each token group's key scales into the query and dots
+    the codes alone (KEY_FOLD, group_scores); fp32 queries (two terms), prefill and exact fp32 dots keep the codes
+    times the scales. The streams above run both paths against the reference."""
+    import torch
+
+    fmt = kvgen.load(name)
+    cache = fmt.allocate(4, 32, 2, 128, device=DEVICE, max_seqs=1)
+    table = torch.arange(4, dtype=torch.int32, device=DEVICE)[None]
+
+    def plan(q_len, dtype=torch.bfloat16, **kw):
+        q = torch.randn(q_len, 8, 128).to(dtype).to(DEVICE)
+        return fmt.plan_attention(q, cache, table, torch.tensor([100], dtype=torch.int32, device=DEVICE),
+                                  torch.tensor([0, q_len], dtype=torch.int32, device=DEVICE), max_query_len=q_len,
+                                  seq_ids=torch.zeros(1, dtype=torch.int32, device=DEVICE), **kw)._launch.kwargs
+
+    assert plan(1)["KEY_FOLD"] is True and plan(1, torch.float16)["KEY_FOLD"] is True
+    assert plan(1, torch.float32)["KEY_FOLD"] is False
+    assert plan(16)["KEY_FOLD"] is False
+    assert plan(1, dot_precision="ieee")["KEY_FOLD"] is False

@@ -25,6 +25,8 @@ BLOCK_DOTS = {"k": False, "v": True}
 # multiplies them in fp32, one product per code (the same operand: H200, eleventh session, mxfp8's chunked prefill
 # took 9% longer with the fp16 pair, its decode 13% less)
 RATIO_PAIRS = {"k": False, "v": False}
+# keys scaled per channel and token group whose scales can fold into the query in decode (the kernel's KEY_FOLD)
+KEY_FOLD = True
 # the residual ring's values (KIVI's newest tokens, real values): the tensor-core type that holds them exactly in one
 # term ("": exact fp32 dots only); the runtime picks the residual steps' dot mode (DOT_R) from it
 RESIDUAL_DOT = "bf16"
@@ -380,6 +382,26 @@ def pow2_inv(x):
 
 
 @triton.jit
+def group_scores(q, codes, ratio, gmin, tok, G: tl.constexpr, DOT: tl.constexpr):
+    # scores [M, N] of keys scaled per channel over groups of G positions, the scales folded into the query:
+    # q . (code * ratio_g * tok + min_g) = ((q * ratio_g) . code) * tok + q . min_g, g the position's group.
+    # q [M, H]: one term of the dot type (bf16 or fp16 values, |q| < 2); codes [N, H]: exact in one term;
+    # ratio, gmin [N // G, H]: each group's scales over the step's largest power of two tok (fp16 values over a power
+    # of two) and minima. q * ratio_g has at most 22 significant bits: two terms, exact unless a term falls below
+    # fp16's normal range (then off by less than 2**-25 of the step's largest term, as the unfolded operand). All
+    # groups' queries go into one dot ([N // G * M, H] rows); each position keeps the rows of its own group.
+    M: tl.constexpr = q.shape[0]
+    H: tl.constexpr = q.shape[1]
+    N: tl.constexpr = codes.shape[0]
+    NG: tl.constexpr = N // G
+    qs = tl.reshape(q[None, :, :] * ratio[:, None, :], [NG * M, H])
+    r = tl.reshape(mma(qs, tl.trans(codes), DOT, 2, 1), [NG, M, N])
+    mins = tl.sum(q[None, :, :] * gmin[:, None, :], axis=2)  # [NG, M]: q . min_g, exact products, fp32 sums
+    own = tl.arange(0, NG)[:, None, None] == (tl.arange(0, N) // G)[None, None, :]
+    return tl.sum(tl.where(own, r * tok + mins[:, :, None], 0.0), axis=0)
+
+
+@triton.jit
 def halves(x):
     # x [R, C] -> its columns [0, C / 2) and [C / 2, C)
     R: tl.constexpr = x.shape[0]
@@ -454,6 +476,7 @@ def paged_attention_kernel(
     DOT_V: tl.constexpr, P_TERMS: tl.constexpr, V_TERMS: tl.constexpr, NATIVE_CASTS: tl.constexpr,
     OFFSETS_64: tl.constexpr,
     BLOCK_DOTS: tl.constexpr,
+    KEY_FOLD: tl.constexpr,
     TOKEN_GROUP: tl.constexpr, RESIDUAL: tl.constexpr, RING: tl.constexpr,
     DOT_R: tl.constexpr, QR_TERMS: tl.constexpr, PR_TERMS: tl.constexpr,
 ):
@@ -544,16 +567,22 @@ def paged_attention_kernel(
                 # operand: code * (scale / 2**e), 2**e the step's largest scale (it scales the scores): exact in two fp16
                 # terms for scales within 2**14 of it, else off by less than 2**-25 of the step's largest term
                 k_tok = pow2_floor(tl.max(tl.max(k_gs, axis=1), axis=0))
-                k_op = tl.reshape(tl.reshape(k_tile, [BLOCK_N // 32, 32, HEAD_PAD]) * (k_gs * pow2_inv(k_tok))[:, None, :], [BLOCK_N, HEAD_PAD])
+                if KEY_FOLD:  # the scales go to the query (group_scores): the operand is the codes
+                    k_op = k_tile
+                else:
+                    k_op = tl.reshape(tl.reshape(k_tile, [BLOCK_N // 32, 32, HEAD_PAD]) * (k_gs * pow2_inv(k_tok))[:, None, :], [BLOCK_N, HEAD_PAD])
             else:
                 k_tok = 1.0
                 k_op = tl.reshape(tl.reshape(k_tile, [BLOCK_N // 32, 32, HEAD_PAD]) * (k_gs)[:, None, :] + k_gm[:, None, :], [BLOCK_N, HEAD_PAD])
-            # per channel: q . (code * scale + min) = (q . code * scale / 2**e) * 2**e + q . min; the minima (fp16
-            # values: one dot term) per position of their group, a second dot
-            scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * k_tok
-            if DOT_K != 0:  # (exact fp32 dots have the minima in the operand already)
-                k_min = tl.reshape(tl.broadcast_to(k_gm[:, None, :], [BLOCK_N // 32, 32, HEAD_PAD]), [BLOCK_N, HEAD_PAD])
-                scores = scores + mma(q, tl.trans(k_min), DOT_K, Q_TERMS, 1)
+            if KEY_FOLD:  # decode: each group's scales fold into the query, the codes enter the dot alone
+                scores = group_scores(q, k_op, k_gs * pow2_inv(k_tok), k_gm, k_tok, 32, DOT_K)
+            else:
+                # per channel: q . (code * scale + min) = (q . code * scale / 2**e) * 2**e + q . min; the minima (fp16
+                # values: one dot term) per position of their group, a second dot
+                scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * k_tok
+                if DOT_K != 0:  # (exact fp32 dots have the minima in the operand already)
+                    k_min = tl.reshape(tl.broadcast_to(k_gm[:, None, :], [BLOCK_N // 32, 32, HEAD_PAD]), [BLOCK_N, HEAD_PAD])
+                    scores = scores + mma(q, tl.trans(k_min), DOT_K, Q_TERMS, 1)
             scores = scores * row_scale[:, None]
             visible = (n[None, :] <= q_pos[:, None])
             visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
@@ -658,16 +687,22 @@ def paged_attention_kernel(
                 # operand: code * (scale / 2**e), 2**e the step's largest scale (it scales the scores): exact in two fp16
                 # terms for scales within 2**14 of it, else off by less than 2**-25 of the step's largest term
                 k_tok = pow2_floor(tl.max(tl.max(k_gs, axis=1), axis=0))
-                k_op = tl.reshape(tl.reshape(k_tile, [BLOCK_N // 32, 32, HEAD_PAD]) * (k_gs * pow2_inv(k_tok))[:, None, :], [BLOCK_N, HEAD_PAD])
+                if KEY_FOLD:  # the scales go to the query (group_scores): the operand is the codes
+                    k_op = k_tile
+                else:
+                    k_op = tl.reshape(tl.reshape(k_tile, [BLOCK_N // 32, 32, HEAD_PAD]) * (k_gs * pow2_inv(k_tok))[:, None, :], [BLOCK_N, HEAD_PAD])
             else:
                 k_tok = 1.0
                 k_op = tl.reshape(tl.reshape(k_tile, [BLOCK_N // 32, 32, HEAD_PAD]) * (k_gs)[:, None, :] + k_gm[:, None, :], [BLOCK_N, HEAD_PAD])
-            # per channel: q . (code * scale + min) = (q . code * scale / 2**e) * 2**e + q . min; the minima (fp16
-            # values: one dot term) per position of their group, a second dot
-            scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * k_tok
-            if DOT_K != 0:  # (exact fp32 dots have the minima in the operand already)
-                k_min = tl.reshape(tl.broadcast_to(k_gm[:, None, :], [BLOCK_N // 32, 32, HEAD_PAD]), [BLOCK_N, HEAD_PAD])
-                scores = scores + mma(q, tl.trans(k_min), DOT_K, Q_TERMS, 1)
+            if KEY_FOLD:  # decode: each group's scales fold into the query, the codes enter the dot alone
+                scores = group_scores(q, k_op, k_gs * pow2_inv(k_tok), k_gm, k_tok, 32, DOT_K)
+            else:
+                # per channel: q . (code * scale + min) = (q . code * scale / 2**e) * 2**e + q . min; the minima (fp16
+                # values: one dot term) per position of their group, a second dot
+                scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * k_tok
+                if DOT_K != 0:  # (exact fp32 dots have the minima in the operand already)
+                    k_min = tl.reshape(tl.broadcast_to(k_gm[:, None, :], [BLOCK_N // 32, 32, HEAD_PAD]), [BLOCK_N, HEAD_PAD])
+                    scores = scores + mma(q, tl.trans(k_min), DOT_K, Q_TERMS, 1)
             scores = scores * row_scale[:, None]
             visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
             visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))

@@ -24,6 +24,8 @@ BLOCK_DOTS = {"k": False, "v": False}
 # multiplies them in fp32, one product per code (the same operand: H200, eleventh session, mxfp8's chunked prefill
 # took 9% longer with the fp16 pair, its decode 13% less)
 RATIO_PAIRS = {"k": False, "v": False}
+# keys scaled per channel and token group whose scales can fold into the query in decode (the kernel's KEY_FOLD)
+KEY_FOLD = False
 
 # ---------------------------------------------------------------------------------------------------------------
 # Codecs. key: fp4_e2m1 by bit manipulation: saturate to +-6, round half to even; scales e8m0 per 32 elements, separate

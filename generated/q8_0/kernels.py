@@ -25,6 +25,8 @@ BLOCK_DOTS = {"k": True, "v": True}
 # multiplies them in fp32, one product per code (the same operand: H200, eleventh session, mxfp8's chunked prefill
 # took 9% longer with the fp16 pair, its decode 13% less)
 RATIO_PAIRS = {"k": False, "v": False}
+# keys scaled per channel and token group whose scales can fold into the query in decode (the kernel's KEY_FOLD)
+KEY_FOLD = False
 
 # ---------------------------------------------------------------------------------------------------------------
 # Codecs. key: int8, round half away from zero, clamp to [-128, 127]; scales fp16 per 32 elements, inline
