@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 
 import pytest
+import triton
+import triton.language as tl
 import yaml
 from hypothesis import given, settings
 
@@ -204,21 +206,101 @@ def test_residual_steps_take_tensor_core_dots(ring, tmp_path):
 @pytest.mark.parametrize("name", SHIPPED)
 def test_key_fold_in_decode_only(name):
     """Decode with a query of one dot term (bf16, fp16) folds each token group's key scales into the query and dots
-    the codes alone (KEY_FOLD, group_scores); fp32 queries (two terms), prefill and exact fp32 dots keep the codes
-    times the scales. The streams above run both paths against the reference."""
+    the codes alone (KEY_FOLD, group_scores) from head size 128 on (runtime.kernels.KEY_FOLD_MIN_HEAD); fp32
+    queries (two terms), prefill, smaller heads and exact fp32 dots keep the codes times the scales."""
     import torch
 
     fmt = kvgen.load(name)
-    cache = fmt.allocate(4, 32, 2, 128, device=DEVICE, max_seqs=1)
     table = torch.arange(4, dtype=torch.int32, device=DEVICE)[None]
 
-    def plan(q_len, dtype=torch.bfloat16, **kw):
-        q = torch.randn(q_len, 8, 128).to(dtype).to(DEVICE)
+    def plan(q_len, dtype=torch.bfloat16, head=128, **kw):
+        cache = fmt.allocate(4, 32, 2, head, device=DEVICE, max_seqs=1)
+        q = torch.randn(q_len, 8, head).to(dtype).to(DEVICE)
         return fmt.plan_attention(q, cache, table, torch.tensor([100], dtype=torch.int32, device=DEVICE),
                                   torch.tensor([0, q_len], dtype=torch.int32, device=DEVICE), max_query_len=q_len,
                                   seq_ids=torch.zeros(1, dtype=torch.int32, device=DEVICE), **kw)._launch.kwargs
 
     assert plan(1)["KEY_FOLD"] is True and plan(1, torch.float16)["KEY_FOLD"] is True
+    assert plan(1, head=256)["KEY_FOLD"] is True
     assert plan(1, torch.float32)["KEY_FOLD"] is False
     assert plan(16)["KEY_FOLD"] is False
+    assert plan(1, head=64)["KEY_FOLD"] is False
     assert plan(1, dot_precision="ieee")["KEY_FOLD"] is False
+
+
+DECODE_STREAMS = [  # (steps, window, splits): decode steps (one query token per sequence) after group-crossing prefills
+    ([[300, 200], [1, 1], [1, 1]], 200, 3),
+    ([[600, 413, 230], [1, 1, 1]], None, 2),
+]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.parametrize("steps,window,splits", DECODE_STREAMS)
+def test_decode_streams_through_the_key_fold(name, steps, window, splits, monkeypatch):
+    """The key fold's decode against the reference, at the suite's head size of 64 (the fold's threshold lowered to
+    it): bf16 and fp16 queries, several groups per step, windows and KV splits. Every attention launch of the last
+    step takes the fold."""
+    import torch
+
+    from kvgen.runtime import kernels as K
+
+    monkeypatch.setattr(K, "KEY_FOLD_MIN_HEAD", 64)
+    folds = []
+    plan_attend = K.KernelSet.plan_attend
+
+    def spy(self, *args, **kwargs):
+        launch = plan_attend(self, *args, **kwargs)
+        folds.append(launch.kwargs.get("KEY_FOLD"))
+        return launch
+
+    monkeypatch.setattr(K.KernelSet, "plan_attend", spy)
+    fmt = kvgen.load(name)
+    for dtype in (torch.bfloat16, torch.float16):
+        case = StreamCase(head_size=64, block_size=64, num_kv_heads=2, group=4, steps=steps, dtype=dtype,
+                          window=window, pad_rows=1, seed=17, splits=splits)
+        assert_stream(fmt, case)
+        assert folds and folds[-1] is True, folds
+        folds.clear()
+
+
+# the generated helper under test, called from a small kernel (Triton resolves a kernel's callees among its globals)
+group_scores = kvgen.load("kivi_2bit")._kernels.module.group_scores
+
+
+@triton.jit
+def scores_kernel(q_ptr, c_ptr, r_ptr, m_ptr, out_ptr, tok, M: tl.constexpr, N: tl.constexpr, H: tl.constexpr,
+                  G: tl.constexpr):
+    rm, rn, rh, rg = tl.arange(0, M), tl.arange(0, N), tl.arange(0, H), tl.arange(0, N // G)
+    q = tl.load(q_ptr + rm[:, None] * H + rh[None, :])
+    codes = tl.load(c_ptr + rn[:, None] * H + rh[None, :]).to(tl.float16)
+    ratio = tl.load(r_ptr + rg[:, None] * H + rh[None, :])
+    gmin = tl.load(m_ptr + rg[:, None] * H + rh[None, :])
+    tl.store(out_ptr + rm[:, None] * N + rn[None, :], group_scores(q, codes, ratio, gmin, tok, G, 1))
+
+
+def test_group_scores_products_are_exact():
+    """group_scores (KEY_FOLD) against float64: each group's query row times its scales goes to the dot in two fp16
+    terms, so every product is exact and only the fp32 sums round. A fold in one term would be off by up to 2**-12
+    of each product."""
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(3)
+    M, N, H, G = 16, 64, 128, 32
+    for qdtype in (np.float16, "bf16"):
+        q = rng.uniform(-1.99, 1.99, (M, H)).astype(np.float32)
+        # query values of the dot type: bf16 (8 significant bits) or fp16 (11)
+        q = (torch.from_numpy(q).to(torch.bfloat16).float().numpy() if qdtype == "bf16"
+             else q.astype(np.float16).astype(np.float32))
+        codes = rng.integers(0, 4, (N, H)).astype(np.float32)
+        ratio = rng.uniform(2.0 ** -6, 1.0, (N // G, H)).astype(np.float16).astype(np.float32)  # fp16 values <= 1
+        gmin = rng.uniform(-4, 4, (N // G, H)).astype(np.float16).astype(np.float32)
+        tok = 8.0
+        dev = [torch.from_numpy(a).to(DEVICE) for a in (q, codes, ratio, gmin)]
+        out = torch.empty((M, N), dtype=torch.float32, device=DEVICE)
+        scores_kernel[(1,)](*dev, out, tok, M=M, N=N, H=H, G=G)
+        g = np.arange(N) // G
+        terms = q.astype(np.float64)[:, None, :] * (codes[None, :, :] * ratio[g][None, :, :] * tok + gmin[g][None, :, :])
+        want, size = terms.sum(axis=2), np.abs(terms).sum(axis=2)
+        err = np.abs(out.cpu().numpy().astype(np.float64) - want)
+        assert (err <= 2.0 ** -20 * size).all(), (qdtype, float((err / size).max()))
