@@ -82,9 +82,10 @@ INTERPRETER_TILES = {"BLOCK_N": 128}
 MIN_SPLIT = 512
 FEW_PROGRAMS_PER_SM = 2
 MIN_FEW_SPLIT = 128
-# KIVI's key fold (KEY_FOLD: per-channel group scales folded into the query in decode) from this padded head size
-# on. H200, eleventh session (benchmarks/RESULTS.md): at head size 128 decode took 10-15% less time, at 64 2-3% more
-KEY_FOLD_MIN_HEAD = 128
+# KIVI's key fold (KEY_FOLD: per-channel group scales folded into the query in decode) at these padded head sizes.
+# H200, eleventh session (benchmarks/RESULTS.md): at head size 128 decode took 10-16% less time, at 64 2-3% more;
+# 256 was not measured (static, sm_90: fewer instructions, more spills)
+KEY_FOLD_HEADS = (128,)
 # experiments and tests: tiles used for every format instead of the rules above (None: the rules)
 TILE_OVERRIDE: dict | None = None
 # reshape_and_cache, compiled: tokens per program and warps (the interpreter takes 64 tokens per program). One warp
@@ -276,8 +277,8 @@ class KernelSet:
         if getattr(self.module, "KEY_FOLD", False):
             # keys scaled per channel and token group (KIVI): in decode, with a query of one dot term, the scales
             # multiply the query (one row block per group) and the codes enter the dot alone
-            dots = dict(dots, KEY_FOLD=(block_m <= DECODE_ROWS and dots["DOT_K"] in (1, 2) and dots["Q_TERMS"] == 1
-                                        and consts["HEAD_PAD"] >= KEY_FOLD_MIN_HEAD))
+            dots = dict(dots, KEY_FOLD=(block_m <= DECODE_ROWS and dots["DOT_K"] == 1 and dots["Q_TERMS"] == 1
+                                        and consts["HEAD_PAD"] in KEY_FOLD_HEADS))
         tiles = attention_tiles(self.module.CODE_BITS, dots, self.block_scaled, block_m, consts["HEAD_PAD"])
         block_n = tiles.pop("BLOCK_N")
         group_n = getattr(self.module, "BLOCK_N_GROUP", None)

@@ -206,8 +206,8 @@ def test_residual_steps_take_tensor_core_dots(ring, tmp_path):
 @pytest.mark.parametrize("name", SHIPPED)
 def test_key_fold_in_decode_only(name):
     """Decode with a query of one dot term (bf16, fp16) folds each token group's key scales into the query and dots
-    the codes alone (KEY_FOLD, group_scores) from head size 128 on (runtime.kernels.KEY_FOLD_MIN_HEAD); fp32
-    queries (two terms), prefill, smaller heads and exact fp32 dots keep the codes times the scales."""
+    the codes alone (KEY_FOLD, group_scores) at a padded head of 128 (runtime.kernels.KEY_FOLD_HEADS, measured);
+    fp32 queries (two terms), prefill, other heads and exact fp32 dots keep the codes times the scales."""
     import torch
 
     fmt = kvgen.load(name)
@@ -221,30 +221,33 @@ def test_key_fold_in_decode_only(name):
                                   seq_ids=torch.zeros(1, dtype=torch.int32, device=DEVICE), **kw)._launch.kwargs
 
     assert plan(1)["KEY_FOLD"] is True and plan(1, torch.float16)["KEY_FOLD"] is True
-    assert plan(1, head=256)["KEY_FOLD"] is True
+    assert plan(1, head=96)["KEY_FOLD"] is True  # padded to 128
+    assert plan(1, head=256)["KEY_FOLD"] is False
     assert plan(1, torch.float32)["KEY_FOLD"] is False
     assert plan(16)["KEY_FOLD"] is False
     assert plan(1, head=64)["KEY_FOLD"] is False
     assert plan(1, dot_precision="ieee")["KEY_FOLD"] is False
 
 
-DECODE_STREAMS = [  # (steps, window, splits): decode steps (one query token per sequence) after group-crossing prefills
-    ([[300, 200], [1, 1], [1, 1]], 200, 3),
-    ([[600, 413, 230], [1, 1, 1]], None, 2),
+DECODE_STREAMS = [  # (steps, window, splits, head size): decode steps (one query token per sequence) after
+    # group-crossing prefills; head size 96 (padded to 128) takes the fold without lowering the runtime's rule
+    ([[300, 200], [1, 1], [1, 1]], 200, 3, 64),
+    ([[600, 413, 230], [1, 1, 1]], None, 2, 64),
+    ([[250, 100], [1, 1]], None, 2, 96),
 ]
 
 
 @pytest.mark.parametrize("name", SHIPPED)
-@pytest.mark.parametrize("steps,window,splits", DECODE_STREAMS)
-def test_decode_streams_through_the_key_fold(name, steps, window, splits, monkeypatch):
-    """The key fold's decode against the reference, at the suite's head size of 64 (the fold's threshold lowered to
-    it): bf16 and fp16 queries, several groups per step, windows and KV splits. Every attention launch of the last
-    step takes the fold."""
+@pytest.mark.parametrize("steps,window,splits,head", DECODE_STREAMS)
+def test_decode_streams_through_the_key_fold(name, steps, window, splits, head, monkeypatch):
+    """The key fold's decode against the reference, at the suite's head size of 64 (the fold's head rule widened to
+    it) and at 96 (padded to 128): bf16 and fp16 queries, several groups per step, windows and KV splits. Every
+    attention launch of the last step takes the fold."""
     import torch
 
     from kvgen.runtime import kernels as K
 
-    monkeypatch.setattr(K, "KEY_FOLD_MIN_HEAD", 64)
+    monkeypatch.setattr(K, "KEY_FOLD_HEADS", (64, 128))
     folds = []
     plan_attend = K.KernelSet.plan_attend
 
@@ -256,7 +259,7 @@ def test_decode_streams_through_the_key_fold(name, steps, window, splits, monkey
     monkeypatch.setattr(K.KernelSet, "plan_attend", spy)
     fmt = kvgen.load(name)
     for dtype in (torch.bfloat16, torch.float16):
-        case = StreamCase(head_size=64, block_size=64, num_kv_heads=2, group=4, steps=steps, dtype=dtype,
+        case = StreamCase(head_size=head, block_size=64, num_kv_heads=2, group=4, steps=steps, dtype=dtype,
                           window=window, pad_rows=1, seed=17, splits=splits)
         assert_stream(fmt, case)
         assert folds and folds[-1] is True, folds
@@ -280,8 +283,8 @@ def scores_kernel(q_ptr, c_ptr, r_ptr, m_ptr, out_ptr, tok, M: tl.constexpr, N: 
 
 def test_group_scores_products_are_exact():
     """group_scores (KEY_FOLD) against float64: each group's query row times its scales goes to the dot in two fp16
-    terms, so every product is exact and only the fp32 sums round. A fold in one term would be off by up to 2**-12
-    of each product."""
+    terms (times 2**13), exact for products of at least 2**-16, so here only the fp32 sums round. A fold in one term
+    would be off by up to 2**-12 of each product."""
     import numpy as np
     import torch
 
@@ -304,3 +307,22 @@ def test_group_scores_products_are_exact():
         want, size = terms.sum(axis=2), np.abs(terms).sum(axis=2)
         err = np.abs(out.cpu().numpy().astype(np.float64) - want)
         assert (err <= 2.0 ** -20 * size).all(), (qdtype, float((err / size).max()))
+
+
+def test_fp32_key_minima(tmp_path):
+    """KIVI keys with fp32 minima (a valid spec): no fp16 term holds them, so attention adds q . min per group in
+    fp32 rather than in a one-term fp16 dot (which failed conformance for fp32 queries and bf16 prefill)."""
+    import torch
+
+    spec = yaml.safe_load((Path(__file__).resolve().parents[1] / "specs" / "kivi_2bit.yaml").read_text())
+    spec["name"] = "kivi_2bit_fp32_key_minima"
+    spec["key"]["element"] = "uint4"
+    spec["key"]["zero_point"]["dtype"] = "fp32"
+    path = tmp_path / f"{spec['name']}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    os.environ.setdefault("KVGEN_CACHE_DIR", str(tmp_path / "cache"))
+    fmt = kvgen.load(path)
+    for dtype in (torch.float32, torch.bfloat16):
+        case = StreamCase(head_size=64, block_size=64, num_kv_heads=2, group=4, steps=[[300, 200], [40, 1]],
+                          dtype=dtype, window=None, pad_rows=1, seed=23, splits=2)
+        assert_stream(fmt, case)

@@ -23,8 +23,7 @@ BLOCK_N_GROUP = None
 # template): their operand is then the codes alone, one term
 BLOCK_DOTS = {"k": False, "v": False}
 # sides whose e8m0 block ratios multiply their codes as two fp16 factors in decode (the kernel's RATIO_PAIRS); prefill
-# multiplies them in fp32, one product per code (the same operand: H200, eleventh session, mxfp8's chunked prefill
-# took 9% longer with the fp16 pair, its decode 13% less)
+# multiplies them in fp32 (the same operand; the runtime says why)
 RATIO_PAIRS = {"k": False, "v": False}
 # keys scaled per channel and token group whose scales can fold into the query in decode (the kernel's KEY_FOLD)
 KEY_FOLD = False

@@ -22,8 +22,7 @@ BLOCK_N_GROUP = 32
 # template): their operand is then the codes alone, one term
 BLOCK_DOTS = {"k": False, "v": True}
 # sides whose e8m0 block ratios multiply their codes as two fp16 factors in decode (the kernel's RATIO_PAIRS); prefill
-# multiplies them in fp32, one product per code (the same operand: H200, eleventh session, mxfp8's chunked prefill
-# took 9% longer with the fp16 pair, its decode 13% less)
+# multiplies them in fp32 (the same operand; the runtime says why)
 RATIO_PAIRS = {"k": False, "v": False}
 # keys scaled per channel and token group whose scales can fold into the query in decode (the kernel's KEY_FOLD)
 KEY_FOLD = True
@@ -397,20 +396,22 @@ def pow2_inv(x):
 def group_scores(q, codes, ratio, gmin, tok, G: tl.constexpr, DOT: tl.constexpr):
     # scores [M, N] of keys scaled per channel over groups of G positions, the scales folded into the query:
     # q . (code * ratio_g * tok + min_g) = ((q * ratio_g) . code) * tok + q . min_g, g the position's group.
-    # q [M, H]: one term of the dot type (bf16 or fp16 values, |q| < 2); codes [N, H]: exact in one term;
-    # ratio, gmin [N // G, H]: each group's scales over the step's largest power of two tok (fp16 values over a power
-    # of two) and minima. q * ratio_g has at most 22 significant bits: two terms, exact unless a term falls below
-    # fp16's normal range (then off by less than 2**-25 of the step's largest term, as the unfolded operand). All
-    # groups' queries go into one dot ([N // G * M, H] rows); each position keeps the rows of its own group.
+    # q [M, H]: one fp16 term (bf16 or fp16 values, |q| < 2); codes [N, H]: exact in one term; ratio, gmin
+    # [N // G, H]: each group's scales over the step's largest power of two tok (fp16 values over a power of two,
+    # < 2) and minima. q * ratio_g (< 4, at most 22 significant bits) enters the dot times 2**13 in two fp16 terms:
+    # exact where |q * ratio_g| >= 2**-16, else off by less than 2**-38 of tok per code unit (the unfolded operand:
+    # 2**-25 of |q| * tok for scales 2**14 below the step's largest). All groups' query rows go into one dot
+    # ([N // G * M, H] rows); each position keeps the rows of its own group.
     M: tl.constexpr = q.shape[0]
     H: tl.constexpr = q.shape[1]
     N: tl.constexpr = codes.shape[0]
     NG: tl.constexpr = N // G
-    qs = tl.reshape(q[None, :, :] * ratio[:, None, :], [NG * M, H])
+    tl.static_assert(DOT == 1)  # two fp16 terms hold 22 bits; two of bf16 would not
+    qs = tl.reshape(q[None, :, :] * (ratio * 8192.0)[:, None, :], [NG * M, H])
     r = tl.reshape(mma(qs, tl.trans(codes), DOT, 2, 1), [NG, M, N])
     mins = tl.sum(q[None, :, :] * gmin[:, None, :], axis=2)  # [NG, M]: q . min_g, exact products, fp32 sums
     own = tl.arange(0, NG)[:, None, None] == (tl.arange(0, N) // G)[None, None, :]
-    return tl.sum(tl.where(own, r * tok + mins[:, :, None], 0.0), axis=0)
+    return tl.sum(tl.where(own, r * (tok * 0.0001220703125) + mins[:, :, None], 0.0), axis=0)
 
 
 @triton.jit
