@@ -229,6 +229,23 @@ def test_key_fold_in_decode_only(name):
     assert plan(1, dot_precision="ieee")["KEY_FOLD"] is False
 
 
+@pytest.fixture
+def key_folds(monkeypatch):
+    """KEY_FOLD of every attention launch planned while the test runs, in order."""
+    from kvgen.runtime import kernels as K
+
+    folds = []
+    plan_attend = K.KernelSet.plan_attend
+
+    def spy(self, *args, **kwargs):
+        launch = plan_attend(self, *args, **kwargs)
+        folds.append(launch.kwargs.get("KEY_FOLD"))
+        return launch
+
+    monkeypatch.setattr(K.KernelSet, "plan_attend", spy)
+    return folds
+
+
 DECODE_STREAMS = [  # (steps, window, splits, head size): decode steps (one query token per sequence) after
     # group-crossing prefills; head size 96 (padded to 128) takes the fold without lowering the runtime's rule
     ([[300, 200], [1, 1], [1, 1]], 200, 3, 64),
@@ -239,7 +256,7 @@ DECODE_STREAMS = [  # (steps, window, splits, head size): decode steps (one quer
 
 @pytest.mark.parametrize("name", SHIPPED)
 @pytest.mark.parametrize("steps,window,splits,head", DECODE_STREAMS)
-def test_decode_streams_through_the_key_fold(name, steps, window, splits, head, monkeypatch):
+def test_decode_streams_through_the_key_fold(name, steps, window, splits, head, monkeypatch, key_folds):
     """The key fold's decode against the reference, at the suite's head size of 64 (the fold's head rule widened to
     it) and at 96 (padded to 128): bf16 and fp16 queries, several groups per step, windows and KV splits. Every
     attention launch of the last step takes the fold."""
@@ -248,15 +265,7 @@ def test_decode_streams_through_the_key_fold(name, steps, window, splits, head, 
     from kvgen.runtime import kernels as K
 
     monkeypatch.setattr(K, "KEY_FOLD_HEADS", (64, 128))
-    folds = []
-    plan_attend = K.KernelSet.plan_attend
-
-    def spy(self, *args, **kwargs):
-        launch = plan_attend(self, *args, **kwargs)
-        folds.append(launch.kwargs.get("KEY_FOLD"))
-        return launch
-
-    monkeypatch.setattr(K.KernelSet, "plan_attend", spy)
+    folds = key_folds
     fmt = kvgen.load(name)
     for dtype in (torch.bfloat16, torch.float16):
         case = StreamCase(head_size=head, block_size=64, num_kv_heads=2, group=4, steps=steps, dtype=dtype,
@@ -326,3 +335,22 @@ def test_fp32_key_minima(tmp_path):
         case = StreamCase(head_size=64, block_size=64, num_kv_heads=2, group=4, steps=[[300, 200], [40, 1]],
                           dtype=dtype, window=None, pad_rows=1, seed=23, splits=2)
         assert_stream(fmt, case)
+
+
+def test_decode_stream_with_one_group_per_step(tmp_path, key_folds):
+    """Key groups of 128 tokens: a step holds one group (the fold's dot has one block of query rows), at head size 96
+    (padded to 128, so the runtime's own rule folds): bf16 decode after a prefill of several groups."""
+    import torch
+
+    spec = yaml.safe_load((Path(__file__).resolve().parents[1] / "specs" / "kivi_2bit.yaml").read_text())
+    spec["name"] = "kivi_2bit_g128"
+    spec["key"]["scale"]["group_tokens"] = 128
+    path = tmp_path / f"{spec['name']}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    os.environ.setdefault("KVGEN_CACHE_DIR", str(tmp_path / "cache"))
+    fmt = kvgen.load(path)
+    assert fmt._kernels.module.KEY_FOLD and fmt._kernels.module.BLOCK_N_GROUP == 128
+    case = StreamCase(head_size=96, block_size=128, num_kv_heads=2, group=4, steps=[[700, 530], [1, 1]],
+                      dtype=torch.bfloat16, window=None, pad_rows=1, seed=29, splits=2)
+    assert_stream(fmt, case)
+    assert key_folds and key_folds[-1] is True, key_folds
