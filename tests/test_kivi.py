@@ -198,8 +198,8 @@ def test_residual_steps_take_tensor_core_dots(ring, tmp_path):
     assert ks.dot_modes(torch.float16, "ieee", False, 64)["DOT_R"] == 0
     if want:
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            case = StreamCase(head_size=64, block_size=64, num_kv_heads=2, group=4, steps=STREAMS[0][0],
-                              dtype=dtype, window=STREAMS[0][1], pad_rows=1, seed=13, splits=STREAMS[0][2])
+            case = StreamCase(head_size=64, block_size=64, num_kv_heads=2, group=4, steps=[[300, 200], [64, 33]],
+                              dtype=dtype, window=200, pad_rows=1, seed=13, splits=3)
             assert_stream(fmt, case)
 
 
