@@ -83,9 +83,9 @@ MIN_SPLIT = 512
 FEW_PROGRAMS_PER_SM = 2
 MIN_FEW_SPLIT = 128
 # KIVI's key fold (KEY_FOLD: per-channel group scales folded into the query in decode) at these padded head sizes.
-# H200, eleventh session (benchmarks/RESULTS.md): at head size 128 decode took 10-16% less time, at 64 2-3% more;
-# 256 was not measured (static, sm_90: fewer instructions, more spills)
-KEY_FOLD_HEADS = (128,)
+# H200, eleventh session (benchmarks/RESULTS.md; benchmarks/key_fold_heads.py): decode took 10-16% less time at head
+# size 128 and 9-14% less at 256, 2-3% more at 64
+KEY_FOLD_HEADS = (128, 256)
 # experiments and tests: tiles used for every format instead of the rules above (None: the rules)
 TILE_OVERRIDE: dict | None = None
 # reshape_and_cache, compiled: tokens per program and warps (the interpreter takes 64 tokens per program). One warp

@@ -206,8 +206,8 @@ def test_residual_steps_take_tensor_core_dots(ring, tmp_path):
 @pytest.mark.parametrize("name", SHIPPED)
 def test_key_fold_in_decode_only(name):
     """Decode with a query of one dot term (bf16, fp16) folds each token group's key scales into the query and dots
-    the codes alone (KEY_FOLD, group_scores) at a padded head of 128 (runtime.kernels.KEY_FOLD_HEADS, measured);
-    fp32 queries (two terms), prefill, other heads and exact fp32 dots keep the codes times the scales."""
+    the codes alone (KEY_FOLD, group_scores) at padded heads of 128 and 256 (runtime.kernels.KEY_FOLD_HEADS,
+    measured); fp32 queries (two terms), prefill, other heads and exact fp32 dots keep the codes times the scales."""
     import torch
 
     fmt = kvgen.load(name)
@@ -222,7 +222,7 @@ def test_key_fold_in_decode_only(name):
 
     assert plan(1)["KEY_FOLD"] is True and plan(1, torch.float16)["KEY_FOLD"] is True
     assert plan(1, head=96)["KEY_FOLD"] is True  # padded to 128
-    assert plan(1, head=256)["KEY_FOLD"] is False
+    assert plan(1, head=256)["KEY_FOLD"] is True
     assert plan(1, torch.float32)["KEY_FOLD"] is False
     assert plan(16)["KEY_FOLD"] is False
     assert plan(1, head=64)["KEY_FOLD"] is False
@@ -251,6 +251,7 @@ DECODE_STREAMS = [  # (steps, window, splits, head size): decode steps (one quer
     ([[300, 200], [1, 1], [1, 1]], 200, 3, 64),
     ([[600, 413, 230], [1, 1, 1]], None, 2, 64),
     ([[250, 100], [1, 1]], None, 2, 96),
+    ([[200, 170], [1, 1]], None, 2, 256),
 ]
 
 
@@ -258,13 +259,13 @@ DECODE_STREAMS = [  # (steps, window, splits, head size): decode steps (one quer
 @pytest.mark.parametrize("steps,window,splits,head", DECODE_STREAMS)
 def test_decode_streams_through_the_key_fold(name, steps, window, splits, head, monkeypatch, key_folds):
     """The key fold's decode against the reference, at the suite's head size of 64 (the fold's head rule widened to
-    it) and at 96 (padded to 128): bf16 and fp16 queries, several groups per step, windows and KV splits. Every
-    attention launch of the last step takes the fold."""
+    it), at 96 (padded to 128) and at 256: bf16 and fp16 queries, several groups per step, windows and KV
+    splits. Every attention launch of the last step takes the fold."""
     import torch
 
     from kvgen.runtime import kernels as K
 
-    monkeypatch.setattr(K, "KEY_FOLD_HEADS", (64, 128))
+    monkeypatch.setattr(K, "KEY_FOLD_HEADS", (64, 128, 256))
     folds = key_folds
     fmt = kvgen.load(name)
     for dtype in (torch.bfloat16, torch.float16):
