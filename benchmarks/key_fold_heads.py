@@ -1,6 +1,6 @@
-"""KIVI's key fold (issue 5) by head size: decode time with the fold and without it, and how far apart their outputs
-are. The runtime folds only at the padded head sizes in ``kvgen.runtime.kernels.KEY_FOLD_HEADS`` (measured: 128);
-this script measures others before they join that list. On a GPU:
+"""KIVI's key fold (issue 5) by head size: decode time with the fold and without it. The runtime folds only at the
+padded head sizes in ``kvgen.runtime.kernels.KEY_FOLD_HEADS`` (measured to gain: 128 and 256; 64 lost 2-3%); this
+script measures others before they join that list. On a GPU:
 
     python benchmarks/key_fold_heads.py                      # kivi_2bit and kivi_4bit, heads 64 / 128 / 256
     python benchmarks/key_fold_heads.py kivi_2bit --heads 256 --shape 16x8192
