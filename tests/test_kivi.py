@@ -172,21 +172,30 @@ def test_fixed_value_ratios_with_a_residual_window(tmp_path):
     prop()
 
 
+def kivi_2bit_variant(tmp_path, name: str, edit):
+    """specs/kivi_2bit.yaml changed by ``edit(spec)`` (a dict, in place), saved as ``name`` and loaded."""
+    spec = yaml.safe_load((Path(__file__).resolve().parents[1] / "specs" / "kivi_2bit.yaml").read_text())
+    spec["name"] = name
+    edit(spec)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    os.environ.setdefault("KVGEN_CACHE_DIR", str(tmp_path / "cache"))
+    return kvgen.load(path)
+
+
 @pytest.mark.parametrize("ring", ["fp16", "bf16"])
 def test_residual_steps_take_tensor_core_dots(ring, tmp_path):
     """The residual ring's steps dot its values in their own dtype (one term) with tensor cores where the query and
     the probabilities fit two terms of it (kvgen.runtime.kernels: DOT_R); fp32 queries on a bf16 ring and the
-    interpreter's bf16 keep exact fp32 dots. An fp16 ring runs its tensor-core path here in the interpreter: a stream through it."""
+    interpreter's bf16 keep exact fp32 dots. An fp16 ring runs its tensor-core path here in the interpreter: a
+    stream through it."""
     import torch
 
-    spec = yaml.safe_load((Path(__file__).resolve().parents[1] / "specs" / "kivi_2bit.yaml").read_text())
-    spec["name"] = f"kivi_2bit_{ring}_ring"
-    for side in ("key", "value"):
-        spec[side]["residual"]["dtype"] = ring
-    path = tmp_path / f"{spec['name']}.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    os.environ.setdefault("KVGEN_CACHE_DIR", str(tmp_path / "cache"))
-    fmt = kvgen.load(path)
+    def ring_dtype(spec):
+        for side in ("key", "value"):
+            spec[side]["residual"]["dtype"] = ring
+
+    fmt = kivi_2bit_variant(tmp_path, f"kivi_2bit_{ring}_ring", ring_dtype)
     ks = fmt._kernels
     assert ks.module.RESIDUAL_DOT == ring
     on_gpu = DEVICE == "cuda"
@@ -313,7 +322,8 @@ def test_group_scores_products_are_exact():
         out = torch.empty((M, N), dtype=torch.float32, device=DEVICE)
         scores_kernel[(1,)](*dev, out, tok, M=M, N=N, H=H, G=G)
         g = np.arange(N) // G
-        terms = q.astype(np.float64)[:, None, :] * (codes[None, :, :] * ratio[g][None, :, :] * tok + gmin[g][None, :, :])
+        keys = codes[None, :, :] * ratio[g][None, :, :] * tok + gmin[g][None, :, :]  # dequantized, [1, N, H]
+        terms = q.astype(np.float64)[:, None, :] * keys
         want, size = terms.sum(axis=2), np.abs(terms).sum(axis=2)
         err = np.abs(out.cpu().numpy().astype(np.float64) - want)
         assert (err <= 2.0 ** -20 * size).all(), (qdtype, float((err / size).max()))
@@ -324,14 +334,11 @@ def test_fp32_key_minima(tmp_path):
     fp32 rather than in a one-term fp16 dot (which failed conformance for fp32 queries and bf16 prefill)."""
     import torch
 
-    spec = yaml.safe_load((Path(__file__).resolve().parents[1] / "specs" / "kivi_2bit.yaml").read_text())
-    spec["name"] = "kivi_2bit_fp32_key_minima"
-    spec["key"]["element"] = "uint4"
-    spec["key"]["zero_point"]["dtype"] = "fp32"
-    path = tmp_path / f"{spec['name']}.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    os.environ.setdefault("KVGEN_CACHE_DIR", str(tmp_path / "cache"))
-    fmt = kvgen.load(path)
+    def fp32_minima(spec):
+        spec["key"]["element"] = "uint4"
+        spec["key"]["zero_point"]["dtype"] = "fp32"
+
+    fmt = kivi_2bit_variant(tmp_path, "kivi_2bit_fp32_key_minima", fp32_minima)
     for dtype in (torch.float32, torch.bfloat16):
         case = StreamCase(head_size=64, block_size=64, num_kv_heads=2, group=4, steps=[[300, 200], [40, 1]],
                           dtype=dtype, window=None, pad_rows=1, seed=23, splits=2)
@@ -343,13 +350,7 @@ def test_decode_stream_with_one_group_per_step(tmp_path, key_folds):
     (padded to 128, so the runtime's own rule folds): bf16 decode after a prefill of several groups."""
     import torch
 
-    spec = yaml.safe_load((Path(__file__).resolve().parents[1] / "specs" / "kivi_2bit.yaml").read_text())
-    spec["name"] = "kivi_2bit_g128"
-    spec["key"]["scale"]["group_tokens"] = 128
-    path = tmp_path / f"{spec['name']}.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    os.environ.setdefault("KVGEN_CACHE_DIR", str(tmp_path / "cache"))
-    fmt = kvgen.load(path)
+    fmt = kivi_2bit_variant(tmp_path, "kivi_2bit_g128", lambda spec: spec["key"]["scale"].update(group_tokens=128))
     assert fmt._kernels.module.KEY_FOLD and fmt._kernels.module.BLOCK_N_GROUP == 128
     case = StreamCase(head_size=96, block_size=128, num_kv_heads=2, group=4, steps=[[700, 530], [1, 1]],
                       dtype=torch.bfloat16, window=None, pad_rows=1, seed=29, splits=2)
