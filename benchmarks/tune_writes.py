@@ -4,7 +4,7 @@ choice, per format, timed as CUDA-graph replays (no host launch cost). On a GPU:
     python benchmarks/tune_writes.py bf16 fp8_e4m3 int8_per_token_head
     python benchmarks/tune_writes.py nvfp4 --configs 16/4 32/4 64/8 --tokens 32768 256
 
-A config is BLOCK_T/num_warps. The runtime's choice is kvgen.runtime.kernels.WRITE_TILES; this script overrides it
+A config is BLOCK_T/num_warps[/maxnreg]. The runtime's choice is kvgen.runtime.kernels.WRITE_TILES; this script overrides it
 (WRITE_OVERRIDE) per run and prints one markdown row per (format, token count) with median us and the fraction of
 the copy bandwidth measured in the same run (bytes as benchmarks/bench.py counts them: the bf16 input read plus the
 cache bytes written). Streaming formats (KIVI) write through another kernel and are skipped.
@@ -25,8 +25,11 @@ DEFAULT_CONFIGS = ["16/4", "8/2", "16/2", "32/4", "32/8", "64/8", "4/1", "8/1"]
 
 
 def parse(config: str) -> dict:
-    block_t, warps = (int(x) for x in config.split("/"))
-    return dict(BLOCK_T=block_t, num_warps=warps)
+    """BLOCK_T/num_warps, or BLOCK_T/num_warps/maxnreg (a register cap)."""
+    parts = [int(x) for x in config.split("/")]
+    if len(parts) not in (2, 3):
+        raise SystemExit(f"--configs {config!r}: expected BLOCK_T/num_warps or BLOCK_T/num_warps/maxnreg")
+    return dict(BLOCK_T=parts[0], num_warps=parts[1], maxnreg=parts[2] if len(parts) > 2 else None)
 
 
 def main() -> None:

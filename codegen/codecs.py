@@ -62,8 +62,9 @@ class Codec:
     @property
     def native_encode(self) -> bool:
         """Whether the codec renders ``{prefix}encode_native(v, NATIVE)``: with ``NATIVE`` (compiled for sm_89 or
-        newer) the hardware's conversion, which gives encode's bytes (rounding half to even, saturating; NaN gets the
-        codec's NaN code); without it encode itself. fp8 e4m3 and e5m2 only."""
+        newer) the hardware's conversion, which gives encode's bytes (rounding, saturating; NaN gets the codec's NaN
+        code, or code 0 for integers); without it encode itself. fp8 e4m3 and e5m2, and 8-bit integers whose range
+        is the whole byte (int8, uint8)."""
         return bool(self.params.get("native"))
 
     @property
@@ -107,8 +108,10 @@ def _float(name: str) -> Codec:
 def _int(element: ElementType, rounding: Rounding) -> Codec:
     info = ELEMENTS[element]
     signed = info.kind == "int"
+    # 8-bit codes whose range is the whole byte: the hardware's saturating conversion to s8 / u8 is encode's clamp
+    native = {(-128.0, 127.0): "s8", (0.0, 255.0): "u8"}.get((info.qmin, info.qmax), "") if info.bits == 8 else ""
     p = dict(qmin=info.qmin, qmax=info.qmax, rounding=rounding.value, rne_magic=RNE_MAGIC, signed=signed,
-             mask=(1 << info.bits) - 1, half=1 << (info.bits - 1))
+             mask=(1 << info.bits) - 1, half=1 << (info.bits - 1), native=native)
     return Codec(element.value, "int.py.jinja", info.bits, p,
                  f"{element.value}, round {rounding.value.replace('_', ' ')}, clamp to [{info.qmin:g}, {info.qmax:g}]")
 

@@ -13,7 +13,7 @@ import jinja2
 
 from . import layout as layout_mod
 from .codecs import SCALE_MAX, SCALE_TINY, Codec, element_codec, scale_codec
-from .spec import FP32_MAX, ApplyScale, FormatSpec, Granularity, Placement, ScaleDType, SideSpec
+from .spec import ELEMENTS, FP32_MAX, ApplyScale, FormatSpec, Granularity, Placement, ScaleDType, SideSpec
 from .support import check_supported
 from .version import KVGEN_VERSION
 
@@ -65,6 +65,8 @@ class SideContext:
     meta_ptr: str
     rotate: bool
     nan_as_zero: bool  # integer and fp4 codes have no NaN: NaN inputs are stored as 0.0
+    native_nan_zero: bool  # ... which compiled writes leave to encode_native (NaN -> code 0, that of 0.0: no zero point)
+    range_first: bool  # dynamic absmax: the write reduces every value first, the finite ones only where needed
     scale_rule: str
     codec_summary: str
     scale_summary: str
@@ -147,6 +149,21 @@ def fp64_quotient(side: SideSpec) -> bool:
     if sc is None or sc.apply != ApplyScale.divide:
         return False
     return sc.granularity.is_static or side.rotation is not None
+
+
+def range_first(side: SideSpec) -> bool:
+    """Whether the write of a dynamic side reduces its groups over every value first (one max per element; NaN and
+    infinities propagate) and takes the masked reduction over the finite values only in a tile that holds one (a
+    branch on the whole tile: side.jinja; compiled code only). Both give the same bytes; the choice is speed. Measured on the H200 (writes
+    of 32768 tokens as graph replays, benchmarks/RESULTS.md, twelfth session): it gains where each element's own work
+    is shortest, a hardware encode after a multiply by an exact reciprocal (mxfp8: 69 -> 65 us), and loses 1-5% where
+    the elements take more (int8 / fp8 per token-head, int8 asym, q4_0, mxfp4, mixed_k8_v4: the branch's tile-wide
+    reduction lengthens each program, and its registers grow)."""
+    sc = side.scale
+    if sc is None or sc.granularity.is_static or sc.global_scale or side.zero_point is not None:
+        return False
+    minifloat = ELEMENTS[side.element].kind == "fp"  # int8 with the same scales: not measured
+    return minifloat and element_codec(side).native_encode and scale_codec(sc.dtype).exact_reciprocal
 
 
 def rcp_can_overflow(side: SideSpec) -> bool:
@@ -385,6 +402,8 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
         meta_ptr=f"{p}_meta_ptr" if dynamic and sc.placement == Placement.separate else f"{p}_cache_ptr",
         rotate=side.rotation is not None,
         nan_as_zero=info.kind in ("int", "uint") or side.element.value == "fp4_e2m1",
+        native_nan_zero=info.kind in ("int", "uint") and codec.native_encode and not asym,
+        range_first=dynamic and range_first(side),
         scale_rule=f"scale = max({rule.split(' with ')[0]}, {sc.min:g}) stored as {sc.dtype.value}"
         + (f", the {side.zero_point.dtype} minimum as offset" if zp == "float" else "") if dynamic else "",
         codec_summary=codec.summary,

@@ -206,6 +206,8 @@ class KernelSet:
             tiles = WRITE_OVERRIDE or WRITE_TILES
             # stored bytes must not depend on the compiler contracting x * inv + c into one rounding
             block_t, options = tiles["BLOCK_T"], {"num_warps": tiles["num_warps"], "enable_fp_fusion": False}
+            if tiles.get("maxnreg"):
+                options["maxnreg"] = tiles["maxnreg"]
         block_t = min(block_t, _next_pow2(num_tokens))
         grid = (triton_cdiv(num_tokens, block_t), consts["NUM_KV_HEADS"])
         self.launch("reshape_and_cache_kernel")(

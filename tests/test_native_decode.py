@@ -55,12 +55,30 @@ value:
   scale: {granularity: per_block, block: 16, dtype: fp16, placement: page_end}
 """
 
+# the two 8-bit integer roundings the shipped formats do not pair with: int8 rounded half to even (hardware cvt.rni),
+# uint8 half away from zero (cvt.rzi of v + 0.5)
+INT8_ROUNDINGS = """
+kvgen_spec: 1
+name: int8_roundings
+cache: {layout: interleaved}
+key:
+  element: int8
+  rounding: half_even
+  scale: {granularity: per_token_head, dtype: fp32, placement: inline}
+value:
+  element: uint8
+  rounding: half_away_from_zero
+  zero_point: {storage: beside_scale}
+  scale: {granularity: per_token_head, dtype: fp32, placement: separate}
+"""
+
 
 @pytest.fixture(scope="module")
 def extra_formats(tmp_path_factory):
     root = tmp_path_factory.mktemp("native_decode")
     paths = {}
-    for name, text in (("signed_msb_first", SIGNED_MSB_FIRST), ("streaming_fp8", STREAMING_FP8)):
+    for name, text in (("signed_msb_first", SIGNED_MSB_FIRST), ("streaming_fp8", STREAMING_FP8),
+                       ("int8_roundings", INT8_ROUNDINGS)):
         paths[name] = root / f"{name}.yaml"
         paths[name].write_text(text)
     before = os.environ.get("KVGEN_CACHE_DIR")
@@ -182,11 +200,16 @@ ENCODE_BLOCK = 4096  # fp32 bit patterns per program: 2**20 programs cover all 2
 
 
 @triton.jit
-def _encode_mismatches(counts_ptr, encode_native: tl.constexpr, encode: tl.constexpr, BLOCK: tl.constexpr):
-    # every fp32 bit pattern of this program's block, encoded both ways; the number that differ per program
+def _encode_mismatches(counts_ptr, encode_native: tl.constexpr, encode: tl.constexpr, BLOCK: tl.constexpr,
+                       NAN_AS_ZERO: tl.constexpr):
+    # every fp32 bit pattern of this program's block, encoded both ways; the number that differ per program. With
+    # NAN_AS_ZERO (integer codes, which have no NaN) NaN must give 0.0's code: what the writes store for NaN
     bits = tl.program_id(0).to(tl.uint32) * BLOCK + tl.arange(0, BLOCK).to(tl.uint32)
     v = bits.to(tl.float32, bitcast=True)
-    differ = encode_native(v, True) != encode(v)
+    if NAN_AS_ZERO:
+        differ = encode_native(v, True) != encode(tl.where(v == v, v, 0.0))
+    else:
+        differ = encode_native(v, True) != encode(v)
     tl.store(counts_ptr + tl.program_id(0), tl.sum(differ.to(tl.int32), axis=0))
 
 
@@ -201,8 +224,8 @@ def encoders(extra: dict):
 
 def test_writes_encode_through_the_hardware_where_a_codec_can(extra_formats):
     """The write kernels (reshape-and-cache, or KIVI's flush) call a codec's encode_native, with the kernel's
-    NATIVE_CASTS, exactly where the codec renders one (fp8 e4m3 / e5m2 elements and e4m3 scales), so the GPU check
-    below covers every compiled fp8 encode of a write."""
+    NATIVE_CASTS, exactly where the codec renders one (fp8 e4m3 / e5m2 and 8-bit integer elements, e4m3 scales), so
+    the GPU check below covers every compiled hardware encode of a write."""
     import re
 
     seen = set()
@@ -215,14 +238,19 @@ def test_writes_encode_through_the_hardware_where_a_codec_can(extra_formats):
         assert calls, (fmt.name, prefix)
         for native, rest in calls:
             assert native and rest.rstrip().endswith(", NATIVE_CASTS)"), (fmt.name, prefix, rest)
-    assert {"fp8_e4m3", "fp8_e5m2", "fp8_per_token_head", "mxfp8", "nvfp4", "streaming_fp8"} <= seen
+    assert {"fp8_e4m3", "fp8_e5m2", "fp8_per_token_head", "mxfp8", "nvfp4", "streaming_fp8", "int8_per_token_head",
+            "int8_asym_per_token_head", "q8_0", "int8_roundings"} <= seen
 
 
 @on_gpu
 def test_native_encode_matches_portable_for_every_fp32(extra_formats):
-    """encode_native(v, True) (the hardware's fp8 conversion, NaN fixed to the codec's code) gives encode's byte for
-    each of the 2**32 fp32 bit patterns: finite values, both zeros, subnormals, overflow, infinities and every NaN."""
-    checked = set()
+    """encode_native(v, True) (the hardware's fp8 conversion, NaN fixed to the codec's code; for 8-bit integers one
+    saturating conversion) gives encode's byte for each of the 2**32 fp32 bit patterns: finite values, both zeros,
+    subnormals, overflow, infinities and every NaN (integers: 0.0's code, as the writes store NaN)."""
+    from kvgen.codegen.spec import ELEMENTS
+    import re
+
+    checked, conversions = set(), set()
     for fmt, prefix in encoders(extra_formats):
         module = fmt._kernels.module
         native, portable = getattr(module, f"{prefix}encode_native"), getattr(module, f"{prefix}encode")
@@ -233,12 +261,16 @@ def test_native_encode_matches_portable_for_every_fp32(extra_formats):
         checked.add(key)
         counts = torch.empty(2 ** 32 // ENCODE_BLOCK, dtype=torch.int32, device="cuda")
         # compiled as the writes are (runtime/kernels.py): no contraction of multiplies and adds into FMAs
-        _encode_mismatches[(counts.numel(),)](counts, native, portable, ENCODE_BLOCK, enable_fp_fusion=False)
+        side = {"k_": fmt.spec.key, "v_": fmt.spec.value}.get(prefix)
+        integer = side is not None and ELEMENTS[side.element].kind in ("int", "uint")
+        _encode_mismatches[(counts.numel(),)](counts, native, portable, ENCODE_BLOCK, integer, enable_fp_fusion=False)
+        conversions |= set(re.findall(r"cvt\.r[nz]i\.sat\.[su]8", native.src))
         bad = torch.nonzero(counts).flatten()
         assert bad.numel() == 0, (f"{fmt.name} {prefix}encode_native differs from {prefix}encode in "
                                   f"{int(counts.sum())} fp32 patterns, first in the block starting at "
                                   f"{int(bad[0]) * ENCODE_BLOCK:#010x}")
-    assert len(checked) >= 2  # e4m3 and e5m2
+    assert len(checked) >= 6  # e4m3, e5m2; int8 and uint8, each rounded half away from zero and to even
+    assert conversions == {"cvt.rzi.sat.s8", "cvt.rni.sat.s8", "cvt.rzi.sat.u8", "cvt.rni.sat.u8"}
 
 
 # -- the inline PTX itself, modelled on the CPU -------------------------------------------------------------------

@@ -183,7 +183,7 @@ def reshape_and_cache_kernel(
     V_DATA_PAGE: tl.constexpr, V_DATA_BASE: tl.constexpr, V_DATA_CELL: tl.constexpr,
     V_SCALE_PAGE: tl.constexpr, V_SCALE_BASE: tl.constexpr, V_SCALE_CELL: tl.constexpr,
     V_ZP_PAGE: tl.constexpr, V_ZP_BASE: tl.constexpr, V_ZP_CELL: tl.constexpr,
-    BLOCK_T: tl.constexpr, NATIVE_CASTS: tl.constexpr,  # compiled: hardware fp8 conversions (the same bytes)
+    BLOCK_T: tl.constexpr, NATIVE_CASTS: tl.constexpr,  # compiled: hardware fp8 / int8 conversions (the same bytes)
 ):
     head = tl.program_id(1)
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -203,7 +203,8 @@ def reshape_and_cache_kernel(
     # dynamic scale per group of HEAD_PAD elements: scale = max(absmax / 448, 1e-06) stored as fp32
     k_xg = tl.reshape(x_key, [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
     k_ax = tl.abs(k_xg)
-    k_s = tl.math.div_rn(tl.max(tl.where(k_ax < float("inf"), k_ax, 0.0), axis=2), 448.0)  # finite absmax / 448.0
+    k_am = tl.max(tl.where(k_ax < float("inf"), k_ax, 0.0), axis=2)  # only finite values count
+    k_s = tl.math.div_rn(k_am, 448.0)  # finite absmax / 448.0
     k_s = tl.maximum(k_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     k_scode = k_scale_encode(k_s)
     k_eff_g = k_scale_decode(k_scode)
@@ -221,7 +222,8 @@ def reshape_and_cache_kernel(
     # dynamic scale per group of HEAD_PAD elements: scale = max(absmax / 448, 1e-06) stored as fp32
     v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
     v_ax = tl.abs(v_xg)
-    v_s = tl.math.div_rn(tl.max(tl.where(v_ax < float("inf"), v_ax, 0.0), axis=2), 448.0)  # finite absmax / 448.0
+    v_am = tl.max(tl.where(v_ax < float("inf"), v_ax, 0.0), axis=2)  # only finite values count
+    v_s = tl.math.div_rn(v_am, 448.0)  # finite absmax / 448.0
     v_s = tl.maximum(v_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     v_scode = v_scale_encode(v_s)
     v_eff_g = v_scale_decode(v_scode)

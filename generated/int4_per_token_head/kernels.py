@@ -189,7 +189,7 @@ def reshape_and_cache_kernel(
     V_DATA_PAGE: tl.constexpr, V_DATA_BASE: tl.constexpr, V_DATA_CELL: tl.constexpr,
     V_SCALE_PAGE: tl.constexpr, V_SCALE_BASE: tl.constexpr, V_SCALE_CELL: tl.constexpr,
     V_ZP_PAGE: tl.constexpr, V_ZP_BASE: tl.constexpr, V_ZP_CELL: tl.constexpr,
-    BLOCK_T: tl.constexpr, NATIVE_CASTS: tl.constexpr,  # compiled: hardware fp8 conversions (the same bytes)
+    BLOCK_T: tl.constexpr, NATIVE_CASTS: tl.constexpr,  # compiled: hardware fp8 / int8 conversions (the same bytes)
 ):
     head = tl.program_id(1)
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -222,7 +222,8 @@ def reshape_and_cache_kernel(
     k_scode = k_scode & 0xfffffff0  # the low 4 bits will hold the zero point
     k_eff_g = k_scale_decode(k_scode)
     k_rcp = (1.0 / (k_eff_g).to(tl.float64))  # fp64 reciprocal of each group's scale, for x / s
-    k_zcode = k_encode(((-k_lo).to(tl.float64) * k_rcp).to(tl.float32))  # zero point, rounded and clamped like a code
+    # zero point, rounded and clamped like a code
+    k_zcode = k_encode(((-k_lo).to(tl.float64) * k_rcp).to(tl.float32))
     k_v = ((x_key).to(tl.float64) * tl.reshape(tl.broadcast_to(k_rcp[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])).to(tl.float32)  # x / s
     k_v = k_v + tl.reshape(tl.broadcast_to(k_zcode.to(tl.float32)[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
     k_codes = k_encode(k_v)
@@ -256,7 +257,8 @@ def reshape_and_cache_kernel(
     v_scode = v_scode & 0xfffffff0  # the low 4 bits will hold the zero point
     v_eff_g = v_scale_decode(v_scode)
     v_rcp = (1.0 / (v_eff_g).to(tl.float64))  # fp64 reciprocal of each group's scale, for x / s
-    v_zcode = v_encode(((-v_lo).to(tl.float64) * v_rcp).to(tl.float32))  # zero point, rounded and clamped like a code
+    # zero point, rounded and clamped like a code
+    v_zcode = v_encode(((-v_lo).to(tl.float64) * v_rcp).to(tl.float32))
     v_v = ((x_value).to(tl.float64) * tl.reshape(tl.broadcast_to(v_rcp[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])).to(tl.float32)  # x / s
     v_v = v_v + tl.reshape(tl.broadcast_to(v_zcode.to(tl.float32)[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
     v_codes = v_encode(v_v)

@@ -45,6 +45,14 @@ def k_encode(v):
 
 
 @triton.jit
+def k_encode_native(v, NATIVE: tl.constexpr):
+    if NATIVE:  # compiled: one conversion rounds half to even and saturates to [0.0, 255.0] (encode's clamp, in
+        # the same instruction); NaN gives code 0, the code of 0.0, as the writes store NaN
+        return tl.inline_asm_elementwise("cvt.rni.sat.u8.f32 $0, $1;", "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1).to(tl.uint8)
+    return k_encode(v)
+
+
+@triton.jit
 def k_decode(code):
     return (code.to(tl.int32) & 255).to(tl.float32)
 
@@ -84,6 +92,14 @@ def v_encode(v):
     r = tl.minimum(tl.maximum(v, 0.0), 255.0)
     q = (r + 12582912.0).to(tl.int32, bitcast=True)
     return (q & 255).to(tl.uint8)  # unsigned, 8 bits
+
+
+@triton.jit
+def v_encode_native(v, NATIVE: tl.constexpr):
+    if NATIVE:  # compiled: one conversion rounds half to even and saturates to [0.0, 255.0] (encode's clamp, in
+        # the same instruction); NaN gives code 0, the code of 0.0, as the writes store NaN
+        return tl.inline_asm_elementwise("cvt.rni.sat.u8.f32 $0, $1;", "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1).to(tl.uint8)
+    return v_encode(v)
 
 
 @triton.jit
@@ -140,7 +156,7 @@ def reshape_and_cache_kernel(
     V_DATA_PAGE: tl.constexpr, V_DATA_BASE: tl.constexpr, V_DATA_CELL: tl.constexpr,
     V_SCALE_PAGE: tl.constexpr, V_SCALE_BASE: tl.constexpr, V_SCALE_CELL: tl.constexpr,
     V_ZP_PAGE: tl.constexpr, V_ZP_BASE: tl.constexpr, V_ZP_CELL: tl.constexpr,
-    BLOCK_T: tl.constexpr, NATIVE_CASTS: tl.constexpr,  # compiled: hardware fp8 conversions (the same bytes)
+    BLOCK_T: tl.constexpr, NATIVE_CASTS: tl.constexpr,  # compiled: hardware fp8 / int8 conversions (the same bytes)
 ):
     head = tl.program_id(1)
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -169,11 +185,12 @@ def reshape_and_cache_kernel(
     k_s = tl.maximum(k_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     k_scode = k_scale_encode(k_s)
     k_eff_g = k_scale_decode(k_scode)
-    k_zcode = k_encode(tl.math.div_rn(-k_lo, k_eff_g))  # zero point, rounded and clamped like a code
+    # zero point, rounded and clamped like a code
+    k_zcode = k_encode_native(tl.math.div_rn(-k_lo, k_eff_g), NATIVE_CASTS)
     k_eff = tl.reshape(tl.broadcast_to(k_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
     k_v = tl.math.div_rn(x_key, k_eff)  # x / s
     k_v = k_v + tl.reshape(tl.broadcast_to(k_zcode.to(tl.float32)[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
-    k_codes = k_encode(k_v)
+    k_codes = k_encode_native(k_v, NATIVE_CASTS)
     k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
     tl.store(k_row[:, None] + d[None, :], k_codes, mask=valid[:, None] & dmask[None, :])
     k_gi = tl.arange(0, HEAD_PAD // HEAD_PAD)
@@ -196,11 +213,12 @@ def reshape_and_cache_kernel(
     v_s = tl.maximum(v_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     v_scode = v_scale_encode(v_s)
     v_eff_g = v_scale_decode(v_scode)
-    v_zcode = v_encode(tl.math.div_rn(-v_lo, v_eff_g))  # zero point, rounded and clamped like a code
+    # zero point, rounded and clamped like a code
+    v_zcode = v_encode_native(tl.math.div_rn(-v_lo, v_eff_g), NATIVE_CASTS)
     v_eff = tl.reshape(tl.broadcast_to(v_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
     v_v = tl.math.div_rn(x_value, v_eff)  # x / s
     v_v = v_v + tl.reshape(tl.broadcast_to(v_zcode.to(tl.float32)[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
-    v_codes = v_encode(v_v)
+    v_codes = v_encode_native(v_v, NATIVE_CASTS)
     v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
     tl.store(v_row[:, None] + d[None, :], v_codes, mask=valid[:, None] & dmask[None, :])
     v_gi = tl.arange(0, HEAD_PAD // HEAD_PAD)

@@ -45,6 +45,15 @@ def k_encode(v):
 
 
 @triton.jit
+def k_encode_native(v, NATIVE: tl.constexpr):
+    if NATIVE:  # compiled: one conversion truncates and saturates to [-128.0, 127.0] (encode's clamp, in
+        # the same instruction); NaN gives code 0, the code of 0.0, as the writes store NaN
+        r = v + tl.where(v >= 0, 0.5, -0.5)  # encode's fp32 add of +-0.5
+        return tl.inline_asm_elementwise("cvt.rzi.sat.s8.f32 $0, $1;", "=r,r", [r], dtype=tl.int32, is_pure=True, pack=1).to(tl.uint8)
+    return k_encode(v)
+
+
+@triton.jit
 def k_decode(code):
     c = code.to(tl.int32) & 255
     return ((c ^ 128) - 128).to(tl.float32)  # sign-extend 8 bits
@@ -91,6 +100,15 @@ def v_encode(v):
     r = tl.minimum(tl.maximum(r, -128.0), 127.0)
     q = r.to(tl.int32)
     return (q & 255).to(tl.uint8)  # two's complement in 8 bits
+
+
+@triton.jit
+def v_encode_native(v, NATIVE: tl.constexpr):
+    if NATIVE:  # compiled: one conversion truncates and saturates to [-128.0, 127.0] (encode's clamp, in
+        # the same instruction); NaN gives code 0, the code of 0.0, as the writes store NaN
+        r = v + tl.where(v >= 0, 0.5, -0.5)  # encode's fp32 add of +-0.5
+        return tl.inline_asm_elementwise("cvt.rzi.sat.s8.f32 $0, $1;", "=r,r", [r], dtype=tl.int32, is_pure=True, pack=1).to(tl.uint8)
+    return v_encode(v)
 
 
 @triton.jit
@@ -182,7 +200,7 @@ def reshape_and_cache_kernel(
     V_DATA_PAGE: tl.constexpr, V_DATA_BASE: tl.constexpr, V_DATA_CELL: tl.constexpr,
     V_SCALE_PAGE: tl.constexpr, V_SCALE_BASE: tl.constexpr, V_SCALE_CELL: tl.constexpr,
     V_ZP_PAGE: tl.constexpr, V_ZP_BASE: tl.constexpr, V_ZP_CELL: tl.constexpr,
-    BLOCK_T: tl.constexpr, NATIVE_CASTS: tl.constexpr,  # compiled: hardware fp8 conversions (the same bytes)
+    BLOCK_T: tl.constexpr, NATIVE_CASTS: tl.constexpr,  # compiled: hardware fp8 / int8 conversions (the same bytes)
 ):
     head = tl.program_id(1)
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -201,17 +219,19 @@ def reshape_and_cache_kernel(
     # ---- key ----
     # rotate: x' = FWHT_b(x * signs), b = 2**K_LOG_B (unnormalized, fixed butterfly order)
     x_key = fwht_inplace(x_key * tl.load(k_signs_ptr + d, mask=dmask, other=0.0)[None, :], BLOCK_T, HEAD_PAD, K_LOG_B)
-    x_key = tl.where(x_key == x_key, x_key, 0.0)  # key codes have no NaN: NaN is stored as 0.0 would be
+    if not NATIVE_CASTS:  # key codes have no NaN: NaN is stored as 0.0 would be (compiled, encode_native does it)
+        x_key = tl.where(x_key == x_key, x_key, 0.0)
     # dynamic scale per group of HEAD_PAD elements: scale = max(absmax / 127, 1e-06) stored as fp32
     k_xg = tl.reshape(x_key, [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
     k_ax = tl.abs(k_xg)
-    k_s = tl.math.div_rn(tl.max(tl.where(k_ax < float("inf"), k_ax, 0.0), axis=2), 127.0)  # finite absmax / 127.0
+    k_am = tl.max(tl.where(k_ax < float("inf"), k_ax, 0.0), axis=2)  # only finite values count
+    k_s = tl.math.div_rn(k_am, 127.0)  # finite absmax / 127.0
     k_s = tl.maximum(k_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     k_scode = k_scale_encode(k_s)
     k_eff_g = k_scale_decode(k_scode)
     k_eff = tl.reshape(tl.broadcast_to(k_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
     k_v = x_key * tl.math.div_rn(tl.full(k_eff.shape, 1.0, tl.float32), k_eff)  # x * (1 / s), 1 / s rounded to fp32
-    k_codes = k_encode(k_v)
+    k_codes = k_encode_native(k_v, NATIVE_CASTS)
     k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
     tl.store(k_row[:, None] + d[None, :], k_codes, mask=valid[:, None] & dmask[None, :])
     k_gi = tl.arange(0, HEAD_PAD // HEAD_PAD)
@@ -220,17 +240,19 @@ def reshape_and_cache_kernel(
     tl.store(k_srow.to(tl.pointer_type(tl.uint32))[:, None] + k_gi[None, :], k_scode, mask=k_gmask)
 
     # ---- value ----
-    x_value = tl.where(x_value == x_value, x_value, 0.0)  # value codes have no NaN: NaN is stored as 0.0 would be
+    if not NATIVE_CASTS:  # value codes have no NaN: NaN is stored as 0.0 would be (compiled, encode_native does it)
+        x_value = tl.where(x_value == x_value, x_value, 0.0)
     # dynamic scale per group of HEAD_PAD elements: scale = max(absmax / 127, 1e-06) stored as fp32
     v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
     v_ax = tl.abs(v_xg)
-    v_s = tl.math.div_rn(tl.max(tl.where(v_ax < float("inf"), v_ax, 0.0), axis=2), 127.0)  # finite absmax / 127.0
+    v_am = tl.max(tl.where(v_ax < float("inf"), v_ax, 0.0), axis=2)  # only finite values count
+    v_s = tl.math.div_rn(v_am, 127.0)  # finite absmax / 127.0
     v_s = tl.maximum(v_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     v_scode = v_scale_encode(v_s)
     v_eff_g = v_scale_decode(v_scode)
     v_eff = tl.reshape(tl.broadcast_to(v_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
     v_v = x_value * tl.math.div_rn(tl.full(v_eff.shape, 1.0, tl.float32), v_eff)  # x * (1 / s), 1 / s rounded to fp32
-    v_codes = v_encode(v_v)
+    v_codes = v_encode_native(v_v, NATIVE_CASTS)
     v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
     tl.store(v_row[:, None] + d[None, :], v_codes, mask=valid[:, None] & dmask[None, :])
     v_gi = tl.arange(0, HEAD_PAD // HEAD_PAD)

@@ -208,7 +208,7 @@ def kivi_flush_kernel(
     V_SCALE_PAGE: tl.constexpr, V_SCALE_BASE: tl.constexpr, V_SCALE_CELL: tl.constexpr,
     V_ZP_PAGE: tl.constexpr, V_ZP_BASE: tl.constexpr, V_ZP_CELL: tl.constexpr,
     BLOCK_T: tl.constexpr, RESIDUAL: tl.constexpr, RING: tl.constexpr,
-    NATIVE_CASTS: tl.constexpr,  # compiled: hardware fp8 conversions (the same bytes)
+    NATIVE_CASTS: tl.constexpr,  # compiled: hardware fp8 / int8 conversions (the same bytes)
 ):
     seq = tl.program_id(0)
     head = tl.program_id(2)

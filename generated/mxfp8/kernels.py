@@ -33,6 +33,13 @@ KEY_FOLD = False
 
 
 @triton.jit
+def max_nan(a, b):
+    # a reduction's combine: the larger, or NaN where either is NaN (tl.max drops NaN; compiled, the combine is one
+    # max.NaN per element)
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def k_encode(v):
     # fp32 -> fp8_e4m3 code by bit manipulation (the interpreter's low-precision casts are wrong):
     # saturate |v| to 448.0, find its binade e (clamped to the subnormal binade -6), and round it half to even
@@ -214,7 +221,7 @@ def reshape_and_cache_kernel(
     V_DATA_PAGE: tl.constexpr, V_DATA_BASE: tl.constexpr, V_DATA_CELL: tl.constexpr,
     V_SCALE_PAGE: tl.constexpr, V_SCALE_BASE: tl.constexpr, V_SCALE_CELL: tl.constexpr,
     V_ZP_PAGE: tl.constexpr, V_ZP_BASE: tl.constexpr, V_ZP_CELL: tl.constexpr,
-    BLOCK_T: tl.constexpr, NATIVE_CASTS: tl.constexpr,  # compiled: hardware fp8 conversions (the same bytes)
+    BLOCK_T: tl.constexpr, NATIVE_CASTS: tl.constexpr,  # compiled: hardware fp8 / int8 conversions (the same bytes)
 ):
     head = tl.program_id(1)
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -234,7 +241,16 @@ def reshape_and_cache_kernel(
     # dynamic scale per group of 32 elements: scale = max(absmax / 448, 1e-06) stored as e8m0
     k_xg = tl.reshape(x_key, [BLOCK_T, HEAD_PAD // 32, 32])
     k_ax = tl.abs(k_xg)
-    k_s = tl.math.div_rn(tl.max(tl.where(k_ax < float("inf"), k_ax, 0.0), axis=2), 448.0)  # finite absmax / 448.0
+    k_finite = NATIVE_CASTS
+    if NATIVE_CASTS:
+        # compiled: the absmax over every value first, NaN and infinities included; where no group of the tile holds
+        # one, that is the finite absmax (one max per element; render.range_first says where this pays; interpreted,
+        # a custom reduction runs element by element)
+        k_am = tl.reduce(k_ax, 2, max_nan)
+        k_finite = tl.reduce(k_am, None, max_nan) < float("inf")
+    if not k_finite:  # a group holds NaN or an infinity (rare), or interpreted: only finite values count
+        k_am = tl.max(tl.where(k_ax < float("inf"), k_ax, 0.0), axis=2)
+    k_s = tl.math.div_rn(k_am, 448.0)  # finite absmax / 448.0
     k_s = tl.maximum(k_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     k_scode = k_scale_encode(k_s)
     k_eff_g = k_scale_decode(k_scode)
@@ -252,7 +268,16 @@ def reshape_and_cache_kernel(
     # dynamic scale per group of 32 elements: scale = max(absmax / 448, 1e-06) stored as e8m0
     v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // 32, 32])
     v_ax = tl.abs(v_xg)
-    v_s = tl.math.div_rn(tl.max(tl.where(v_ax < float("inf"), v_ax, 0.0), axis=2), 448.0)  # finite absmax / 448.0
+    v_finite = NATIVE_CASTS
+    if NATIVE_CASTS:
+        # compiled: the absmax over every value first, NaN and infinities included; where no group of the tile holds
+        # one, that is the finite absmax (one max per element; render.range_first says where this pays; interpreted,
+        # a custom reduction runs element by element)
+        v_am = tl.reduce(v_ax, 2, max_nan)
+        v_finite = tl.reduce(v_am, None, max_nan) < float("inf")
+    if not v_finite:  # a group holds NaN or an infinity (rare), or interpreted: only finite values count
+        v_am = tl.max(tl.where(v_ax < float("inf"), v_ax, 0.0), axis=2)
+    v_s = tl.math.div_rn(v_am, 448.0)  # finite absmax / 448.0
     v_s = tl.maximum(v_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     v_scode = v_scale_encode(v_s)
     v_eff_g = v_scale_decode(v_scode)

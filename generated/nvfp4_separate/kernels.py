@@ -303,7 +303,7 @@ def reshape_and_cache_kernel(
     V_DATA_PAGE: tl.constexpr, V_DATA_BASE: tl.constexpr, V_DATA_CELL: tl.constexpr,
     V_SCALE_PAGE: tl.constexpr, V_SCALE_BASE: tl.constexpr, V_SCALE_CELL: tl.constexpr,
     V_ZP_PAGE: tl.constexpr, V_ZP_BASE: tl.constexpr, V_ZP_CELL: tl.constexpr,
-    BLOCK_T: tl.constexpr, NATIVE_CASTS: tl.constexpr,  # compiled: hardware fp8 conversions (the same bytes)
+    BLOCK_T: tl.constexpr, NATIVE_CASTS: tl.constexpr,  # compiled: hardware fp8 / int8 conversions (the same bytes)
 ):
     head = tl.program_id(1)
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -324,7 +324,8 @@ def reshape_and_cache_kernel(
     # dynamic scale per group of 16 elements: scale = max(absmax / 6 / global, 1e-06) stored as fp8_e4m3
     k_xg = tl.reshape(x_key, [BLOCK_T, HEAD_PAD // 16, 16])
     k_ax = tl.abs(k_xg)
-    k_s = tl.math.div_rn(tl.max(tl.where(k_ax < float("inf"), k_ax, 0.0), axis=2), 6.0)  # finite absmax / 6.0
+    k_am = tl.max(tl.where(k_ax < float("inf"), k_ax, 0.0), axis=2)  # only finite values count
+    k_s = tl.math.div_rn(k_am, 6.0)  # finite absmax / 6.0
     k_g = tl.load(k_scale_ptr)  # second-level fp32 scale of the layer
     k_s = tl.math.div_rn(k_s, k_g)  # / global
     k_s = tl.maximum(k_s, 0.001953125)  # the spec's min, or the scale dtype's smallest value
@@ -350,7 +351,8 @@ def reshape_and_cache_kernel(
     # dynamic scale per group of 16 elements: scale = max(absmax / 6 / global, 1e-06) stored as fp8_e4m3
     v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // 16, 16])
     v_ax = tl.abs(v_xg)
-    v_s = tl.math.div_rn(tl.max(tl.where(v_ax < float("inf"), v_ax, 0.0), axis=2), 6.0)  # finite absmax / 6.0
+    v_am = tl.max(tl.where(v_ax < float("inf"), v_ax, 0.0), axis=2)  # only finite values count
+    v_s = tl.math.div_rn(v_am, 6.0)  # finite absmax / 6.0
     v_g = tl.load(v_scale_ptr)  # second-level fp32 scale of the layer
     v_s = tl.math.div_rn(v_s, v_g)  # / global
     v_s = tl.maximum(v_s, 0.001953125)  # the spec's min, or the scale dtype's smallest value
