@@ -18,9 +18,9 @@ demo: install
 	$(BIN)/kvgen build specs/
 	$(BIN)/kvgen demo
 
-# the whole test suite (CPU, Triton interpreter), including `kvgen build specs/ --check`
+# the whole test suite (CPU, Triton interpreter), including `kvgen build specs/ --check`; one worker per core
 test: install
-	$(BIN)/python -m pytest tests -q -p no:cacheprovider
+	$(BIN)/python -m pytest tests -q -p no:cacheprovider -n auto
 
 clean:
 	rm -rf $(VENV) build *.egg-info .hypothesis

@@ -15,6 +15,14 @@ PIPE_WIDTH = 160
 
 
 class _Console(Console):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        if kwargs.get("width") is None:
+            # rich reads COLUMNS once, here, and keeps it; size (below) reads it at each print instead
+            self._width = None
+        if kwargs.get("height") is None:
+            self._height = None
+
     @property
     def size(self) -> ConsoleDimensions:
         size = Console.size.fget(self)

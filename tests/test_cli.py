@@ -230,3 +230,17 @@ def test_piped_list_keeps_every_column():
     for name in ("K+V B/tok/head", "page B", "vs bf16", "scales"):
         assert name in header, header
     assert "e8m0 per 32 elements, separate" in r.stdout  # mxfp4's scales, whole
+
+
+def test_console_width_follows_columns_set_after_it_was_made(monkeypatch):
+    """The consoles read COLUMNS at each print, not once when made (rich's own): a test runner's worker, or a caller,
+    may import kvgen under one width and print under another (CliRunner's env, a resized pipe)."""
+    import io
+
+    from kvgen.consoles import _Console
+    monkeypatch.setenv("COLUMNS", "80")
+    console = _Console(soft_wrap=True, file=io.StringIO())
+    monkeypatch.setenv("COLUMNS", "220")
+    assert console.size.width == 220
+    monkeypatch.delenv("COLUMNS")
+    assert console.size.width == 160  # not a terminal: the pipe width
