@@ -154,11 +154,11 @@ def fp64_quotient(side: SideSpec) -> bool:
 def range_first(side: SideSpec) -> bool:
     """Whether the write of a dynamic side reduces its groups over every value first (one max per element; NaN and
     infinities propagate) and takes the masked reduction over the finite values only in a tile that holds one (a
-    branch on the whole tile: side.jinja; compiled code only). Both give the same bytes; the choice is speed. Measured on the H200 (writes
-    of 32768 tokens as graph replays, benchmarks/RESULTS.md, twelfth session): it gains where each element's own work
-    is shortest, a hardware encode after a multiply by an exact reciprocal (mxfp8: 69 -> 65 us), and loses 1-5% where
-    the elements take more (int8 / fp8 per token-head, int8 asym, q4_0, mxfp4, mixed_k8_v4: the branch's tile-wide
-    reduction lengthens each program, and its registers grow)."""
+    branch on the whole tile: side.jinja; compiled code only). Both give the same bytes; the choice is speed.
+    Measured on the H200 (writes of 32768 tokens as graph replays, benchmarks/RESULTS.md, twelfth session): it gains
+    where each element's own work is shortest, a hardware encode after a multiply by an exact reciprocal (mxfp8:
+    69 -> 65 us), and loses 1-5% where the elements take more (int8 / fp8 per token-head, int8 asym, q4_0, mxfp4,
+    mixed_k8_v4: the branch's tile-wide reduction lengthens each program, and its registers grow)."""
     sc = side.scale
     if sc is None or sc.granularity.is_static or sc.global_scale or side.zero_point is not None:
         return False

@@ -247,8 +247,9 @@ def test_native_encode_matches_portable_for_every_fp32(extra_formats):
     """encode_native(v, True) (the hardware's fp8 conversion, NaN fixed to the codec's code; for 8-bit integers one
     saturating conversion) gives encode's byte for each of the 2**32 fp32 bit patterns: finite values, both zeros,
     subnormals, overflow, infinities and every NaN (integers: 0.0's code, as the writes store NaN)."""
-    from kvgen.codegen.spec import ELEMENTS
     import re
+
+    from kvgen.codegen.spec import ELEMENTS
 
     checked, conversions = set(), set()
     for fmt, prefix in encoders(extra_formats):
