@@ -15,9 +15,9 @@ from . import checks
 from .kernels import KernelSet
 
 try:
-    from ..codegen.spec import FormatSpec, Granularity
+    from ..codegen.spec import FormatSpec, Granularity, ScaleDType
 except ImportError:  # running from a source checkout with the repo root on sys.path
-    from codegen.spec import FormatSpec, Granularity
+    from codegen.spec import FormatSpec, Granularity, ScaleDType
 
 STORAGE_TORCH_DTYPES = {
     "uint8": torch.uint8,
@@ -69,8 +69,9 @@ class Format:
         self.package = package
         self.layout = layout
         self.source = source  # where it was loaded from
-        self._kernels = KernelSet(package, block_scaled=any(
-            side.scale is not None and side.scale.block is not None for side in (spec.key, spec.value)))
+        blocks = [side.scale for side in (spec.key, spec.value) if side.scale is not None and side.scale.block]
+        self._kernels = KernelSet(package, block_scaled=bool(blocks),
+                                  pow2_blocks=any(sc.dtype == ScaleDType.e8m0 for sc in blocks))
         self._consts: dict = {}
         self._tensor_of: dict = {}
         self.spec_hash = spec.spec_hash()  # computed once: write() and attend() compare it on every call

@@ -88,12 +88,30 @@ MIN_FEW_SPLIT = 128
 KEY_FOLD_HEADS = (128, 256)
 # experiments and tests: tiles used for every format instead of the rules above (None: the rules)
 TILE_OVERRIDE: dict | None = None
-# reshape_and_cache, compiled: tokens per program and warps (the interpreter takes 64 tokens per program). One warp
-# holds each head's row, so per token-head reductions stay in the warp. H200 (benchmarks/RESULTS.md, seventh
-# session; benchmarks/tune_writes.py): against 16 tokens on 4 warps, int8 / fp8 per token-head writes of 32768 tokens
-# take 100 -> 84 / 82 us, the other formats within 4%. WRITE_OVERRIDE replaces them in experiments.
-WRITE_TILES = {"BLOCK_T": 4, "num_warps": 1}
+# reshape_and_cache, compiled: tokens per program and warps (the interpreter takes 64 tokens per program), by the
+# widest stored code in bits and whether block scales are e8m0 (powers of two: the write multiplies by their exact
+# reciprocal); first matching rule wins. One warp holds each head's row, so per token-head reductions stay in the
+# warp. H200 (benchmarks/RESULTS.md; benchmarks/tune_writes.py), writes of 32768 tokens: against 16 tokens on 4
+# warps, int8 / fp8 per token-head take 100 -> 84 / 82 us, the other formats within 4% (seventh session); at 8
+# tokens per program mxfp4 takes 83 -> 77-78 us, and every other format measured as long or longer (int4 per
+# token-head 128 -> 192, nvfp4 103 -> 125; twelfth session, run 1). WRITE_OVERRIDE replaces them in experiments.
+WRITE_TILES = (
+    # bits, e8m0 block scales -> tiles
+    ((4, True), dict(BLOCK_T=8, num_warps=1)),  # mxfp4
+    ((None, None), dict(BLOCK_T=4, num_warps=1)),
+)
 WRITE_OVERRIDE: dict | None = None
+
+
+def write_tiles(code_bits: dict, pow2_blocks: bool) -> dict:
+    """The reshape-and-cache launch of a compiled format (a new dict: BLOCK_T, num_warps, optional maxnreg)."""
+    if WRITE_OVERRIDE is not None:
+        return dict(WRITE_OVERRIDE)
+    key = (max(code_bits.values()), pow2_blocks)
+    for rule, tiles in WRITE_TILES:
+        if all(r is None or r == k for r, k in zip(rule, key)):
+            return dict(tiles)
+    raise AssertionError("the last rule matches every format")
 
 
 def attention_tiles(code_bits: dict, dots: dict, block_scaled: bool, block_m: int = DECODE_ROWS,
@@ -152,9 +170,10 @@ class AttentionLaunch(NamedTuple):
 class KernelSet:
     """The kernels module of one generated package, imported on first use."""
 
-    def __init__(self, package: types.ModuleType, block_scaled: bool = False):
+    def __init__(self, package: types.ModuleType, block_scaled: bool = False, pow2_blocks: bool = False):
         self.package = package
         self.block_scaled = block_scaled  # a side's scale covers blocks of elements: enters the tile choice
+        self.pow2_blocks = pow2_blocks  # ... in e8m0: enters the write's tile choice
         self._module = None
         self._dot_modes: dict = {}  # (query dtype, precision, rotated keys, head pad, device) -> constexprs
         self._launchers: dict = {}  # kernel name -> FastLaunch
@@ -203,7 +222,7 @@ class KernelSet:
         if interpreting():
             block_t, options = 64, {}
         else:
-            tiles = WRITE_OVERRIDE or WRITE_TILES
+            tiles = write_tiles(self.module.CODE_BITS, self.pow2_blocks)
             # stored bytes must not depend on the compiler contracting x * inv + c into one rounding
             block_t, options = tiles["BLOCK_T"], {"num_warps": tiles["num_warps"], "enable_fp_fusion": False}
             if tiles.get("maxnreg"):

@@ -94,6 +94,19 @@ def test_measured_choices(compiled):
     assert tiles("int8_per_token_head_hadamard_k", precision="quantized")["maxnreg"] == 168
 
 
+def test_write_tiles_measured(compiled):
+    """The write launches benchmarks/RESULTS.md measured (writes of 32768 tokens, benchmarks/tune_writes.py): 4 tokens
+    per program on one warp (seventh session), 8 for mxfp4, the one format they made faster (twelfth session, run 1:
+    83 -> 77-78 us; int4 per token-head 128 -> 192, nvfp4 103 -> 125)."""
+    for name in kvgen.shipped_names():
+        ks = kvgen.load(name)._kernels
+        tiles = K.write_tiles(ks.module.CODE_BITS, ks.pow2_blocks)
+        assert tiles == dict(BLOCK_T=8 if name == "mxfp4" else 4, num_warps=1), name
+    # the rule is the class's, 4-bit codes with e8m0 block scales: mxfp8 (8-bit) and nvfp4 (e4m3 scales) keep 4
+    assert kvgen.load("mxfp4")._kernels.pow2_blocks and kvgen.load("mxfp8")._kernels.pow2_blocks
+    assert not kvgen.load("nvfp4")._kernels.pow2_blocks
+
+
 def test_prefill_takes_no_decode_cap(compiled):
     """Programs that hold more query rows than a decode step (chunked prefill: 64) keep the configuration used before
     the decode table; the decode caps slowed the 4 x 2048-token prefill by 35-40% on the H200."""
