@@ -157,7 +157,7 @@ def range_first(side: SideSpec) -> bool:
     branch on the whole tile: side.jinja; compiled code only). Both give the same bytes; the choice is speed.
     Measured on the H200 (writes of 32768 tokens as graph replays, benchmarks/RESULTS.md, twelfth session): it gains
     where each element's own work is shortest, a hardware encode after a multiply by an exact reciprocal (mxfp8:
-    69 -> 65 us), and loses 1-5% where the elements take more (int8 / fp8 per token-head, int8 asym, q4_0, mxfp4,
+    69 -> 65 us), and loses 4-6% where the elements take more (int8 / fp8 per token-head, int8 asym, q4_0,
     mixed_k8_v4: the branch's tile-wide reduction lengthens each program, and its registers grow)."""
     sc = side.scale
     if sc is None or sc.granularity.is_static or sc.global_scale or side.zero_point is not None:
