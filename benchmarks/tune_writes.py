@@ -4,10 +4,11 @@ choice, per format, timed as CUDA-graph replays (no host launch cost). On a GPU:
     python benchmarks/tune_writes.py bf16 fp8_e4m3 int8_per_token_head
     python benchmarks/tune_writes.py nvfp4 --configs 16/4 32/4 64/8 --tokens 32768 256
 
-A config is BLOCK_T/num_warps[/maxnreg]. The runtime's choice is kvgen.runtime.kernels.write_tiles (the WRITE_TILES
-rules); this script overrides it (WRITE_OVERRIDE) per run and prints one markdown row per (format, token count) with median us and the fraction of
-the copy bandwidth measured in the same run (bytes as benchmarks/bench.py counts them: the bf16 input read plus the
-cache bytes written). Streaming formats (KIVI) write through another kernel and are skipped.
+A config is BLOCK_T/num_warps[/maxnreg]. The runtime's choice is kvgen.runtime.kernels.write_tiles (the
+WRITE_TILES rules); this script overrides it (WRITE_OVERRIDE) per run and prints one markdown row per (format,
+token count) with median us and the fraction of the copy bandwidth measured in the same run (bytes as
+benchmarks/bench.py counts them: the bf16 input read plus the cache bytes written). Streaming formats (KIVI) write
+through another kernel and are skipped.
 """
 import argparse
 import sys
