@@ -65,7 +65,7 @@ class SideContext:
     meta_ptr: str
     rotate: bool
     nan_as_zero: bool  # integer and fp4 codes have no NaN: NaN inputs are stored as 0.0
-    native_nan_zero: bool  # ... which compiled writes leave to encode_native (NaN -> code 0, that of 0.0; no zero pt)
+    native_nan_zero: bool  # ... which compiled writes leave to encode_native (NaN -> code 0): sides without zero point
     range_first: bool  # dynamic absmax: the write reduces every value first, the finite ones only where needed
     scale_rule: str
     codec_summary: str
