@@ -67,6 +67,7 @@ class SideContext:
     nan_as_zero: bool  # integer and fp4 codes have no NaN: NaN inputs are stored as 0.0
     native_nan_zero: bool  # ... which compiled writes leave to encode_native (NaN -> code 0): sides without zero point
     range_first: bool  # dynamic absmax: the write reduces every value first, the finite ones only where needed
+    fast_div: bool  # x / s through the group's reciprocal and one correction, compiled (FAST_DIV): fast_division
     scale_rule: str
     codec_summary: str
     scale_summary: str
@@ -164,6 +165,20 @@ def range_first(side: SideSpec) -> bool:
         return False
     minifloat = ELEMENTS[side.element].kind == "fp"  # int8 with the same scales: not measured
     return minifloat and element_codec(side).native_encode and scale_codec(sc.dtype).exact_reciprocal
+
+
+def fast_division(side: SideSpec) -> bool:
+    """Whether a compiled write (FAST_DIV) may divide x / s for codes through the group's reciprocal, refined as
+    ptxas refines div.rn's, and div.rn's own correction step (kernels.py.jinja's recip_fast / div_fast): integer
+    codes, scales divided per element (not through fp64) and confined to [2**-30, 2**17] (fp16 scales, floored). Then
+    the codes are div_rn's (benchmarks/check_fast_div.py checks it on a GPU; the runtime's FAST_DIV is off until it
+    has run)."""
+    sc = side.scale
+    if sc is None or sc.granularity.is_static or sc.global_scale or sc.apply != ApplyScale.divide:
+        return False
+    if ELEMENTS[side.element].kind not in ("int", "uint") or fp64_quotient(side):
+        return False
+    return sc.dtype in SCALE_MAX and SCALE_MAX[sc.dtype] <= 2.0 ** 17 and max(sc.min, SCALE_TINY[sc.dtype]) >= 2.0 ** -30
 
 
 def rcp_can_overflow(side: SideSpec) -> bool:
@@ -404,6 +419,7 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
         nan_as_zero=info.kind in ("int", "uint") or side.element.value == "fp4_e2m1",
         native_nan_zero=info.kind in ("int", "uint") and codec.native_encode and not asym,
         range_first=dynamic and range_first(side),
+        fast_div=dynamic and fast_division(side),
         scale_rule=f"scale = max({rule.split(' with ')[0]}, {sc.min:g}) stored as {sc.dtype.value}"
         + (f", the {side.zero_point.dtype} minimum as offset" if zp == "float" else "") if dynamic else "",
         codec_summary=codec.summary,

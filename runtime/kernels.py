@@ -140,6 +140,11 @@ def attention_tiles(code_bits: dict, dots: dict, block_scaled: bool, block_m: in
 
 
 _CAPABILITY: dict = {}
+# Compiled writes divide integer codes by their group's scale through a per-group reciprocal where the side allows it
+# (codegen.render.fast_division; recip_fast / div_fast in the generated kernels: div.rn's own fast path with the
+# reciprocal hoisted). Off until benchmarks/check_fast_div.py and the write tests have passed compiled on a GPU
+# (TRITON_INTERPRET=0): the interpreter always divides with div_rn.
+FAST_DIV = False
 
 
 def native_fp8(device: torch.device | None) -> bool:
@@ -232,7 +237,8 @@ class KernelSet:
         self.launch("reshape_and_cache_kernel")(
             grid, key, value, slot_mapping_ptr=slot_mapping, num_tokens=num_tokens,
             stride_kt=key.stride(0), stride_kh=key.stride(1), stride_vt=value.stride(0), stride_vh=value.stride(1),
-            BLOCK_T=block_t, NATIVE_CASTS=native_fp8(key.device), **tensors, **consts, **options,
+            BLOCK_T=block_t, NATIVE_CASTS=native_fp8(key.device), FAST_DIV=FAST_DIV and not interpreting(),
+            **tensors, **consts, **options,
         )
 
     def write_streaming(self, key, value, query_start_loc, seq_lens, block_table, seq_ids, max_query_len,
@@ -250,7 +256,8 @@ class KernelSet:
             (num_seqs, max_groups, consts["NUM_KV_HEADS"]), key, value, **tensors, seq_ids_ptr=seq_ids,
             query_start_loc_ptr=query_start_loc, seq_lens_ptr=seq_lens,
             block_table_ptr=block_table, stride_bt=block_table.stride(0), **strides, **consts,
-            BLOCK_T=group, RESIDUAL=residual["tokens"], RING=ring, NATIVE_CASTS=native_fp8(key.device), **fusion,
+            BLOCK_T=group, RESIDUAL=residual["tokens"], RING=ring, NATIVE_CASTS=native_fp8(key.device),
+            FAST_DIV=FAST_DIV and not interpreting(), **fusion,
         )
         block_t = min(64 if interpreting() else 16, _next_pow2(max_query_len))
         num_q_tiles = triton_cdiv(max_query_len, block_t)

@@ -97,6 +97,7 @@ def reshape_and_cache_kernel(
     V_SCALE_PAGE: tl.constexpr, V_SCALE_BASE: tl.constexpr, V_SCALE_CELL: tl.constexpr,
     V_ZP_PAGE: tl.constexpr, V_ZP_BASE: tl.constexpr, V_ZP_CELL: tl.constexpr,
     BLOCK_T: tl.constexpr, NATIVE_CASTS: tl.constexpr,  # compiled: hardware fp8 / int8 conversions (the same bytes)
+    FAST_DIV: tl.constexpr,  # compiled: divisions by a group's scale through its reciprocal (the same codes)
 ):
     head = tl.program_id(1)
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)

@@ -36,6 +36,38 @@ RESIDUAL_DOT = "bf16"
 # ---------------------------------------------------------------------------------------------------------------
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Division of codes by their group's scale (render.fast_division). ptxas expands every div.rn.f32 into MUFU.RCP, a
+# Newton step of the reciprocal, q0 = x * r, one correction q0 + r * (x - s * q0) (FFMAs), and FCHK with a branch to
+# a slow path for operands out of its range. Compiled (FAST), the reciprocal and its Newton step run once per scale
+# here and every element keeps the same q0 and correction: the same operations, so the same quotient wherever FCHK
+# passes. The scales lie in [2**-30, 2**17]; elements with |x| >= 2**64 keep x itself (q would be at least 2**47,
+# clamped like x to the same code, and the fast path could overflow into NaN); for |x| < 2**-40 both quotients are
+# below 0.5 in magnitude, so code 0. The codes are therefore those of div_rn; the interpreter, whose fma rounds
+# twice, divides with div_rn.
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def recip_fast(s, FAST: tl.constexpr):
+    # div.rn's reciprocal of s, refined as ptxas refines it (FAST); unused otherwise
+    if FAST:
+        r0 = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [s], dtype=tl.float32, is_pure=True,
+                                       pack=1)
+        return tl.fma(r0, tl.fma(-s, r0, 1.0), r0)
+    else:
+        return s
+
+
+@triton.jit
+def div_fast(x, s, r, FAST: tl.constexpr):
+    # x / s for codes: div_rn's quotient, or (FAST, r = recip_fast(s)) one that rounds and clamps to the same code
+    if FAST:
+        q0 = x * r
+        q = tl.fma(r, tl.fma(-s, q0, x), q0)
+        return tl.where(tl.abs(x) < 18446744073709551616.0, q, x)
+    else:
+        return tl.math.div_rn(x, s)
+
+
 @triton.jit
 def k_encode(v):
     # clamp to [0.0, 3.0], then round half to even by adding 1.5 * 2**23 (ulp 1): the sum's bits minus
@@ -221,6 +253,7 @@ def kivi_flush_kernel(
     V_ZP_PAGE: tl.constexpr, V_ZP_BASE: tl.constexpr, V_ZP_CELL: tl.constexpr,
     BLOCK_T: tl.constexpr, RESIDUAL: tl.constexpr, RING: tl.constexpr,
     NATIVE_CASTS: tl.constexpr,  # compiled: hardware fp8 / int8 conversions (the same bytes)
+    FAST_DIV: tl.constexpr,  # compiled: divisions by a group's scale through its reciprocal (the same codes)
 ):
     seq = tl.program_id(0)
     head = tl.program_id(2)
@@ -265,7 +298,7 @@ def kivi_flush_kernel(
         k_scode = k_scale_encode(k_s)
         k_eff = k_scale_decode(k_scode)
         k_zcode = k_zp_encode(tl.minimum(tl.maximum(k_lo, -65504.0), 65504.0))
-        k_codes = k_encode(tl.math.div_rn(x_key - k_zp_decode(k_zcode)[None, :], k_eff[None, :]))
+        k_codes = k_encode(div_fast(x_key - k_zp_decode(k_zcode)[None, :], k_eff[None, :], recip_fast(k_eff, FAST_DIV)[None, :], FAST_DIV))
         k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
         # 4 codes per byte, element i at bit (i % 4) * 2 of byte i // 4
         k_sh = (d % 4) * 2
@@ -301,7 +334,7 @@ def kivi_flush_kernel(
         v_zcode = v_zp_encode(tl.minimum(tl.maximum(v_lo, -65504.0), 65504.0))  # the minimum, saturated and rounded
         x_value = x_value - tl.reshape(tl.broadcast_to(v_zp_decode(v_zcode)[:, :, None], [BLOCK_T, HEAD_PAD // 32, 32]), [BLOCK_T, HEAD_PAD])
         v_eff = tl.reshape(tl.broadcast_to(v_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // 32, 32]), [BLOCK_T, HEAD_PAD])
-        v_v = tl.math.div_rn(x_value, v_eff)  # x / s
+        v_v = div_fast(x_value, v_eff, tl.reshape(tl.broadcast_to(recip_fast(v_eff_g, FAST_DIV)[:, :, None], [BLOCK_T, HEAD_PAD // 32, 32]), [BLOCK_T, HEAD_PAD]), FAST_DIV)  # x / s
         v_codes = v_encode(v_v)
         v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
         # 4 codes per byte, element i at bit (i % 4) * 2 of byte i // 4

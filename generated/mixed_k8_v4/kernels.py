@@ -168,6 +168,7 @@ def reshape_and_cache_kernel(
     V_SCALE_PAGE: tl.constexpr, V_SCALE_BASE: tl.constexpr, V_SCALE_CELL: tl.constexpr,
     V_ZP_PAGE: tl.constexpr, V_ZP_BASE: tl.constexpr, V_ZP_CELL: tl.constexpr,
     BLOCK_T: tl.constexpr, NATIVE_CASTS: tl.constexpr,  # compiled: hardware fp8 / int8 conversions (the same bytes)
+    FAST_DIV: tl.constexpr,  # compiled: divisions by a group's scale through its reciprocal (the same codes)
 ):
     head = tl.program_id(1)
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -198,7 +199,19 @@ def reshape_and_cache_kernel(
     k_v = x_key * tl.math.div_rn(tl.full(k_eff.shape, 1.0, tl.float32), k_eff)  # x * (1 / s), 1 / s rounded to fp32
     k_codes = k_encode_native(k_v, NATIVE_CASTS)
     k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
-    tl.store(k_row[:, None] + d[None, :], k_codes, mask=valid[:, None] & dmask[None, :])
+    if (K_DATA_BASE % 8 != 0 or K_DATA_CELL % 8 != 0) and K_DATA_BASE % 4 == 0 and K_DATA_CELL % 4 == 0 and K_DATA_PAGE % 4 == 0 and HEAD_SIZE % 8 == 0:
+        # codes 4-byte aligned only (vLLM's inline cell puts the values at byte 132): four to a word, packed in the
+        # thread that holds them, even and odd words stored apart (a store of each thread's eight codes at once needs
+        # 8-byte alignment; storing them as bytes, the compiler first moves them between threads)
+        k_words = tl.sum(tl.reshape(k_codes.to(tl.uint32), [BLOCK_T, HEAD_PAD // 4, 4]) << (tl.arange(0, 4) * 8).to(tl.uint32)[None, None, :], axis=2)
+        k_w0, k_w1 = tl.split(tl.reshape(k_words, [BLOCK_T, HEAD_PAD // 8, 2]))
+        k_wi = tl.arange(0, HEAD_PAD // 8)
+        k_wp = k_row.to(tl.pointer_type(tl.uint32))[:, None] + 2 * k_wi[None, :]
+        k_wmask = valid[:, None] & (k_wi < HEAD_SIZE // 8)[None, :]
+        tl.store(k_wp, k_w0, mask=k_wmask)
+        tl.store(k_wp + 1, k_w1, mask=k_wmask)
+    else:
+        tl.store(k_row[:, None] + d[None, :], k_codes, mask=valid[:, None] & dmask[None, :])
     k_gi = tl.arange(0, HEAD_PAD // HEAD_PAD)
     k_gmask = valid[:, None] & (k_gi < 1)[None, :]
     k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL

@@ -166,6 +166,7 @@ def reshape_and_cache_kernel(
     V_SCALE_PAGE: tl.constexpr, V_SCALE_BASE: tl.constexpr, V_SCALE_CELL: tl.constexpr,
     V_ZP_PAGE: tl.constexpr, V_ZP_BASE: tl.constexpr, V_ZP_CELL: tl.constexpr,
     BLOCK_T: tl.constexpr, NATIVE_CASTS: tl.constexpr,  # compiled: hardware fp8 / int8 conversions (the same bytes)
+    FAST_DIV: tl.constexpr,  # compiled: divisions by a group's scale through its reciprocal (the same codes)
 ):
     head = tl.program_id(1)
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -197,7 +198,19 @@ def reshape_and_cache_kernel(
     k_v = x_key * tl.math.div_rn(tl.full(k_eff.shape, 1.0, tl.float32), k_eff)  # x * (1 / s), 1 / s rounded to fp32
     k_codes = k_encode_native(k_v, NATIVE_CASTS)
     k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
-    tl.store(k_row[:, None] + d[None, :], k_codes, mask=valid[:, None] & dmask[None, :])
+    if (K_DATA_BASE % 8 != 0 or K_DATA_CELL % 8 != 0) and K_DATA_BASE % 4 == 0 and K_DATA_CELL % 4 == 0 and K_DATA_PAGE % 4 == 0 and HEAD_SIZE % 8 == 0:
+        # codes 4-byte aligned only (vLLM's inline cell puts the values at byte 132): four to a word, packed in the
+        # thread that holds them, even and odd words stored apart (a store of each thread's eight codes at once needs
+        # 8-byte alignment; storing them as bytes, the compiler first moves them between threads)
+        k_words = tl.sum(tl.reshape(k_codes.to(tl.uint32), [BLOCK_T, HEAD_PAD // 4, 4]) << (tl.arange(0, 4) * 8).to(tl.uint32)[None, None, :], axis=2)
+        k_w0, k_w1 = tl.split(tl.reshape(k_words, [BLOCK_T, HEAD_PAD // 8, 2]))
+        k_wi = tl.arange(0, HEAD_PAD // 8)
+        k_wp = k_row.to(tl.pointer_type(tl.uint32))[:, None] + 2 * k_wi[None, :]
+        k_wmask = valid[:, None] & (k_wi < HEAD_SIZE // 8)[None, :]
+        tl.store(k_wp, k_w0, mask=k_wmask)
+        tl.store(k_wp + 1, k_w1, mask=k_wmask)
+    else:
+        tl.store(k_row[:, None] + d[None, :], k_codes, mask=valid[:, None] & dmask[None, :])
     k_gi = tl.arange(0, HEAD_PAD // 32)
     k_gmask = valid[:, None] & (k_gi < HEAD_SIZE // 32)[None, :]
     k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
@@ -219,7 +232,19 @@ def reshape_and_cache_kernel(
     v_v = x_value * tl.math.div_rn(tl.full(v_eff.shape, 1.0, tl.float32), v_eff)  # x * (1 / s), 1 / s rounded to fp32
     v_codes = v_encode_native(v_v, NATIVE_CASTS)
     v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
-    tl.store(v_row[:, None] + d[None, :], v_codes, mask=valid[:, None] & dmask[None, :])
+    if (V_DATA_BASE % 8 != 0 or V_DATA_CELL % 8 != 0) and V_DATA_BASE % 4 == 0 and V_DATA_CELL % 4 == 0 and V_DATA_PAGE % 4 == 0 and HEAD_SIZE % 8 == 0:
+        # codes 4-byte aligned only (vLLM's inline cell puts the values at byte 132): four to a word, packed in the
+        # thread that holds them, even and odd words stored apart (a store of each thread's eight codes at once needs
+        # 8-byte alignment; storing them as bytes, the compiler first moves them between threads)
+        v_words = tl.sum(tl.reshape(v_codes.to(tl.uint32), [BLOCK_T, HEAD_PAD // 4, 4]) << (tl.arange(0, 4) * 8).to(tl.uint32)[None, None, :], axis=2)
+        v_w0, v_w1 = tl.split(tl.reshape(v_words, [BLOCK_T, HEAD_PAD // 8, 2]))
+        v_wi = tl.arange(0, HEAD_PAD // 8)
+        v_wp = v_row.to(tl.pointer_type(tl.uint32))[:, None] + 2 * v_wi[None, :]
+        v_wmask = valid[:, None] & (v_wi < HEAD_SIZE // 8)[None, :]
+        tl.store(v_wp, v_w0, mask=v_wmask)
+        tl.store(v_wp + 1, v_w1, mask=v_wmask)
+    else:
+        tl.store(v_row[:, None] + d[None, :], v_codes, mask=valid[:, None] & dmask[None, :])
     v_gi = tl.arange(0, HEAD_PAD // 32)
     v_gmask = valid[:, None] & (v_gi < HEAD_SIZE // 32)[None, :]
     v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL

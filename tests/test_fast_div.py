@@ -1,0 +1,59 @@
+"""The writes' hoisted division (codegen.render.fast_division; recip_fast / div_fast in the generated kernels):
+compiled with FAST_DIV, a write stores the bytes it stores without it. GPU only: the interpreter always divides with
+div_rn. benchmarks/check_fast_div.py checks the division itself over every fp16 scale."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import kvgen
+from kvgen.runtime import kernels as K
+
+on_gpu = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "0" or not torch.cuda.is_available(),
+                            reason="compiled kernels: run with TRITON_INTERPRET=0 on a GPU")
+
+
+def test_fast_division_where_the_scales_allow():
+    """The sides that take it: integer codes divided per element by fp16 scales (q4_0, KIVI); not fp32 scales, not
+    global scales, not the rotated sides' fp64 quotient."""
+    from kvgen.codegen.render import fast_division
+    takes = {name for name in kvgen.shipped_names()
+             if any(fast_division(side) for side in (kvgen.load(name).spec.key, kvgen.load(name).spec.value))}
+    assert takes == {"q4_0", "kivi_2bit", "kivi_4bit"}
+
+
+def boundary_tokens(tokens: int, heads: int, head: int, gen: torch.Generator) -> torch.Tensor:
+    """Blocks of 32 whose largest magnitude is 7 * s for an fp16 s, the others at code boundaries (k + 0.5) * s a few
+    fp32 ulps either side, plus random values: the divisions that decide between two codes."""
+    shape = (tokens, heads, head // 32, 1)
+    s = (torch.rand(shape, generator=gen) + 1.0).half().float()  # fp16 values: 7 * s is exact, and 7 * s / 7 is s
+    s = torch.ldexp(s, torch.randint(-12, 12, shape, generator=gen))
+    k = torch.randint(-7, 7, (tokens, heads, head // 32, 32), generator=gen).float() + 0.5  # |k| <= 6.5
+    x = ((k * s).view(torch.int32) + torch.randint(-3, 4, k.shape, generator=gen, dtype=torch.int32)).view(torch.float32)
+    noise = torch.rand(x.shape, generator=gen) < 0.25
+    x = torch.where(noise, (torch.rand(x.shape, generator=gen) * 14.0 - 7.0) * s, x)
+    x[..., 0] = 7.0 * s[..., 0]  # the block's largest magnitude: its scale is s
+    return x.reshape(tokens, heads, head)
+
+
+@on_gpu
+def test_fast_div_writes_the_same_bytes(monkeypatch):
+    fmt = kvgen.load("q4_0")
+    gen = torch.Generator().manual_seed(0)
+    tokens, heads, head = 4096, 8, 128
+    key = boundary_tokens(tokens, heads, head, gen).cuda()
+    value = boundary_tokens(tokens, heads, head, gen).cuda()
+    slots = torch.randperm(tokens, generator=gen).cuda()
+    stored = []
+    for fast in (False, True):
+        monkeypatch.setattr(K, "FAST_DIV", fast)
+        cache = fmt.allocate(tokens // 16, 16, heads, head, device="cuda")
+        for t in cache.tensors.values():
+            t.zero_()
+        fmt.write(cache, key, value, slots)
+        stored.append({n: t.clone() for n, t in cache.tensors.items()})
+    for n in stored[0]:
+        assert torch.equal(stored[0][n], stored[1][n]), n
