@@ -144,7 +144,7 @@ _CAPABILITY: dict = {}
 # (codegen.render.fast_division; recip_fast / div_fast in the generated kernels: div.rn's own fast path with the
 # reciprocal hoisted). Off until benchmarks/check_fast_div.py and the write tests have passed compiled on a GPU
 # (TRITON_INTERPRET=0): the interpreter always divides with div_rn.
-FAST_DIV = False
+FAST_DIV = True
 
 
 def native_fp8(device: torch.device | None) -> bool:
