@@ -2,12 +2,17 @@
 
     python benchmarks/profile_decode.py                          # a representative set of formats, 64 x 8192
     python benchmarks/profile_decode.py --formats fp8_e4m3 int8_asym_per_token_head --out prof
+    python benchmarks/profile_decode.py --write --formats q4_0 kivi_2bit   # reshape-and-cache of 32768 tokens
 
 For each format, runs ``ncu`` on a child process that sets up benchmarks/bench.py's decode case (32 query heads,
 8 KV heads, head size 128, block size 16; KIVI block 32) and launches attention a few times; the third launch of
 the attention kernel is profiled (the first compiles). Prints one markdown table: kernel time, DRAM throughput
 (fraction of peak), bytes read, registers, achieved occupancy, issue-slot use, instructions per KV position and the
 largest warp stall reasons (cycles per issued instruction). ncu's raw CSV of every format is kept in --out/ncu_raw.csv.
+
+``--write`` profiles bench.py's write case instead (``--shape`` is then the token count, 32768 by default): the
+third reshape-and-cache launch, or for KIVI (one prefill of that many tokens) its flush kernel; instructions are
+counted per (token, KV head).
 
 ncu runs with ``--clock-control none`` (the clocks stay as the driver sets them), so its kernel time is comparable
 with bench.py's medians.
@@ -42,8 +47,8 @@ def find_ncu() -> str:
     return found
 
 
-def child(name: str, seqs: int, ctx: int) -> None:
-    """Set up one decode case and launch its attention 4 times (ncu picks one launch)."""
+def child(name: str, seqs: int, ctx: int, write: bool) -> None:
+    """Set up one decode case (or write case of ctx tokens) and launch it 4 times (ncu picks one launch)."""
     import torch
 
     import kvgen
@@ -53,7 +58,7 @@ def child(name: str, seqs: int, ctx: int) -> None:
 
     fmt = kvgen.load(name)
     block = fmt.layout.RESIDUAL["group"] if fmt.spec.streaming else 16
-    fn, _ = bench.decode_case(fmt, seqs, ctx, block)
+    fn, _ = bench.write_case(fmt, ctx, block) if write else bench.decode_case(fmt, seqs, ctx, block)
     for _ in range(4):
         fn()
     torch.cuda.synchronize()
@@ -67,12 +72,15 @@ def number(row: dict, key: str) -> float | None:
         return None
 
 
-def profile(ncu: str, name: str, seqs: int, ctx: int, out: Path) -> dict:
-    cmd = [ncu, "--clock-control", "none", "--kernel-name", "regex:paged_attention", "--launch-skip", "2",
+def profile(ncu: str, name: str, seqs: int, ctx: int, out: Path, write: bool = False) -> dict:
+    kernel = "regex:reshape_and_cache|kivi_flush" if write else "regex:paged_attention"
+    cmd = [ncu, "--clock-control", "none", "--kernel-name", kernel, "--launch-skip", "2",
            "--launch-count", "1", "--csv", "--page", "raw"]
     for section in SECTIONS:
         cmd += ["--section", section]
-    cmd += [sys.executable, str(Path(__file__).resolve()), "--child", name, "--shape", f"{seqs}x{ctx}"]
+    cmd += [sys.executable, str(Path(__file__).resolve()), "--child", name, "--shape",
+            str(ctx) if write else f"{seqs}x{ctx}"]
+    cmd += ["--write"] if write else []
     run = subprocess.run(cmd, capture_output=True, text=True)
     with open(out / "ncu_raw.csv", "a") as raw:  # one file for all formats (fewer files to carry back)
         raw.write(f"# {name}\n{run.stdout}\n")
@@ -97,7 +105,8 @@ def find(row: dict, *patterns: str) -> float | None:
     return None
 
 
-def summary(name: str, row: dict, seqs: int, ctx: int) -> str:
+def summary(name: str, row: dict, seqs: int, ctx: int, write: bool = False) -> str:
+    """One markdown row; instructions per (KV position or token, KV head): seqs * ctx of them, 8 KV heads."""
     def cell(value, scale=1.0, fmt="{:.0f}", unit=""):
         return "-" if value is None else fmt.format(value * scale) + unit
 
@@ -108,16 +117,22 @@ def summary(name: str, row: dict, seqs: int, ctx: int) -> str:
     time = find(row, r"gpu__time_duration\.sum")
     dram = find(row, r"dram__throughput\.avg\.pct_of_peak_sustained_elapsed", r"gpu__dram_throughput.*pct.*",
                 r"dram__.*throughput.*pct.*")
-    read = find(row, r"dram__bytes_read\.sum", r"dram__bytes\.sum")
     occupancy = find(row, r"sm__warps_active\.avg\.pct_of_peak_sustained_active")
     issue = find(row, r"smsp__issue_active\.avg\.pct_of_peak_sustained_active", r"sm__inst_issued\.avg\.pct.*",
                  r"smsp__inst_issued\.avg\.pct.*")
     cpi = find(row, r"smsp__average_warp_latency_per_inst_issued\.ratio", r"smsp__average_warps_.*per_inst_issued.*")
-    unit = row.get("units", {}).get("dram__bytes_read.sum", "byte")
-    read_unit = {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}.get(unit, 1e-6)  # to MB
+
+    def megabytes(key: str) -> float | None:  # ncu gives each metric its own unit (byte, Kbyte, Mbyte, ...)
+        value = number(row, key)
+        scale = {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}.get(row.get("units", {}).get(key), 1e-6)
+        return None if value is None else value * scale
+
+    read = megabytes("dram__bytes_read.sum")
+    if write and read is not None:  # a write moves bytes both ways
+        read += megabytes("dram__bytes_write.sum") or 0.0
     time_unit = row.get("units", {}).get("gpu__time_duration.sum")
     to_us = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(time_unit, 1e-3)
-    return (f"| {name} | {cell(time, to_us)} | {cell(dram, unit='%')} | {cell(read, read_unit)} | "
+    return (f"| {name} | {cell(time, to_us)} | {cell(dram, unit='%')} | {cell(read)} | "
             f"{cell(find(row, r'launch__registers_per_thread'))} | {cell(occupancy, unit='%')} | "
             f"{cell(issue, unit='%')} | {per_pos} | {cell(cpi, fmt='{:.1f}')} | {top} |")
 
@@ -125,25 +140,33 @@ def summary(name: str, row: dict, seqs: int, ctx: int) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--formats", nargs="+", default=DEFAULT_FORMATS)
-    ap.add_argument("--shape", default="64x8192", help="sequences x context")
+    ap.add_argument("--shape", default=None, help="sequences x context (default 64x8192); with --write, tokens "
+                    "(default 32768)")
+    ap.add_argument("--write", action="store_true", help="profile reshape-and-cache (KIVI: its flush) instead")
     ap.add_argument("--out", default="profile_out")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    seqs, ctx = (int(x) for x in args.shape.split("x"))
+    shape = args.shape or ("32768" if args.write else "64x8192")
+    try:
+        seqs, ctx = (1, int(shape)) if args.write else (int(x) for x in shape.split("x"))
+    except ValueError:
+        ap.error(f"--shape {shape!r}: expected " + ("a token count" if args.write else "SEQUENCESxCONTEXT"))
     if args.child:
-        child(args.child, seqs, ctx)
+        child(args.child, seqs, ctx, args.write)
         return 0
     ncu = find_ncu()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"ncu: {ncu}; decode {seqs} x {ctx}, bf16 queries; one launch per format", flush=True)
-    print("| format | kernel us | DRAM of peak | MB read | registers | achieved occupancy | issue slots busy "
-          "| warp instr / KV position | cycles per issue | largest stalls (cycles per issued instruction) |")
+    what = f"reshape-and-cache of {ctx} tokens" if args.write else f"decode {seqs} x {ctx}, bf16 queries"
+    print(f"ncu: {ncu}; {what}; one launch per format", flush=True)
+    print(f"| format | kernel us | DRAM of peak | MB {'moved' if args.write else 'read'} | registers | achieved occupancy "
+          f"| issue slots busy | warp instr / {'token' if args.write else 'KV position'} and KV head | cycles per "
+          "issue | largest stalls (cycles per issued instruction) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.formats:
-        row = profile(ncu, name, seqs, ctx, out)
+        row = profile(ncu, name, seqs, ctx, out, args.write)
         if row:
-            print(summary(name, row, seqs, ctx), flush=True)
+            print(summary(name, row, seqs, ctx, args.write), flush=True)
     return 0
 
 

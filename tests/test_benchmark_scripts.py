@@ -24,3 +24,29 @@ def test_gpu_scripts_name_the_missing_gpu(script, args, tmp_path):
     assert res.returncode == 2, res.stderr[-2000:]
     assert "CUDA GPU" in res.stderr and "sass_count.py" in res.stderr, res.stderr[-2000:]
     assert "Traceback" not in res.stderr, res.stderr[-2000:]
+
+
+def load_script(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_profile_summary_adds_bytes_in_their_own_units():
+    """ncu gives each metric its own unit: a write's bytes moved are its reads plus its writes, each scaled by its
+    unit; instructions count per (token, KV head)."""
+    prof = load_script("profile_decode")
+    row = {"gpu__time_duration.sum": "85,000", "dram__bytes_read.sum": "134.22", "dram__bytes_write.sum": "36,864",
+           "smsp__inst_executed.sum": "262144", "launch__registers_per_thread": "86",
+           "units": {"gpu__time_duration.sum": "nsecond", "dram__bytes_read.sum": "Mbyte",
+                     "dram__bytes_write.sum": "Kbyte"}}
+    cells = [c.strip() for c in prof.summary("q4_0", row, 1, 32768, write=True).split("|")[1:-1]]
+    assert cells[:2] == ["q4_0", "85"]
+    assert cells[3] == "171"  # 134.22 MB + 36.864 MB
+    assert cells[4] == "86"
+    assert cells[7] == "1.0"  # 262144 warp instructions over 32768 tokens x 8 KV heads
+    decode = [c.strip() for c in prof.summary("q4_0", row, 1, 32768).split("|")[1:-1]]
+    assert decode[3] == "134"  # decode counts the bytes read only
