@@ -127,11 +127,15 @@ def summary(name: str, row: dict, seqs: int, ctx: int, write: bool = False) -> s
         scale = {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}.get(row.get("units", {}).get(key), 1e-6)
         return None if value is None else value * scale
 
+    time_unit = row.get("units", {}).get("gpu__time_duration.sum")
+    to_us = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(time_unit, 1e-3)
     read = megabytes("dram__bytes_read.sum")
     if write and read is not None:  # a write moves bytes both ways
         read += megabytes("dram__bytes_write.sum") or 0.0
-    time_unit = row.get("units", {}).get("gpu__time_duration.sum")
-    to_us = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(time_unit, 1e-3)
+    rate = number(row, "dram__bytes.sum.per_second")  # where the sections give no byte count: rate x time
+    if read is None and rate is not None and time is not None and row.get("units", {}).get(
+            "dram__bytes.sum.per_second") == "byte/s":
+        read = rate * time * to_us * 1e-12  # bytes/s x us -> MB (both directions)
     return (f"| {name} | {cell(time, to_us)} | {cell(dram, unit='%')} | {cell(read)} | "
             f"{cell(find(row, r'launch__registers_per_thread'))} | {cell(occupancy, unit='%')} | "
             f"{cell(issue, unit='%')} | {per_pos} | {cell(cpi, fmt='{:.1f}')} | {top} |")

@@ -50,3 +50,12 @@ def test_profile_summary_adds_bytes_in_their_own_units():
     assert cells[7] == "1.0"  # 262144 warp instructions over 32768 tokens x 8 KV heads
     decode = [c.strip() for c in prof.summary("q4_0", row, 1, 32768).split("|")[1:-1]]
     assert decode[3] == "134"  # decode counts the bytes read only
+
+
+def test_profile_summary_bytes_from_the_rate_when_no_count():
+    """ncu's default sections give DRAM bytes per second, not a count: MB moved is the rate times the kernel time."""
+    prof = load_script("profile_decode")
+    row = {"gpu__time_duration.sum": "67.0", "dram__bytes.sum.per_second": "3,682,068,571,428.57",
+           "units": {"gpu__time_duration.sum": "usecond", "dram__bytes.sum.per_second": "byte/s"}}
+    cells = [c.strip() for c in prof.summary("bf16", row, 1, 32768, write=True).split("|")[1:-1]]
+    assert cells[1] == "67" and cells[3] == "247"  # 3.682e12 B/s x 67e-6 s = 246.7 MB
