@@ -4,7 +4,7 @@
     python benchmarks/sass_count.py --write [FORMAT ...]         # reshape-and-cache, as Format.write launches it
     python benchmarks/sass_count.py --tiles 64/4/3/128 [FORMAT ...]  # another tile choice (tune_tiles.py's syntax)
     python benchmarks/sass_count.py --write-streaming [FORMAT ...]   # KIVI's flush and residual-store kernels
-    python benchmarks/sass_count.py --write --fast-div [FORMAT ...]   # (or --write-streaming) with FAST_DIV on
+    python benchmarks/sass_count.py --write --no-fast-div [FORMAT ...]   # (or --write-streaming) with FAST_DIV off
     python benchmarks/sass_count.py --prefill [FORMAT ...]       # bench.py's chunked prefill (4 x 2048 new on 8192)
 
 Compiles each format's paged_attention_kernel for sm_90 with Triton's own ptxas exactly as the runtime would launch
@@ -292,10 +292,10 @@ def main() -> int:
     if args[:1] in (["-h"], ["--help"]):
         print(__doc__)
         return 0
-    if args[1:2] == ["--fast-div"] and args[0] in ("--write", "--write-streaming"):
-        from kvgen.runtime import kernels  # as if runtime.kernels.FAST_DIV were on (recip_fast / div_fast)
+    if args[1:2] == ["--no-fast-div"] and args[0] in ("--write", "--write-streaming"):
+        from kvgen.runtime import kernels  # as if runtime.kernels.FAST_DIV were off (div_rn per element)
 
-        kernels.FAST_DIV, args = True, args[:1] + args[2:]
+        kernels.FAST_DIV, args = False, args[:1] + args[2:]
     if args[:1] == ["--write-streaming"]:  # KIVI's flush and residual-store kernels
         return main_write_streaming(args[1:] or kvgen.shipped_names())
     if args[:1] == ["--write"]:  # the reshape-and-cache kernel instead

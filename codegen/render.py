@@ -171,8 +171,8 @@ def fast_division(side: SideSpec) -> bool:
     """Whether a compiled write (FAST_DIV) may divide x / s for codes through the group's reciprocal, refined as
     ptxas refines div.rn's, and div.rn's own correction step (kernels.py.jinja's recip_fast / div_fast): integer
     codes, scales divided per element (not through fp64) and confined to [2**-30, 2**17] (fp16 scales, floored). Then
-    the codes are div_rn's (benchmarks/check_fast_div.py checks it on a GPU; the runtime's FAST_DIV is off until it
-    has run)."""
+    the codes are div_rn's (benchmarks/check_fast_div.py checks it on a GPU: 0 codes differ on the H200). The
+    runtime's FAST_DIV turns it on for compiled writes."""
     sc = side.scale
     if sc is None or sc.granularity.is_static or sc.global_scale or sc.apply != ApplyScale.divide:
         return False
