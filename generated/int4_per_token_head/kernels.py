@@ -212,11 +212,18 @@ def reshape_and_cache_kernel(
     x_key = tl.where(x_key == x_key, x_key, 0.0)  # key codes have no NaN: NaN is stored as 0.0 would be
     # dynamic scale per group of HEAD_PAD elements: scale = max((max - min) / 15, 1e-06) stored as fp32
     k_xg = tl.reshape(x_key, [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
-    # only finite values set the range (NaN and +-inf do not)
-    k_mg = tl.reshape(tl.broadcast_to(dmask[None, :], [BLOCK_T, HEAD_PAD]), [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]) & (tl.abs(k_xg) < float("inf"))
-    # the range always includes 0: lo = min(min x, 0), hi = max(max x, 0)
-    k_lo = tl.minimum(tl.min(tl.where(k_mg, k_xg, float("inf")), axis=2), 0.0)
-    k_hi = tl.maximum(tl.max(tl.where(k_mg, k_xg, float("-inf")), axis=2), 0.0)
+    # only finite values set the range (NaN and +-inf do not), and not the padding past HEAD_SIZE
+    if NATIVE_CASTS:
+        k_fy = tl.fma(k_xg, 0.0, k_xg)  # x where finite, else NaN
+        k_lo = tl.min(k_fy, axis=2)
+        k_hi = tl.max(k_fy, axis=2)
+    else:
+        k_fm = tl.abs(k_xg) < float("inf")  # only finite values set the range
+        k_lo = tl.min(tl.where(k_fm, k_xg, float("inf")), axis=2)
+        k_hi = tl.max(tl.where(k_fm, k_xg, float("-inf")), axis=2)
+    # the range always includes 0 (so the zero padding does not move it): lo = min(min x, 0), hi = max(max x, 0)
+    k_lo = tl.minimum(k_lo, 0.0)
+    k_hi = tl.maximum(k_hi, 0.0)
     k_s = ((k_hi - k_lo).to(tl.float64) * (1.0 / tl.full([], 15.0, tl.float64))).to(tl.float32)
     k_s = tl.maximum(k_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     k_scode = k_scale_encode(k_s)
@@ -247,11 +254,18 @@ def reshape_and_cache_kernel(
     x_value = tl.where(x_value == x_value, x_value, 0.0)  # value codes have no NaN: NaN is stored as 0.0 would be
     # dynamic scale per group of HEAD_PAD elements: scale = max((max - min) / 15, 1e-06) stored as fp32
     v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
-    # only finite values set the range (NaN and +-inf do not)
-    v_mg = tl.reshape(tl.broadcast_to(dmask[None, :], [BLOCK_T, HEAD_PAD]), [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]) & (tl.abs(v_xg) < float("inf"))
-    # the range always includes 0: lo = min(min x, 0), hi = max(max x, 0)
-    v_lo = tl.minimum(tl.min(tl.where(v_mg, v_xg, float("inf")), axis=2), 0.0)
-    v_hi = tl.maximum(tl.max(tl.where(v_mg, v_xg, float("-inf")), axis=2), 0.0)
+    # only finite values set the range (NaN and +-inf do not), and not the padding past HEAD_SIZE
+    if NATIVE_CASTS:
+        v_fy = tl.fma(v_xg, 0.0, v_xg)  # x where finite, else NaN
+        v_lo = tl.min(v_fy, axis=2)
+        v_hi = tl.max(v_fy, axis=2)
+    else:
+        v_fm = tl.abs(v_xg) < float("inf")  # only finite values set the range
+        v_lo = tl.min(tl.where(v_fm, v_xg, float("inf")), axis=2)
+        v_hi = tl.max(tl.where(v_fm, v_xg, float("-inf")), axis=2)
+    # the range always includes 0 (so the zero padding does not move it): lo = min(min x, 0), hi = max(max x, 0)
+    v_lo = tl.minimum(v_lo, 0.0)
+    v_hi = tl.maximum(v_hi, 0.0)
     v_s = ((v_hi - v_lo).to(tl.float64) * (1.0 / tl.full([], 15.0, tl.float64))).to(tl.float32)
     v_s = tl.maximum(v_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     v_scode = v_scale_encode(v_s)

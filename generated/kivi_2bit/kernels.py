@@ -286,10 +286,16 @@ def kivi_flush_kernel(
 
         # ---- key: one scale and minimum per channel over the group's 32 tokens ----
         x_key = tl.where(x_key == x_key, x_key, 0.0)  # key codes have no NaN: NaN is stored as 0.0 would be
-        k_fin = tl.abs(x_key) < float("inf")  # only finite values set the range
-        k_lo = tl.min(tl.where(k_fin, x_key, float("inf")), axis=0)
-        k_hi = tl.max(tl.where(k_fin, x_key, float("-inf")), axis=0)
-        k_none = k_lo > k_hi  # no finite value in the group: (0, 0)
+        # only finite values set the range (NaN and +-inf do not)
+        if NATIVE_CASTS:
+            k_fy = tl.fma(x_key, 0.0, x_key)  # x where finite, else NaN
+            k_lo = tl.min(k_fy, axis=0)
+            k_hi = tl.max(k_fy, axis=0)
+        else:
+            k_fm = tl.abs(x_key) < float("inf")  # only finite values set the range
+            k_lo = tl.min(tl.where(k_fm, x_key, float("inf")), axis=0)
+            k_hi = tl.max(tl.where(k_fm, x_key, float("-inf")), axis=0)
+        k_none = ~(k_lo <= k_hi)  # no finite value in the group (+-inf or NaN ends): (0, 0)
         # a zero minimum or maximum is +0 whichever zeros the group holds (-0 == +0: a reduction's order would pick the sign)
         k_lo = tl.where(k_none | (k_lo == 0.0), 0.0, k_lo)
         k_hi = tl.where(k_none | (k_hi == 0.0), 0.0, k_hi)
@@ -317,12 +323,18 @@ def kivi_flush_kernel(
         x_value = tl.where(x_value == x_value, x_value, 0.0)  # value codes have no NaN: NaN is stored as 0.0 would be
         # dynamic scale per group of 32 elements: scale = max((max - min) / 3, 1e-06) stored as fp16, the fp16 minimum as offset
         v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // 32, 32])
-        # only finite values set the range (NaN and +-inf do not)
-        v_mg = tl.reshape(tl.broadcast_to(dmask[None, :], [BLOCK_T, HEAD_PAD]), [BLOCK_T, HEAD_PAD // 32, 32]) & (tl.abs(v_xg) < float("inf"))
+        # only finite values set the range (NaN and +-inf do not), and not the padding past HEAD_SIZE
+        if NATIVE_CASTS:
+            v_fy = tl.fma(v_xg, 0.0, v_xg)  # x where finite, else NaN
+            v_fy = tl.where((tl.reshape(tl.broadcast_to(dmask[None, :], [BLOCK_T, HEAD_PAD]), [BLOCK_T, HEAD_PAD // 32, 32])), v_fy, float("nan"))
+            v_lo = tl.min(v_fy, axis=2)
+            v_hi = tl.max(v_fy, axis=2)
+        else:
+            v_fm = (tl.abs(v_xg) < float("inf")) & (tl.reshape(tl.broadcast_to(dmask[None, :], [BLOCK_T, HEAD_PAD]), [BLOCK_T, HEAD_PAD // 32, 32]))  # only finite values set the range
+            v_lo = tl.min(tl.where(v_fm, v_xg, float("inf")), axis=2)
+            v_hi = tl.max(tl.where(v_fm, v_xg, float("-inf")), axis=2)
         # float zero point: the group's minimum is the offset
-        v_lo = tl.min(tl.where(v_mg, v_xg, float("inf")), axis=2)
-        v_hi = tl.max(tl.where(v_mg, v_xg, float("-inf")), axis=2)
-        v_none = v_lo > v_hi  # no finite value in the group: (0, 0)
+        v_none = ~(v_lo <= v_hi)  # no finite value in the group (+-inf or NaN ends): (0, 0)
         # a zero minimum or maximum is +0 whichever zeros the group holds (-0 == +0: a reduction's order would pick the sign)
         v_lo = tl.where(v_none | (v_lo == 0.0), 0.0, v_lo)
         v_hi = tl.where(v_none | (v_hi == 0.0), 0.0, v_hi)
