@@ -1,11 +1,13 @@
 """GPU check of the writes' division of integer codes by a group's scale (recip_fast / div_fast, codegen/templates/
 kernels.py.jinja; codegen.render.fast_division): compiled, it must round and clamp to the same code as div_rn for
-every 2-, 4- and 8-bit code range, signed and unsigned.
+every 2-, 4- and 8-bit integer code range, signed and unsigned, and for e2m1 codes.
 
     TRITON_INTERPRET=0 python benchmarks/check_fast_div.py   # needs a CUDA device
 
 Every positive fp16 scale from the smallest subnormal (0x0001, 2**-24: the lowest floor a spec can give) to 65504,
-each against dividends near every code boundary (k + 0.5) * s for |k| < 256 (a few ulps either side), near 0, the
+and 65536 fp32 scales spread log-uniformly over [2**-30, 2**17] with both ends (render.FAST_SCALE_RANGE: the fp32
+and global scales that a tile's test lets through), each against dividends near every code boundary (k + 0.5) * s
+for |k| < 256 and e2m1's (0.25, 0.75, ..., 5) * s (a few ulps either side), near 0, the
 guard at 2**64, random ones over the code ranges and over every exponent, and +-0 / +-inf / subnormals. Prints the quotients that differ bitwise from div_rn
 inside the guarded range 2**-40 <= |x| < 2**64 and the codes that differ anywhere (both must be 0).
 """
@@ -42,12 +44,33 @@ def codes(q, qmin, qmax, away):
     return torch.clamp(r, qmin, qmax)
 
 
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def e2m1_codes(q):
+    # e2m1's code of q: the nearest grid magnitude (ties to the even code), saturated at 6, with q's sign bit
+    grid = torch.tensor(E2M1_GRID, device=q.device)
+    mids = (grid[1:] + grid[:-1]) / 2
+    a = q.abs()
+    idx = torch.bucketize(a, mids, right=True)  # mids at or below a: ties round up here
+    tie = (idx > 0) & (a == mids[(idx - 1).clamp(min=0)]) & (idx % 2 == 1)
+    idx = torch.where(tie, idx - 1, idx).clamp(max=7)
+    return idx + 8 * torch.signbit(q).to(idx.dtype)
+
+
 def main() -> int:
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
     s = torch.arange(0x0001, 0x7C00, dtype=torch.int32, device=dev).to(torch.int16).view(torch.float16).float()
+    lo, hi = 2.0 ** -30, 2.0 ** 17  # render.FAST_SCALE_RANGE
+    s32 = torch.exp2(torch.rand(65536, generator=g, device=dev, dtype=torch.float64) * 47.0 - 30.0).float()
+    s32 = torch.clamp(s32, lo, hi)
+    edges = torch.tensor([lo, hi], device=dev)
+    edges = torch.cat([edges, torch.nextafter(edges, torch.tensor([1.0, 0.0], device=dev))])  # and one ulp inside
+    s = torch.cat([s, s32, edges])
     per = []
-    bound = torch.arange(256, device=dev, dtype=torch.float32) + 0.5  # code boundaries
+    e2m1 = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=dev)  # e2m1's boundaries
+    bound = torch.cat([torch.arange(256, device=dev, dtype=torch.float32) + 0.5, e2m1])  # code boundaries
     near = (bound[None, :] * s[:, None])  # [S, 16], rounded to fp32
     bits = near.view(torch.int32)
     for delta in range(-3, 4):
@@ -72,7 +95,7 @@ def main() -> int:
     torch.cuda.synchronize()
     guarded = (x.abs() >= 2.0**-40) & (x.abs() < 2.0**64)
     bitwise = (q.view(torch.int32) != ref.view(torch.int32)) & guarded & ~(q.isnan() & ref.isnan())
-    print(f"{n} quotients over {len(s)} fp16 scales: {int(bitwise.sum())} differ bitwise from div_rn in the guarded "
+    print(f"{n} quotients over {len(s)} scales (fp16, fp32): {int(bitwise.sum())} differ bitwise from div_rn in the guarded "
           "range")
     bad = 0
     ranges = [(0.0, 3.0), (0.0, 15.0), (0.0, 255.0), (-2.0, 1.0), (-8.0, 7.0), (-128.0, 127.0)]
@@ -85,6 +108,12 @@ def main() -> int:
         if diff.any():
             j = diff.nonzero()[:5, 0]
             print("  x", x[j].tolist(), "s", s[j // per_s].tolist(), "q", q[j].tolist(), "ref", ref[j].tolist())
+    diff = (e2m1_codes(q) != e2m1_codes(ref)) & ~(q.isnan() & ref.isnan())
+    bad += int(diff.sum())
+    print(f"codes e2m1: {int(diff.sum())} differ")
+    if diff.any():
+        j = diff.nonzero()[:5, 0]
+        print("  x", x[j].tolist(), "s", s[j // per_s].tolist(), "q", q[j].tolist(), "ref", ref[j].tolist())
     return 1 if bad or int(bitwise.sum()) else 0
 
 

@@ -67,7 +67,8 @@ class SideContext:
     nan_as_zero: bool  # integer and fp4 codes have no NaN: NaN inputs are stored as 0.0
     native_nan_zero: bool  # ... which compiled writes leave to encode_native (NaN -> code 0): sides without zero point
     range_first: bool  # dynamic absmax: the write reduces every value first, the finite ones only where needed
-    fast_div: bool  # x / s through the group's reciprocal and one correction, compiled (FAST_DIV): fast_division
+    fast_div: str  # x / s through the group's reciprocal and one correction, compiled (FAST_DIV): fast_division
+    fast_range: list  # [low, high] literals: a guarded side's scales take div_fast inside them (FAST_SCALE_RANGE)
     scale_rule: str
     codec_summary: str
     scale_summary: str
@@ -167,18 +168,33 @@ def range_first(side: SideSpec) -> bool:
     return minifloat and element_codec(side).native_encode and scale_codec(sc.dtype).exact_reciprocal
 
 
-def fast_division(side: SideSpec) -> bool:
+# fast_division's verdicts: the scales always lie where div_fast gives div_rn's codes, or a runtime test of the tile's
+# scales picks div_fast or div_rn
+FAST_ALWAYS, FAST_GUARDED = "always", "guarded"
+FAST_SCALE_RANGE = (2.0 ** -30, 2.0 ** 17)  # the scales for which div_fast's codes are div_rn's
+
+
+def fast_division(side: SideSpec) -> str:
     """Whether a compiled write (FAST_DIV) may divide x / s for codes through the group's reciprocal, refined as
-    ptxas refines div.rn's, and div.rn's own correction step (kernels.py.jinja's recip_fast / div_fast): integer
-    codes, scales divided per element (not through fp64) and confined to [2**-30, 2**17] (fp16 scales, floored). Then
-    the codes are div_rn's (benchmarks/check_fast_div.py checks it on a GPU: 0 codes differ on the H200). The
-    runtime's FAST_DIV turns it on for compiled writes."""
+    ptxas refines div.rn's, and div.rn's own correction step (kernels.py.jinja's recip_fast / div_fast): scales
+    divided per element (not through fp64), integer codes, and scales in FAST_SCALE_RANGE. Then the codes are
+    div_rn's (benchmarks/check_fast_div.py checks it on a GPU). FAST_ALWAYS where the scale dtype confines them there
+    (fp16 scales, floored: q4_0, KIVI), FAST_GUARDED where a test of each tile's scales picks the path at run time
+    (fp32 scales, global scales: int8 asym); '' where it does not apply. The runtime's FAST_DIV turns it on for
+    compiled writes. e2m1 codes would take it too (check_fast_div.py: the same e2m1 codes), but nvfp4's write
+    measured 96 -> 97-98 us with the tile's test (H200, thirteenth session run 4: its branch and both paths cost
+    what the division saved), so they keep div_rn."""
     sc = side.scale
-    if sc is None or sc.granularity.is_static or sc.global_scale or sc.apply != ApplyScale.divide:
-        return False
-    if ELEMENTS[side.element].kind not in ("int", "uint") or fp64_quotient(side):
-        return False
-    return sc.dtype in SCALE_MAX and SCALE_MAX[sc.dtype] <= 2.0 ** 17 and max(sc.min, SCALE_TINY[sc.dtype]) >= 2.0 ** -30
+    if sc is None or sc.granularity.is_static or sc.apply != ApplyScale.divide or fp64_quotient(side):
+        return ""
+    if ELEMENTS[side.element].kind not in ("int", "uint"):
+        return ""
+    if scale_codec(sc.dtype).exact_reciprocal and not sc.global_scale:  # power-of-two scales multiply instead
+        return ""
+    lo, hi = FAST_SCALE_RANGE
+    bounded = (not sc.global_scale and sc.dtype in SCALE_MAX and SCALE_MAX[sc.dtype] <= hi
+               and max(sc.min, SCALE_TINY[sc.dtype]) >= lo)
+    return FAST_ALWAYS if bounded else FAST_GUARDED
 
 
 def rcp_can_overflow(side: SideSpec) -> bool:
@@ -419,7 +435,8 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
         nan_as_zero=info.kind in ("int", "uint") or side.element.value == "fp4_e2m1",
         native_nan_zero=info.kind in ("int", "uint") and codec.native_encode and not asym,
         range_first=dynamic and range_first(side),
-        fast_div=dynamic and fast_division(side),
+        fast_div=fast_division(side) if dynamic else "",
+        fast_range=[_float_literal(b) for b in FAST_SCALE_RANGE],
         scale_rule=f"scale = max({rule.split(' with ')[0]}, {sc.min:g}) stored as {sc.dtype.value}"
         + (f", the {side.zero_point.dtype} minimum as offset" if zp == "float" else "") if dynamic else "",
         codec_summary=codec.summary,

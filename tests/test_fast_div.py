@@ -17,12 +17,17 @@ on_gpu = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "0" or not tor
 
 
 def test_fast_division_where_the_scales_allow():
-    """The sides that take it: integer codes divided per element by fp16 scales (q4_0, KIVI); not fp32 scales, not
-    global scales, not the rotated sides' fp64 quotient."""
-    from kvgen.codegen.render import fast_division
-    takes = {name for name in kvgen.shipped_names()
-             if any(fast_division(side) for side in (kvgen.load(name).spec.key, kvgen.load(name).spec.value))}
-    assert takes == {"q4_0", "kivi_2bit", "kivi_4bit"}
+    """The sides that take it: integer codes divided per element; always for fp16 scales (q4_0, KIVI), behind a test
+    of each tile's scales for fp32 or global scales (int8 asym); not for float codes (nvfp4: measured no faster),
+    power-of-two scales (a multiply), static scales, or the rotated sides' fp64 quotient."""
+    from kvgen.codegen.render import FAST_ALWAYS, FAST_GUARDED, fast_division
+    verdicts = {}
+    for name in kvgen.shipped_names():
+        spec = kvgen.load(name).spec
+        for side in {fast_division(spec.key), fast_division(spec.value)} - {""}:
+            verdicts.setdefault(side, set()).add(name)
+    assert verdicts == {FAST_ALWAYS: {"q4_0", "kivi_2bit", "kivi_4bit"},
+                        FAST_GUARDED: {"int8_asym_per_token_head"}}
 
 
 def boundary_tokens(tokens: int, heads: int, head: int, gen: torch.Generator) -> torch.Tensor:
@@ -53,6 +58,39 @@ def test_fast_div_writes_the_same_bytes(monkeypatch):
         cache = fmt.allocate(tokens // 16, 16, heads, head, device="cuda")
         for t in cache.tensors.values():
             t.zero_()
+        fmt.write(cache, key, value, slots)
+        stored.append({n: t.clone() for n, t in cache.tensors.items()})
+    for n in stored[0]:
+        assert torch.equal(stored[0][n], stored[1][n]), n
+
+
+def wide_tokens(tokens: int, heads: int, head: int, gen: torch.Generator) -> torch.Tensor:
+    """Random values scaled by 2**e, e in [-40, 40] per block of 16: tiles whose scales all lie in
+    render.FAST_SCALE_RANGE (div_fast) and tiles with one outside it (div_rn); one value in eight +-0 (a zero
+    quotient keeps x's sign, which e2m1 codes store)."""
+    e = torch.randint(-40, 41, (tokens, heads, head // 16, 1), generator=gen).float()
+    x = torch.randn(tokens, heads, head // 16, 16, generator=gen) * torch.exp2(e)
+    zero = torch.rand(x.shape, generator=gen) < 0.125
+    x = torch.where(zero, torch.where(torch.rand(x.shape, generator=gen) < 0.5, -0.0, 0.0), x)
+    return x.reshape(tokens, heads, head)
+
+
+@on_gpu
+@pytest.mark.parametrize("name,global_scale", [("int8_asym_per_token_head", None)])
+def test_guarded_fast_div_writes_the_same_bytes(monkeypatch, name, global_scale):
+    fmt = kvgen.load(name)
+    gen = torch.Generator().manual_seed(1)
+    tokens, heads, head = 4096, 8, 128
+    key, value = (wide_tokens(tokens, heads, head, gen).cuda() for _ in range(2))
+    slots = torch.randperm(tokens, generator=gen).cuda()
+    scales = {} if global_scale is None else {"k_scale": global_scale, "v_scale": global_scale}
+    stored = []
+    for fast in (False, True):
+        monkeypatch.setattr(K, "FAST_DIV", fast)
+        cache = fmt.allocate(tokens // 16, 16, heads, head, device="cuda", **scales)
+        for n, t in cache.tensors.items():
+            if n not in ("k_scale", "v_scale"):
+                t.zero_()
         fmt.write(cache, key, value, slots)
         stored.append({n: t.clone() for n, t in cache.tensors.items()})
     for n in stored[0]:

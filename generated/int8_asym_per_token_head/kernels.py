@@ -34,6 +34,41 @@ KEY_FOLD = False
 # ---------------------------------------------------------------------------------------------------------------
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Division of codes by their group's scale (render.fast_division). ptxas expands every div.rn.f32 into MUFU.RCP, a
+# Newton step of the reciprocal, q0 = x * r, one correction q0 + r * (x - s * q0) (FFMAs), and FCHK with a branch to
+# a slow path for operands out of its range. Compiled (FAST), the reciprocal and its Newton step run once per scale
+# here and every element keeps the same q0 and correction: the same operations (the residual computed as its
+# negation, s * q0 - x, which rounds to the exact negative; so a zero quotient keeps x's sign, where x - s * q0
+# would give +0 for x = -0), so the same quotient wherever FCHK passes. For scales in [2**-30, 2**17] (fp16 scales
+# always; fp32 or global scales where a test of the tile's scales says so, else div_rn) and integer codes: elements
+# with |x| >= 2**64 keep x itself (q would be at least 2**47, clamped like x to the same code, and the fast path
+# could overflow into NaN); for |x| < 2**-40 both quotients are below 2**-10 in magnitude, with x's sign, so the
+# same zero code. The codes are therefore those of div_rn; the interpreter, whose fma rounds twice, divides with
+# div_rn.
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def recip_fast(s, FAST: tl.constexpr):
+    # div.rn's reciprocal of s, refined as ptxas refines it (FAST); unused otherwise
+    if FAST:
+        r0 = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [s], dtype=tl.float32, is_pure=True,
+                                       pack=1)
+        return tl.fma(r0, tl.fma(-s, r0, 1.0), r0)
+    else:
+        return s
+
+
+@triton.jit
+def div_fast(x, s, r, FAST: tl.constexpr):
+    # x / s for codes: div_rn's quotient, or (FAST, r = recip_fast(s)) one that rounds and clamps to the same code
+    if FAST:
+        q0 = x * r
+        q = tl.fma(-r, tl.fma(s, q0, -x), q0)  # q0 + r * (x - s * q0), the residual negated: a zero keeps x's sign
+        return tl.where(tl.abs(x) < 18446744073709551616.0, q, x)
+    else:
+        return tl.math.div_rn(x, s)
+
+
 @triton.jit
 def k_encode(v):
     # clamp to [0.0, 255.0], then round half to even by adding 1.5 * 2**23 (ulp 1): the sum's bits minus
@@ -196,7 +231,13 @@ def reshape_and_cache_kernel(
     # zero point, rounded and clamped like a code
     k_zcode = k_encode_native(tl.math.div_rn(-k_lo, k_eff_g), NATIVE_CASTS)
     k_eff = tl.reshape(tl.broadcast_to(k_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
-    k_v = tl.math.div_rn(x_key, k_eff)  # x / s
+    if FAST_DIV:  # compiled: x / s through each group's reciprocal where every scale of the tile allows it
+        if (tl.min(k_eff_g) >= 9.313225746154785e-10) & (tl.max(k_eff_g) <= 131072.0):
+            k_v = div_fast(x_key, k_eff, tl.reshape(tl.broadcast_to(recip_fast(k_eff_g, True)[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD]), True)
+        else:
+            k_v = tl.math.div_rn(x_key, k_eff)
+    else:
+        k_v = tl.math.div_rn(x_key, k_eff)  # x / s
     k_v = k_v + tl.reshape(tl.broadcast_to(k_zcode.to(tl.float32)[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
     k_codes = k_encode_native(k_v, NATIVE_CASTS)
     k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
@@ -243,7 +284,13 @@ def reshape_and_cache_kernel(
     # zero point, rounded and clamped like a code
     v_zcode = v_encode_native(tl.math.div_rn(-v_lo, v_eff_g), NATIVE_CASTS)
     v_eff = tl.reshape(tl.broadcast_to(v_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
-    v_v = tl.math.div_rn(x_value, v_eff)  # x / s
+    if FAST_DIV:  # compiled: x / s through each group's reciprocal where every scale of the tile allows it
+        if (tl.min(v_eff_g) >= 9.313225746154785e-10) & (tl.max(v_eff_g) <= 131072.0):
+            v_v = div_fast(x_value, v_eff, tl.reshape(tl.broadcast_to(recip_fast(v_eff_g, True)[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD]), True)
+        else:
+            v_v = tl.math.div_rn(x_value, v_eff)
+    else:
+        v_v = tl.math.div_rn(x_value, v_eff)  # x / s
     v_v = v_v + tl.reshape(tl.broadcast_to(v_zcode.to(tl.float32)[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
     v_codes = v_encode_native(v_v, NATIVE_CASTS)
     v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
