@@ -44,54 +44,59 @@ def boundary_tokens(tokens: int, heads: int, head: int, gen: torch.Generator) ->
     return x.reshape(tokens, heads, head)
 
 
-@on_gpu
-def test_fast_div_writes_the_same_bytes(monkeypatch):
-    fmt = kvgen.load("q4_0")
-    gen = torch.Generator().manual_seed(0)
-    tokens, heads, head = 4096, 8, 128
-    key = boundary_tokens(tokens, heads, head, gen).cuda()
-    value = boundary_tokens(tokens, heads, head, gen).cuda()
-    slots = torch.randperm(tokens, generator=gen).cuda()
+def bytes_with_and_without(monkeypatch, name: str, key, value, slots, **scales) -> list:
+    """The cache tensors after one write with FAST_DIV off, then on (static scales as given)."""
+    fmt = kvgen.load(name)
     stored = []
     for fast in (False, True):
         monkeypatch.setattr(K, "FAST_DIV", fast)
-        cache = fmt.allocate(tokens // 16, 16, heads, head, device="cuda")
-        for t in cache.tensors.values():
-            t.zero_()
+        cache = fmt.allocate(key.shape[0] // 16, 16, key.shape[1], key.shape[2], device="cuda", **scales)
+        for n, t in cache.tensors.items():
+            if n not in ("k_scale", "v_scale"):
+                t.zero_()
         fmt.write(cache, key, value, slots)
         stored.append({n: t.clone() for n, t in cache.tensors.items()})
+    return stored
+
+
+def assert_same(stored: list) -> None:
     for n in stored[0]:
         assert torch.equal(stored[0][n], stored[1][n]), n
 
 
+@on_gpu
+def test_fast_div_writes_the_same_bytes(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    tokens, heads, head = 4096, 8, 128
+    key, value = (boundary_tokens(tokens, heads, head, gen).cuda() for _ in range(2))
+    slots = torch.randperm(tokens, generator=gen).cuda()
+    assert_same(bytes_with_and_without(monkeypatch, "q4_0", key, value, slots))
+
+
 def wide_tokens(tokens: int, heads: int, head: int, gen: torch.Generator) -> torch.Tensor:
-    """Random values scaled by 2**e, e in [-40, 40] per block of 16: tiles whose scales all lie in
-    render.FAST_SCALE_RANGE (div_fast) and tiles with one outside it (div_rn); one value in eight +-0 (a zero
-    quotient keeps x's sign, which e2m1 codes store)."""
-    e = torch.randint(-40, 41, (tokens, heads, head // 16, 1), generator=gen).float()
-    x = torch.randn(tokens, heads, head // 16, 16, generator=gen) * torch.exp2(e)
+    """Random values scaled by 2**(e + f): e in [-40, 40] per 4 consecutive tokens (a write tile), f in [-3, 3] per
+    block of 16. So some tiles' scales all lie in render.FAST_SCALE_RANGE (div_fast) and others' do not (div_rn). One
+    value in eight is +-0 (a zero quotient keeps x's sign)."""
+    e = torch.randint(-40, 41, (tokens // 4, 1, 1, 1, 1), generator=gen).float()
+    f = torch.randint(-3, 4, (tokens // 4, 4, heads, head // 16, 1), generator=gen).float()
+    x = torch.randn(tokens // 4, 4, heads, head // 16, 16, generator=gen) * torch.exp2(e + f)
     zero = torch.rand(x.shape, generator=gen) < 0.125
     x = torch.where(zero, torch.where(torch.rand(x.shape, generator=gen) < 0.5, -0.0, 0.0), x)
     return x.reshape(tokens, heads, head)
 
 
 @on_gpu
-@pytest.mark.parametrize("name,global_scale", [("int8_asym_per_token_head", None)])
-def test_guarded_fast_div_writes_the_same_bytes(monkeypatch, name, global_scale):
-    fmt = kvgen.load(name)
+def test_guarded_fast_div_writes_the_same_bytes(monkeypatch):
+    """int8 asym: fp32 scales per token and head, (max - min) / 255; a tile of 4 tokens takes div_fast where all
+    its scales lie in [2**-30, 2**17]. The data holds both kinds of tile (checked with margins of 2**2)."""
     gen = torch.Generator().manual_seed(1)
     tokens, heads, head = 4096, 8, 128
     key, value = (wide_tokens(tokens, heads, head, gen).cuda() for _ in range(2))
     slots = torch.randperm(tokens, generator=gen).cuda()
-    scales = {} if global_scale is None else {"k_scale": global_scale, "v_scale": global_scale}
-    stored = []
-    for fast in (False, True):
-        monkeypatch.setattr(K, "FAST_DIV", fast)
-        cache = fmt.allocate(tokens // 16, 16, heads, head, device="cuda", **scales)
-        for n, t in cache.tensors.items():
-            if n not in ("k_scale", "v_scale"):
-                t.zero_()
-        fmt.write(cache, key, value, slots)
-        stored.append({n: t.clone() for n, t in cache.tensors.items()})
-    for n in stored[0]:
-        assert torch.equal(stored[0][n], stored[1][n]), n
+    for x in (key, value):
+        s = (x.amax(dim=2).clamp(min=0) - x.amin(dim=2).clamp(max=0)) / 255  # [tokens, heads]
+        s = s.reshape(tokens // 4, 4, heads)
+        inside = ((s >= 2.0 ** -28) & (s <= 2.0 ** 15)).all(dim=1)  # [tiles, heads]
+        outside = ((s < 2.0 ** -32) | (s > 2.0 ** 19)).any(dim=1)
+        assert inside.sum() > 1000 and outside.sum() > 1000, (int(inside.sum()), int(outside.sum()))
+    assert_same(bytes_with_and_without(monkeypatch, "int8_asym_per_token_head", key, value, slots))
