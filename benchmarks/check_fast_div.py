@@ -105,9 +105,9 @@ def main() -> int:
             diff &= ~(q.isnan() & ref.isnan())
             bad += int(diff.sum())
             print(f"codes [{qmin:g}, {qmax:g}], {'half away' if away else 'half even'}: {int(diff.sum())} differ")
-        if diff.any():
-            j = diff.nonzero()[:5, 0]
-            print("  x", x[j].tolist(), "s", s[j // per_s].tolist(), "q", q[j].tolist(), "ref", ref[j].tolist())
+            if diff.any():
+                j = diff.nonzero()[:5, 0]
+                print("  x", x[j].tolist(), "s", s[j // per_s].tolist(), "q", q[j].tolist(), "ref", ref[j].tolist())
     diff = (e2m1_codes(q) != e2m1_codes(ref)) & ~(q.isnan() & ref.isnan())
     bad += int(diff.sum())
     print(f"codes e2m1: {int(diff.sum())} differ")

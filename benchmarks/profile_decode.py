@@ -7,7 +7,7 @@
 For each format, runs ``ncu`` on a child process that sets up benchmarks/bench.py's decode case (32 query heads,
 8 KV heads, head size 128, block size 16; KIVI block 32) and launches attention a few times; the third launch of
 the attention kernel is profiled (the first compiles). Prints one markdown table: kernel time, DRAM throughput
-(fraction of peak), bytes read, registers, achieved occupancy, issue-slot use, instructions per KV position and the
+(fraction of peak), DRAM bytes moved (read + written), registers, achieved occupancy, issue-slot use, instructions per KV position and the
 largest warp stall reasons (cycles per issued instruction). ncu's raw CSV of every format is kept in --out/ncu_raw.csv.
 
 ``--write`` profiles bench.py's write case instead (``--shape`` is then the token count, 32768 by default): the
@@ -105,7 +105,7 @@ def find(row: dict, *patterns: str) -> float | None:
     return None
 
 
-def summary(name: str, row: dict, seqs: int, ctx: int, write: bool = False) -> str:
+def summary(name: str, row: dict, seqs: int, ctx: int) -> str:
     """One markdown row; instructions per (KV position or token, KV head): seqs * ctx of them, 8 KV heads."""
     def cell(value, scale=1.0, fmt="{:.0f}", unit=""):
         return "-" if value is None else fmt.format(value * scale) + unit
@@ -122,20 +122,24 @@ def summary(name: str, row: dict, seqs: int, ctx: int, write: bool = False) -> s
                  r"smsp__inst_issued\.avg\.pct.*")
     cpi = find(row, r"smsp__average_warp_latency_per_inst_issued\.ratio", r"smsp__average_warps_.*per_inst_issued.*")
 
-    def megabytes(key: str) -> float | None:  # ncu gives each metric its own unit (byte, Kbyte, Mbyte, ...)
-        value = number(row, key)
-        scale = {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}.get(row.get("units", {}).get(key), 1e-6)
-        return None if value is None else value * scale
+    units = row.get("units", {})
 
-    time_unit = row.get("units", {}).get("gpu__time_duration.sum")
+    def megabytes(key: str, per_second: bool = False) -> float | None:
+        """The metric in MB (or MB/s): ncu gives each its own unit (byte, Kbyte, ... or byte/s, Gbyte/s, ...); None
+        where the metric or its unit is missing or unknown."""
+        value, unit = number(row, key), units.get(key, "byte" if not per_second else "byte/s")
+        unit = unit[:-2] if per_second and unit.endswith("/s") else unit
+        scale = {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3, "Tbyte": 1e6}.get(unit)
+        return None if value is None or scale is None else value * scale
+
+    time_unit = units.get("gpu__time_duration.sum")
     to_us = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(time_unit, 1e-3)
-    read = megabytes("dram__bytes_read.sum")
-    if write and read is not None:  # a write moves bytes both ways
-        read += megabytes("dram__bytes_write.sum") or 0.0
-    rate = number(row, "dram__bytes.sum.per_second")  # where the sections give no byte count: rate x time
-    if read is None and rate is not None and time is not None and row.get("units", {}).get(
-            "dram__bytes.sum.per_second") == "byte/s":
-        read = rate * time * to_us * 1e-12  # bytes/s x us -> MB (both directions)
+    # DRAM bytes moved, read plus written: the counts where ncu gives both, else its rate times the kernel time
+    read, written = megabytes("dram__bytes_read.sum"), megabytes("dram__bytes_write.sum")
+    read = None if read is None or written is None else read + written
+    rate = megabytes("dram__bytes.sum.per_second", per_second=True)
+    if read is None and rate is not None and time is not None:
+        read = rate * time * to_us * 1e-6  # MB/s x us -> MB
     return (f"| {name} | {cell(time, to_us)} | {cell(dram, unit='%')} | {cell(read)} | "
             f"{cell(find(row, r'launch__registers_per_thread'))} | {cell(occupancy, unit='%')} | "
             f"{cell(issue, unit='%')} | {per_pos} | {cell(cpi, fmt='{:.1f}')} | {top} |")
@@ -163,14 +167,14 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     what = f"reshape-and-cache of {ctx} tokens" if args.write else f"decode {seqs} x {ctx}, bf16 queries"
     print(f"ncu: {ncu}; {what}; one launch per format", flush=True)
-    print(f"| format | kernel us | DRAM of peak | MB {'moved' if args.write else 'read'} | registers | achieved occupancy "
+    print(f"| format | kernel us | DRAM of peak | DRAM MB moved | registers | achieved occupancy "
           f"| issue slots busy | warp instr / {'token' if args.write else 'KV position'} and KV head | cycles per "
           "issue | largest stalls (cycles per issued instruction) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.formats:
         row = profile(ncu, name, seqs, ctx, out, args.write)
         if row:
-            print(summary(name, row, seqs, ctx, args.write), flush=True)
+            print(summary(name, row, seqs, ctx), flush=True)
     return 0
 
 

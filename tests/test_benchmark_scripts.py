@@ -36,26 +36,29 @@ def load_script(name: str):
 
 
 def test_profile_summary_adds_bytes_in_their_own_units():
-    """ncu gives each metric its own unit: a write's bytes moved are its reads plus its writes, each scaled by its
-    unit; instructions count per (token, KV head)."""
+    """ncu gives each metric its own unit: the DRAM bytes moved are the reads plus the writes, each scaled by its
+    unit; instructions count per (token or position, KV head)."""
     prof = load_script("profile_decode")
     row = {"gpu__time_duration.sum": "85,000", "dram__bytes_read.sum": "134.22", "dram__bytes_write.sum": "36,864",
            "smsp__inst_executed.sum": "262144", "launch__registers_per_thread": "86",
            "units": {"gpu__time_duration.sum": "nsecond", "dram__bytes_read.sum": "Mbyte",
                      "dram__bytes_write.sum": "Kbyte"}}
-    cells = [c.strip() for c in prof.summary("q4_0", row, 1, 32768, write=True).split("|")[1:-1]]
+    cells = [c.strip() for c in prof.summary("q4_0", row, 1, 32768).split("|")[1:-1]]
     assert cells[:2] == ["q4_0", "85"]
     assert cells[3] == "171"  # 134.22 MB + 36.864 MB
     assert cells[4] == "86"
     assert cells[7] == "1.0"  # 262144 warp instructions over 32768 tokens x 8 KV heads
-    decode = [c.strip() for c in prof.summary("q4_0", row, 1, 32768).split("|")[1:-1]]
-    assert decode[3] == "134"  # decode counts the bytes read only
+    unknown = dict(row, units=dict(row["units"], **{"dram__bytes_write.sum": "parsec"}))
+    assert [c.strip() for c in prof.summary("q4_0", unknown, 1, 32768).split("|")[1:-1]][3] == "-"
 
 
-def test_profile_summary_bytes_from_the_rate_when_no_count():
-    """ncu's default sections give DRAM bytes per second, not a count: MB moved is the rate times the kernel time."""
+@pytest.mark.parametrize("rate,unit", [("3,682,068,571,428.57", "byte/s"), ("3.68206857142857", "Tbyte/s"),
+                                       ("3682.06857142857", "Gbyte/s")])
+def test_profile_summary_bytes_from_the_rate_when_no_count(rate, unit):
+    """ncu's default sections give DRAM bytes per second, not a count: MB moved is the rate times the kernel time,
+    in whatever unit the rate comes."""
     prof = load_script("profile_decode")
-    row = {"gpu__time_duration.sum": "67.0", "dram__bytes.sum.per_second": "3,682,068,571,428.57",
-           "units": {"gpu__time_duration.sum": "usecond", "dram__bytes.sum.per_second": "byte/s"}}
-    cells = [c.strip() for c in prof.summary("bf16", row, 1, 32768, write=True).split("|")[1:-1]]
+    row = {"gpu__time_duration.sum": "67.0", "dram__bytes.sum.per_second": rate,
+           "units": {"gpu__time_duration.sum": "usecond", "dram__bytes.sum.per_second": unit}}
+    cells = [c.strip() for c in prof.summary("bf16", row, 1, 32768).split("|")[1:-1]]
     assert cells[1] == "67" and cells[3] == "247"  # 3.682e12 B/s x 67e-6 s = 246.7 MB

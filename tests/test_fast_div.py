@@ -73,30 +73,71 @@ def test_fast_div_writes_the_same_bytes(monkeypatch):
     assert_same(bytes_with_and_without(monkeypatch, "q4_0", key, value, slots))
 
 
-def wide_tokens(tokens: int, heads: int, head: int, gen: torch.Generator) -> torch.Tensor:
-    """Random values scaled by 2**(e + f): e in [-40, 40] per 4 consecutive tokens (a write tile), f in [-3, 3] per
-    block of 16. So some tiles' scales all lie in render.FAST_SCALE_RANGE (div_fast) and others' do not (div_rn). One
-    value in eight is +-0 (a zero quotient keeps x's sign)."""
-    e = torch.randint(-40, 41, (tokens // 4, 1, 1, 1, 1), generator=gen).float()
-    f = torch.randint(-3, 4, (tokens // 4, 4, heads, head // 16, 1), generator=gen).float()
-    x = torch.randn(tokens // 4, 4, heads, head // 16, 16, generator=gen) * torch.exp2(e + f)
+def wide_tokens(tokens: int, heads: int, head: int, tile: int, gen: torch.Generator) -> torch.Tensor:
+    """Random values scaled by 2**(e + f): e in [-40, 40] per write tile of `tile` tokens, f in [-3, 3] per block of
+    16, so some tiles' scales all lie in render.FAST_SCALE_RANGE (div_fast) and others' do not (div_rn); one value in
+    eight +-0. Then the cases where div_fast alone would give other codes, in tiles that must take div_rn: |x| >=
+    2**64 with scales between 2**17 and 2**100 (div_rn: x / s in the code range; div_fast would keep x, code 255 or
+    0), and +-3e38 (the range overflows: an infinite scale)."""
+    e = torch.randint(-40, 41, (tokens // tile, 1, 1, 1, 1), generator=gen).float()
+    f = torch.randint(-3, 4, (tokens // tile, tile, heads, head // 16, 1), generator=gen).float()
+    x = torch.randn(tokens // tile, tile, heads, head // 16, 16, generator=gen) * torch.exp2(e + f)
     zero = torch.rand(x.shape, generator=gen) < 0.125
     x = torch.where(zero, torch.where(torch.rand(x.shape, generator=gen) < 0.5, -0.0, 0.0), x)
-    return x.reshape(tokens, heads, head)
+    x = x.reshape(tokens, heads, head)
+    big = torch.exp2(torch.randint(64, 100, (64, heads, 1), generator=gen).float())  # the range's top end
+    x[:64] = torch.rand(64, heads, head, generator=gen) * big  # |x| in [0, 2**100): scales up to 2**100 / 255
+    x[:64, :, 0] = -big[..., 0]  # one element at -2**64 or below in every token and head
+    x[64:72, :, 5] = 3e38
+    x[64:72, :, 6] = -3e38  # hi - lo overflows
+    return x
 
 
 @on_gpu
 def test_guarded_fast_div_writes_the_same_bytes(monkeypatch):
-    """int8 asym: fp32 scales per token and head, (max - min) / 255; a tile of 4 tokens takes div_fast where all
-    its scales lie in [2**-30, 2**17]. The data holds both kinds of tile (checked with margins of 2**2)."""
+    """int8 asym: fp32 scales per token and head, max((max - min) / 255, 1e-6); a write tile takes div_fast where
+    all its scales lie in [2**-30, 2**17]. The data holds both kinds of tile (checked with margins of 2**2), and the
+    values that div_fast would get wrong (wide_tokens), which the guard must send to div_rn."""
     gen = torch.Generator().manual_seed(1)
     tokens, heads, head = 4096, 8, 128
-    key, value = (wide_tokens(tokens, heads, head, gen).cuda() for _ in range(2))
+    fmt = kvgen.load("int8_asym_per_token_head")
+    tile = K.write_tiles(fmt._kernels.module.CODE_BITS, fmt._kernels.pow2_blocks)["BLOCK_T"]  # tokens per program
+    key, value = (wide_tokens(tokens, heads, head, tile, gen).cuda() for _ in range(2))
     slots = torch.randperm(tokens, generator=gen).cuda()
     for x in (key, value):
-        s = (x.amax(dim=2).clamp(min=0) - x.amin(dim=2).clamp(max=0)) / 255  # [tokens, heads]
-        s = s.reshape(tokens // 4, 4, heads)
+        s = ((x.amax(dim=2).clamp(min=0) - x.amin(dim=2).clamp(max=0)) / 255).clamp(min=1e-6)  # [tokens, heads]
+        s = s.reshape(tokens // tile, tile, heads)
         inside = ((s >= 2.0 ** -28) & (s <= 2.0 ** 15)).all(dim=1)  # [tiles, heads]
-        outside = ((s < 2.0 ** -32) | (s > 2.0 ** 19)).any(dim=1)
+        outside = (s > 2.0 ** 19).any(dim=1)
         assert inside.sum() > 1000 and outside.sum() > 1000, (int(inside.sum()), int(outside.sum()))
     assert_same(bytes_with_and_without(monkeypatch, "int8_asym_per_token_head", key, value, slots))
+
+
+def _side(element="int4", rotation=False, **scale):
+    from kvgen.codegen.spec import SideSpec
+
+    side = {"element": element, "scale": {"granularity": "per_block", "block": 32, "dtype": "fp16", "apply": "divide",
+                                          **scale}}
+    if rotation:
+        side["rotation"] = {"kind": "hadamard", "seed": 0}
+    return SideSpec.model_validate(side)
+
+
+@pytest.mark.parametrize("side,verdict", [
+    (dict(), "always"),  # fp16 scales: [2**-24, 65504]
+    (dict(min=1e-12), "always"),  # a floor below fp16's smallest: the dtype's smallest holds
+    (dict(element="int8", dtype="fp32"), "guarded"),
+    (dict(dtype="bf16"), "guarded"),
+    (dict(dtype="fp8_e4m3"), "guarded"),  # codecs.SCALE_MAX gives fp8 scales no bound: the tile's test decides
+    (dict(global_scale=True), "guarded"),  # times a runtime global scale
+    (dict(dtype="e8m0"), ""),  # powers of two: x times the exact reciprocal
+    (dict(dtype="e8m0", global_scale=True), "guarded"),
+    (dict(element="fp8_e4m3"), ""),  # float codes
+    (dict(element="fp4_e2m1", dtype="fp8_e4m3"), ""),  # float codes (nvfp4 measured no faster)
+    (dict(rotation=True), ""),  # rotated sides divide through fp64
+    (dict(apply="reciprocal_multiply"), ""),
+])
+def test_fast_division_verdicts(side, verdict):
+    from kvgen.codegen.render import fast_division
+
+    assert fast_division(_side(**side)) == verdict

@@ -83,6 +83,43 @@ def test_edge_values_bytes_and_behaviour(name):
     assert np.all(np.isfinite(k[4]))
 
 
+def no_finite_tokens() -> np.ndarray:
+    """[8, H, D] float32 with groups that hold no finite value: token 0 all +inf, 1 +-inf alternating, 2 NaN and
+    +-inf, 3 its first 32 elements +-inf (whole blocks of up to 32) and the rest normal, 4 all -inf, 5 +inf and
+    -0.0, 6-7 normal. Compiled, the writes reduce x + x * 0 (NaN for each of these), whose min / max drop NaN."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((8, H, D)).astype(np.float32)
+    sign = np.where(np.arange(D) % 2 == 0, 1.0, -1.0).astype(np.float32)
+    x[0] = np.inf
+    x[1] = np.inf * sign
+    x[2] = np.where(np.arange(D) % 3 == 0, np.nan, np.inf * sign).astype(np.float32)
+    x[3, :, :32] = np.inf * sign[:32]
+    x[4] = -np.inf
+    x[5] = np.where(np.arange(D) % 2 == 0, np.inf, -0.0).astype(np.float32)
+    return x
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_groups_without_finite_values_bytes(name):
+    """Every group (a token and head, a block, a rotation block) with only NaN / +-inf, or +inf and -0: the bytes
+    equal the reference's (the scale is the floor, zero points and minima those of an empty range)."""
+    fmt = kvgen.load(name)
+    x = no_finite_tokens()
+    slots = np.arange(8, dtype=np.int64)
+    scales = {key: 0.5 for side, key in (("key", "k_scale"), ("value", "v_scale"))
+              if fmt.static_scale_kind(side) is not None}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache = fmt.allocate(2, BS, H, D, device=DEVICE, **scales)
+        xt = torch.from_numpy(x).to(DEVICE)
+        fmt.write(cache, xt, xt, torch.from_numpy(slots).to(DEVICE))
+        expected = R.new_cache(fmt.spec, 2, BS, H, D)
+        R.write(fmt.spec, expected, x, x, slots, k_scale=scales.get("k_scale"), v_scale=scales.get("v_scale"))
+    for t, want in expected.items():
+        got = cache.tensors[t].view(torch.uint8).reshape(2, -1).cpu().numpy()
+        assert np.array_equal(got, want), f"{t}: bytes differ at {np.argwhere(got != want)[:3].tolist()}"
+
+
 def _bytes_match_reference(tmp_path, spec: dict, x: np.ndarray, **scales) -> None:
     """Write the tokens x [T, 1, D] as keys and values of a one-head cache (slot t = token t) and compare every byte
     of the cache with the reference's encoding."""

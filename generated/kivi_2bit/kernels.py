@@ -40,14 +40,14 @@ RESIDUAL_DOT = "bf16"
 # Division of codes by their group's scale (render.fast_division). ptxas expands every div.rn.f32 into MUFU.RCP, a
 # Newton step of the reciprocal, q0 = x * r, one correction q0 + r * (x - s * q0) (FFMAs), and FCHK with a branch to
 # a slow path for operands out of its range. Compiled (FAST), the reciprocal and its Newton step run once per scale
-# here and every element keeps the same q0 and correction: the same operations (the residual computed as its
-# negation, s * q0 - x, which rounds to the exact negative; so a zero quotient keeps x's sign, where x - s * q0
-# would give +0 for x = -0), so the same quotient wherever FCHK passes. For scales in [2**-30, 2**17] (fp16 scales
-# always; fp32 or global scales where a test of the tile's scales says so, else div_rn) and integer codes: elements
-# with |x| >= 2**64 keep x itself (q would be at least 2**47, clamped like x to the same code, and the fast path
-# could overflow into NaN); for |x| < 2**-40 both quotients are below 2**-10 in magnitude, with x's sign, so the
-# same zero code. The codes are therefore those of div_rn; the interpreter, whose fma rounds twice, divides with
-# div_rn.
+# here and every element keeps the same q0 and correction: the same operations up to signs (the residual computed
+# negated, s * q0 - x, which rounds to the exact negative, and subtracted), so the same quotient wherever FCHK
+# passes. For x = +-0 the residual is +0 either way; subtracted, the last fma gives (-0) + (-0) = -0 for x = -0, as
+# div_rn does, where adding it gave +0. For scales in [2**-30, 2**17] (fp16 scales always; fp32 or global scales
+# where a test of the tile's scales says so, else div_rn) and integer codes: elements with |x| >= 2**64 keep x
+# itself (q would be at least 2**47, clamped like x to the same code, and the fast path could overflow into NaN);
+# for |x| < 2**-40 both quotients are below 2**-10 in magnitude, with x's sign, so the same zero code. The codes
+# are therefore those of div_rn; the interpreter, whose fma rounds twice, divides with div_rn.
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
 def recip_fast(s, FAST: tl.constexpr):
@@ -65,7 +65,7 @@ def div_fast(x, s, r, FAST: tl.constexpr):
     # x / s for codes: div_rn's quotient, or (FAST, r = recip_fast(s)) one that rounds and clamps to the same code
     if FAST:
         q0 = x * r
-        q = tl.fma(-r, tl.fma(s, q0, -x), q0)  # q0 + r * (x - s * q0), the residual negated: a zero keeps x's sign
+        q = tl.fma(-r, tl.fma(s, q0, -x), q0)  # q0 - r * (s * q0 - x): for x = -0 the last fma gives -0, as div_rn
         return tl.where(tl.abs(x) < 18446744073709551616.0, q, x)
     else:
         return tl.math.div_rn(x, s)
