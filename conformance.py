@@ -327,6 +327,7 @@ class StreamCase:
     pad_rows: int
     seed: int
     splits: int = 1
+    nonfinite: bool = False  # +-inf and NaN in every step (bytes only: no error bound, no attention)
 
 
 @st.composite
@@ -394,6 +395,13 @@ def run_stream(fmt: Format, case: StreamCase, device: str = "cpu") -> dict:
         zero = rng.random(D) < 0.05
         key[:, :, zero] = np.where(rng.random(key[:, :, zero].shape) < 0.5, np.float32(-0.0), np.float32(0.0))
         value = rng.standard_normal((rows + case.pad_rows, H, D)).astype(np.float32)
+        if case.nonfinite:
+            # head 0: key channel 1 and the values' first 32 channels +-inf in every row (groups with no finite
+            # value on both sides), key channel 2 NaN in every third row
+            sign = np.where(np.arange(len(key)) % 2 == 0, np.float32(np.inf), np.float32(-np.inf))
+            key[:, 0, 1] = sign
+            key[::3, 0, 2] = np.nan
+            value[:, 0, :min(D, 32)] = sign[:, None]
         slots = np.full(rows + case.pad_rows, -1, dtype=np.int64)  # padding rows at the end: slot -1
         for i, s in enumerate(batch):
             pos = np.arange(lens[s], new_lens[s])
@@ -418,6 +426,8 @@ def run_stream(fmt: Format, case: StreamCase, device: str = "cpu") -> dict:
                 result["bytes"] = (f"after appending {step}: {name} differs first at {where}: kernel "
                                    f"{int(got[where]):#04x}, reference {int(want[where]):#04x}")
         lens = new_lens
+    if case.nonfinite:
+        return result  # the bytes only: non-finite inputs have no error bound, and attention over them is NaN
 
     for s in range(num_seqs):  # quantization error of every position within the spec's bound
         if not lens[s]:
