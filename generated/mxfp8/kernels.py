@@ -250,7 +250,13 @@ def reshape_and_cache_kernel(
         k_am = tl.reduce(k_ax, 2, max_nan)
         k_finite = tl.reduce(k_am, None, max_nan) < float("inf")
     if not k_finite:  # a group holds NaN or an infinity (rare), or interpreted: only finite values count
-        k_am = tl.max(tl.where(k_ax < float("inf"), k_ax, 0.0), axis=2)
+        if NATIVE_CASTS:
+            k_fy = tl.fma(k_ax, 0.0, k_ax)  # x where finite, else NaN
+            k_hi = tl.max(k_fy, axis=2)
+        else:
+            k_fm = tl.abs(k_ax) < float("inf")  # only finite values set the range
+            k_hi = tl.max(tl.where(k_fm, k_ax, float("-inf")), axis=2)
+        k_am = tl.maximum(k_hi, 0.0)  # 0 where the group has no finite value
     k_s = tl.math.div_rn(k_am, 448.0)  # finite absmax / 448.0
     k_s = tl.maximum(k_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     k_scode = k_scale_encode(k_s)
@@ -289,7 +295,13 @@ def reshape_and_cache_kernel(
         v_am = tl.reduce(v_ax, 2, max_nan)
         v_finite = tl.reduce(v_am, None, max_nan) < float("inf")
     if not v_finite:  # a group holds NaN or an infinity (rare), or interpreted: only finite values count
-        v_am = tl.max(tl.where(v_ax < float("inf"), v_ax, 0.0), axis=2)
+        if NATIVE_CASTS:
+            v_fy = tl.fma(v_ax, 0.0, v_ax)  # x where finite, else NaN
+            v_hi = tl.max(v_fy, axis=2)
+        else:
+            v_fm = tl.abs(v_ax) < float("inf")  # only finite values set the range
+            v_hi = tl.max(tl.where(v_fm, v_ax, float("-inf")), axis=2)
+        v_am = tl.maximum(v_hi, 0.0)  # 0 where the group has no finite value
     v_s = tl.math.div_rn(v_am, 448.0)  # finite absmax / 448.0
     v_s = tl.maximum(v_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     v_scode = v_scale_encode(v_s)

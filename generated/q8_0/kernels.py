@@ -188,12 +188,14 @@ def reshape_and_cache_kernel(
     # dynamic scale per group of 32 elements: scale = max(absmax / 127, 1e-06) stored as fp16
     k_xg = tl.reshape(x_key, [BLOCK_T, HEAD_PAD // 32, 32])
     k_ax = tl.abs(k_xg)
+    # only finite values count
     if NATIVE_CASTS:
-        # compiled: |x| + x * 0 is |x| where x is finite and NaN where it is NaN or +-inf, which max.f32 drops (one
-        # fma and one max per element); 0 where the group has no finite value
-        k_am = tl.maximum(tl.max(tl.fma(k_xg, 0.0, k_ax), axis=2), 0.0)
-    else:  # interpreted (numpy warns on inf * 0): only finite values count
-        k_am = tl.max(tl.where(k_ax < float("inf"), k_ax, 0.0), axis=2)
+        k_fy = tl.fma(k_ax, 0.0, k_ax)  # x where finite, else NaN
+        k_hi = tl.max(k_fy, axis=2)
+    else:
+        k_fm = tl.abs(k_ax) < float("inf")  # only finite values set the range
+        k_hi = tl.max(tl.where(k_fm, k_ax, float("-inf")), axis=2)
+    k_am = tl.maximum(k_hi, 0.0)  # 0 where the group has no finite value
     k_s = tl.math.div_rn(k_am, 127.0)  # finite absmax / 127.0
     k_s = tl.maximum(k_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     k_s = tl.minimum(k_s, 65504.0)  # saturate at the scale dtype's largest finite value
@@ -227,12 +229,14 @@ def reshape_and_cache_kernel(
     # dynamic scale per group of 32 elements: scale = max(absmax / 127, 1e-06) stored as fp16
     v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // 32, 32])
     v_ax = tl.abs(v_xg)
+    # only finite values count
     if NATIVE_CASTS:
-        # compiled: |x| + x * 0 is |x| where x is finite and NaN where it is NaN or +-inf, which max.f32 drops (one
-        # fma and one max per element); 0 where the group has no finite value
-        v_am = tl.maximum(tl.max(tl.fma(v_xg, 0.0, v_ax), axis=2), 0.0)
-    else:  # interpreted (numpy warns on inf * 0): only finite values count
-        v_am = tl.max(tl.where(v_ax < float("inf"), v_ax, 0.0), axis=2)
+        v_fy = tl.fma(v_ax, 0.0, v_ax)  # x where finite, else NaN
+        v_hi = tl.max(v_fy, axis=2)
+    else:
+        v_fm = tl.abs(v_ax) < float("inf")  # only finite values set the range
+        v_hi = tl.max(tl.where(v_fm, v_ax, float("-inf")), axis=2)
+    v_am = tl.maximum(v_hi, 0.0)  # 0 where the group has no finite value
     v_s = tl.math.div_rn(v_am, 127.0)  # finite absmax / 127.0
     v_s = tl.maximum(v_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     v_s = tl.minimum(v_s, 65504.0)  # saturate at the scale dtype's largest finite value
