@@ -105,11 +105,19 @@ def _float(name: str) -> Codec:
     return Codec(name, f"{name}.py.jinja", bits, {}, f"{name}, stored as its bits, rounded to nearest even")
 
 
-def _int(element: ElementType, rounding: Rounding) -> Codec:
+def _int(element: ElementType, rounding: Rounding, zero_point: bool = False) -> Codec:
     info = ELEMENTS[element]
     signed = info.kind == "int"
-    # 8-bit codes whose range is the whole byte: the hardware's saturating conversion to s8 / u8 is encode's clamp
+    # 8-bit codes whose range is the whole byte: the hardware's saturating conversion to s8 / u8 is encode's clamp.
     native = {(-128.0, 127.0): "s8", (0.0, 255.0): "u8"}.get((info.qmin, info.qmax), "") if info.bits == 8 else ""
+    # Narrower codes rounded half to even, on sides without a zero point: a NaN-keeping clamp, then one conversion
+    # to s32 rounds and maps NaN to 0, which also replaces the writes' NaN select there. Static counts (python
+    # benchmarks/sass_count.py --write): q4_0 228 -> 200 warp instructions per token-head (registers 87 -> 64),
+    # mixed_k8_v4 210 -> 202. H200 (benchmarks/RESULTS.md, fourteenth session), writes of 32768 tokens: q4_0 80 ->
+    # 67-68 us, mixed_k8_v4 77 -> 74. With a zero point (KIVI's flush, which keeps its NaN select) it would cost
+    # more: 2240 -> 2408 instructions.
+    if info.bits < 8 and rounding == Rounding.half_even and not zero_point:
+        native = "s32"
     p = dict(qmin=info.qmin, qmax=info.qmax, rounding=rounding.value, rne_magic=RNE_MAGIC, signed=signed,
              mask=(1 << info.bits) - 1, half=1 << (info.bits - 1), native=native)
     return Codec(element.value, "int.py.jinja", info.bits, p,
@@ -123,7 +131,7 @@ def element_codec(side: SideSpec) -> Codec:
         return _minifloat(e.value)
     if e in (ElementType.fp32, ElementType.fp16, ElementType.bf16):
         return _float(e.value)
-    return _int(e, side.rounding or Rounding.half_even)
+    return _int(e, side.rounding or Rounding.half_even, side.zero_point is not None)
 
 
 def scale_codec(dtype: ScaleDType) -> Codec:

@@ -245,8 +245,9 @@ def test_writes_encode_through_the_hardware_where_a_codec_can(extra_formats):
 @on_gpu
 def test_native_encode_matches_portable_for_every_fp32(extra_formats):
     """encode_native(v, True) (the hardware's fp8 conversion, NaN fixed to the codec's code; for 8-bit integers one
-    saturating conversion) gives encode's byte for each of the 2**32 fp32 bit patterns: finite values, both zeros,
-    subnormals, overflow, infinities and every NaN (integers: 0.0's code, as the writes store NaN)."""
+    saturating conversion; for narrower ones a NaN-keeping clamp and one conversion) gives encode's byte for each of
+    the 2**32 fp32 bit patterns: finite values, both zeros, subnormals, overflow, infinities and every NaN
+    (integers: 0.0's code, as the writes store NaN)."""
     import re
 
     from kvgen.codegen.spec import ELEMENTS
@@ -265,13 +266,14 @@ def test_native_encode_matches_portable_for_every_fp32(extra_formats):
         side = {"k_": fmt.spec.key, "v_": fmt.spec.value}.get(prefix)
         integer = side is not None and ELEMENTS[side.element].kind in ("int", "uint")
         _encode_mismatches[(counts.numel(),)](counts, native, portable, ENCODE_BLOCK, integer, enable_fp_fusion=False)
-        conversions |= set(re.findall(r"cvt\.r[nz]i\.sat\.[su]8", native.src))
+        conversions |= set(re.findall(r"cvt\.r[nz]i(?:\.sat)?\.[su](?:8|32)", native.src))
         bad = torch.nonzero(counts).flatten()
         assert bad.numel() == 0, (f"{fmt.name} {prefix}encode_native differs from {prefix}encode in "
                                   f"{int(counts.sum())} fp32 patterns, first in the block starting at "
                                   f"{int(bad[0]) * ENCODE_BLOCK:#010x}")
     assert len(checked) >= 6  # e4m3, e5m2; int8 and uint8, each rounded half away from zero and to even
-    assert conversions == {"cvt.rzi.sat.s8", "cvt.rni.sat.s8", "cvt.rzi.sat.u8", "cvt.rni.sat.u8"}
+    # 8-bit codes saturate in the conversion; 4-bit ones (q4_0) clamp first, keeping NaN, then convert to s32
+    assert conversions == {"cvt.rzi.sat.s8", "cvt.rni.sat.s8", "cvt.rzi.sat.u8", "cvt.rni.sat.u8", "cvt.rni.s32"}
 
 
 # -- the inline PTX itself, modelled on the CPU -------------------------------------------------------------------

@@ -101,6 +101,17 @@ def v_encode(v):
 
 
 @triton.jit
+def v_encode_native(v, NATIVE: tl.constexpr):
+    if NATIVE:  # compiled: encode's clamp keeping NaN (max.NaN / min.NaN), then one conversion rounds half to even
+        # and maps NaN to 0, the code of 0.0, as the writes store NaN (in place of the round's fp32 add and the writes'
+        # NaN select)
+        r = tl.minimum(tl.maximum(v, -8.0, propagate_nan=tl.PropagateNan.ALL), 7.0, propagate_nan=tl.PropagateNan.ALL)
+        q = tl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,r", [r], dtype=tl.int32, is_pure=True, pack=1)
+        return (q & 15).to(tl.uint8)
+    return v_encode(v)
+
+
+@triton.jit
 def v_decode(code):
     c = code.to(tl.int32) & 15
     return ((c ^ 8) - 8).to(tl.float32)  # sign-extend 4 bits
@@ -225,7 +236,8 @@ def reshape_and_cache_kernel(
     tl.store(k_srow.to(tl.pointer_type(tl.uint32))[:, None] + k_gi[None, :], k_scode, mask=k_gmask)
 
     # ---- value ----
-    x_value = tl.where(x_value == x_value, x_value, 0.0)  # value codes have no NaN: NaN is stored as 0.0 would be
+    if not NATIVE_CASTS:  # value codes have no NaN: NaN is stored as 0.0 would be (compiled, encode_native does it)
+        x_value = tl.where(x_value == x_value, x_value, 0.0)
     # dynamic scale per group of HEAD_PAD elements: scale = max(absmax / 7, 1e-06) stored as fp32
     v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
     v_ax = tl.abs(v_xg)
@@ -243,7 +255,7 @@ def reshape_and_cache_kernel(
     v_eff_g = v_scale_decode(v_scode)
     v_eff = tl.reshape(tl.broadcast_to(v_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
     v_v = x_value * tl.math.div_rn(tl.full(v_eff.shape, 1.0, tl.float32), v_eff)  # x * (1 / s), 1 / s rounded to fp32
-    v_codes = v_encode(v_v)
+    v_codes = v_encode_native(v_v, NATIVE_CASTS)
     v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
     # 2 codes per byte, element i at bit (i % 2) * 4 of byte i // 2
     v_sh = (d % 2) * 4

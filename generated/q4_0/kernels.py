@@ -80,6 +80,17 @@ def k_encode(v):
 
 
 @triton.jit
+def k_encode_native(v, NATIVE: tl.constexpr):
+    if NATIVE:  # compiled: encode's clamp keeping NaN (max.NaN / min.NaN), then one conversion rounds half to even
+        # and maps NaN to 0, the code of 0.0, as the writes store NaN (in place of the round's fp32 add and the writes'
+        # NaN select)
+        r = tl.minimum(tl.maximum(v, -8.0, propagate_nan=tl.PropagateNan.ALL), 7.0, propagate_nan=tl.PropagateNan.ALL)
+        q = tl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,r", [r], dtype=tl.int32, is_pure=True, pack=1)
+        return (q & 15).to(tl.uint8)
+    return k_encode(v)
+
+
+@triton.jit
 def k_decode(code):
     c = code.to(tl.int32) & 15
     return ((c ^ 8) - 8).to(tl.float32)  # sign-extend 4 bits
@@ -135,6 +146,17 @@ def v_encode(v):
     r = tl.minimum(tl.maximum(v, -8.0), 7.0)
     q = (r + 12582912.0).to(tl.int32, bitcast=True)
     return (q & 15).to(tl.uint8)  # two's complement in 4 bits
+
+
+@triton.jit
+def v_encode_native(v, NATIVE: tl.constexpr):
+    if NATIVE:  # compiled: encode's clamp keeping NaN (max.NaN / min.NaN), then one conversion rounds half to even
+        # and maps NaN to 0, the code of 0.0, as the writes store NaN (in place of the round's fp32 add and the writes'
+        # NaN select)
+        r = tl.minimum(tl.maximum(v, -8.0, propagate_nan=tl.PropagateNan.ALL), 7.0, propagate_nan=tl.PropagateNan.ALL)
+        q = tl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,r", [r], dtype=tl.int32, is_pure=True, pack=1)
+        return (q & 15).to(tl.uint8)
+    return v_encode(v)
 
 
 @triton.jit
@@ -225,7 +247,8 @@ def reshape_and_cache_kernel(
     x_value = tl.load(value_ptr + tok64[:, None] * stride_vt + head * stride_vh + d[None, :], mask=in_mask, other=0.0).to(tl.float32)
 
     # ---- key ----
-    x_key = tl.where(x_key == x_key, x_key, 0.0)  # key codes have no NaN: NaN is stored as 0.0 would be
+    if not NATIVE_CASTS:  # key codes have no NaN: NaN is stored as 0.0 would be (compiled, encode_native does it)
+        x_key = tl.where(x_key == x_key, x_key, 0.0)
     # dynamic scale per group of 32 elements: scale = max(absmax / 7, 1e-06) stored as fp16
     k_xg = tl.reshape(x_key, [BLOCK_T, HEAD_PAD // 32, 32])
     k_ax = tl.abs(k_xg)
@@ -244,7 +267,7 @@ def reshape_and_cache_kernel(
     k_eff_g = k_scale_decode(k_scode)
     k_eff = tl.reshape(tl.broadcast_to(k_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // 32, 32]), [BLOCK_T, HEAD_PAD])
     k_v = div_fast(x_key, k_eff, tl.reshape(tl.broadcast_to(recip_fast(k_eff_g, FAST_DIV)[:, :, None], [BLOCK_T, HEAD_PAD // 32, 32]), [BLOCK_T, HEAD_PAD]), FAST_DIV)  # x / s
-    k_codes = k_encode(k_v)
+    k_codes = k_encode_native(k_v, NATIVE_CASTS)
     k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
     # 2 codes per byte, element i at bit (i % 2) * 4 of byte i // 2
     k_sh = (d % 2) * 4
@@ -258,7 +281,8 @@ def reshape_and_cache_kernel(
     tl.store(k_srow.to(tl.pointer_type(tl.uint16))[:, None] + k_gi[None, :], k_scode, mask=k_gmask)
 
     # ---- value ----
-    x_value = tl.where(x_value == x_value, x_value, 0.0)  # value codes have no NaN: NaN is stored as 0.0 would be
+    if not NATIVE_CASTS:  # value codes have no NaN: NaN is stored as 0.0 would be (compiled, encode_native does it)
+        x_value = tl.where(x_value == x_value, x_value, 0.0)
     # dynamic scale per group of 32 elements: scale = max(absmax / 7, 1e-06) stored as fp16
     v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // 32, 32])
     v_ax = tl.abs(v_xg)
@@ -277,7 +301,7 @@ def reshape_and_cache_kernel(
     v_eff_g = v_scale_decode(v_scode)
     v_eff = tl.reshape(tl.broadcast_to(v_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // 32, 32]), [BLOCK_T, HEAD_PAD])
     v_v = div_fast(x_value, v_eff, tl.reshape(tl.broadcast_to(recip_fast(v_eff_g, FAST_DIV)[:, :, None], [BLOCK_T, HEAD_PAD // 32, 32]), [BLOCK_T, HEAD_PAD]), FAST_DIV)  # x / s
-    v_codes = v_encode(v_v)
+    v_codes = v_encode_native(v_v, NATIVE_CASTS)
     v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
     # 2 codes per byte, element i at bit (i % 2) * 4 of byte i // 2
     v_sh = (d % 2) * 4
