@@ -35,6 +35,46 @@ TOLERANCE = {
     torch.bfloat16: (1.6e-2, 1.6e-2),
 }
 HEAD_SIZES = (16, 32, 48, 64)
+# dot_precision="fast" (one 16-bit term per dot operand): each dequantized key and value, the query and the
+# probabilities are rounded once to the dot's type, bf16 for bf16 elements (and KIVI's bf16 ring), else fp16
+FAST_UNIT = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
+
+
+def _fast_unit(side, residual: Optional[str]) -> float:
+    """The unit roundoff of a side's dot type under dot_precision="fast" (its ring's, if coarser)."""
+    units = [FAST_UNIT["bf16" if side.element.value == "bf16" else "fp16"]]
+    if residual in FAST_UNIT:
+        units.append(FAST_UNIT[residual])
+    return max(units)
+
+
+def fast_slack(spec, q: np.ndarray, keys: np.ndarray, vals: np.ndarray, sm_scale: float) -> np.ndarray:
+    """The extra error dot_precision="fast" may add to the attention of one sequence's queries, ``[t, Hq, 1]``.
+
+    q ``[t, Hq, D]``; keys / vals ``[L, H, D]`` the sequence's dequantized cache. A score q . k whose factors are
+    each rounded once (unit u) moves by at most sm_scale * (2u + u**2) * sum_d |q_d| |k_d| (or 8 times the root-sum-
+    square of the q_d k_d, below) =: delta; scores that move
+    by at most delta scale every probability by a factor within exp(+-2 delta), which moves the output by at most
+    (exp(2 delta) - 1) * max |v - out| <= (exp(2 delta) - 1) * 2 max |v|. A value rounded once moves the output by at
+    most u * max |v|, the probabilities' rounding by about as much again. With a float zero point (KIVI) the part
+    that is rounded is the code times its scale, x - min: at most twice the group's largest magnitude, bounded here by
+    twice the sequence's per channel (keys) or overall (values)."""
+    residual = spec.key.residual.dtype if spec.key.residual is not None else None
+    uk, uv = _fast_unit(spec.key, residual), _fast_unit(spec.value, residual)
+    kmag = np.abs(keys)
+    if spec.key.zero_point is not None and spec.key.zero_point.dtype != "uint8":
+        kmag = np.broadcast_to(2 * kmag.max(axis=0, keepdims=True), kmag.shape)
+    group = q.shape[1] // keys.shape[1]
+    kmag = np.repeat(kmag, group, axis=1)
+    # sum_d |q_d| |k_d|, the worst case; the D roundings' errors are independent and centred, so their sum stays
+    # within 8 times its root-sum-square but with probability below 1e-13 (Hoeffding), the bound taken where tighter
+    worst = np.einsum("thd,lhd->thl", np.abs(q), kmag)
+    rss = np.sqrt(np.einsum("thd,lhd->thl", q * q, kmag * kmag))
+    reach = np.minimum(worst, 8 * rss).max(axis=2, initial=0.0)
+    delta = sm_scale * (2 * uk + uk * uk) * reach
+    vmax = float(np.abs(vals).max(initial=0.0))
+    cz = 2.0 if spec.value.zero_point is not None and spec.value.zero_point.dtype != "uint8" else 1.0
+    return ((np.expm1(2 * delta) * 2 * vmax) + 3 * cz * uv * vmax)[:, :, None]
 
 
 @dataclasses.dataclass
@@ -151,8 +191,9 @@ def static_scales(fmt: Format, case: Case) -> dict:
     return out
 
 
-def run_case(fmt: Format, case: Case, device: str = "cpu") -> dict:
-    """Check every property on one case; property -> None when it holds, else a message."""
+def run_case(fmt: Format, case: Case, device: str = "cpu", dot_precision: str = "auto") -> dict:
+    """Check every property on one case; property -> None when it holds, else a message. ``dot_precision``:
+    attention's (``"fast"`` widens the tolerance by fast_slack)."""
     result: dict = {p: None for p in PROPERTIES}
     rng = np.random.default_rng(case.seed)
     spec = fmt.spec
@@ -205,12 +246,21 @@ def run_case(fmt: Format, case: Case, device: str = "cpu") -> dict:
     sm_scale = 1.0 / math.sqrt(case.head_size)
     out = fmt.attend(query.to(device), cache, torch.from_numpy(block_table).to(device),
                      torch.tensor(case.seq_lens, dtype=torch.int32, device=device), torch.from_numpy(qsl).to(device),
-                     sm_scale=sm_scale, sliding_window=case.window, num_splits=case.splits).cpu()
+                     sm_scale=sm_scale, sliding_window=case.window, num_splits=case.splits,
+                     dot_precision=dot_precision).cpu()
     ref = R.paged_attention(query.double().numpy(), k_deq, v_deq, block_table, np.array(case.seq_lens), qsl,
                             sm_scale, case.window)
     atol, rtol = TOLERANCE[case.dtype]
     err = np.abs(out.double().numpy() - ref)
     limit = atol * max(float(np.abs(v_deq).max()), 1e-30) + rtol * np.abs(ref)
+    if dot_precision == "fast":
+        q64 = query.double().numpy()
+        for s, n in enumerate(case.seq_lens):
+            j = np.arange(n)
+            blocks = block_table[s, j // case.block_size]
+            rows = slice(int(qsl[s]), int(qsl[s + 1]))
+            limit[rows] = limit[rows] + fast_slack(spec, q64[rows], k_deq[blocks, j % case.block_size],
+                                                   v_deq[blocks, j % case.block_size], sm_scale)
     if not np.all(err <= limit):
         result["attention"] = f"error {err.max():.3g} above tolerance (worst ratio {(err / limit).max():.2f})"
     return result
@@ -355,9 +405,10 @@ def stream_cases(draw, fmt: Format, max_prefill: Optional[int] = None) -> Stream
     )
 
 
-def run_stream(fmt: Format, case: StreamCase, device: str = "cpu") -> dict:
+def run_stream(fmt: Format, case: StreamCase, device: str = "cpu", dot_precision: str = "auto") -> dict:
     """Append the case's steps; after every write compare all stored bytes (pages and residual buffers) with the
-    reference's simulation, then compare attention over the final state for each sequence's last new tokens."""
+    reference's simulation, then compare attention over the final state for each sequence's last new tokens
+    (computed with ``dot_precision``; ``"fast"`` widens the tolerance by fast_slack)."""
     result: dict = {p: None for p in PROPERTIES}
     rng = np.random.default_rng(case.seed)
     spec, bs, H, D = fmt.spec, case.block_size, case.num_kv_heads, case.head_size
@@ -452,7 +503,7 @@ def run_stream(fmt: Format, case: StreamCase, device: str = "cpu") -> dict:
     out = fmt.attend(query.to(device), cache, torch.from_numpy(table[batch]).to(device),
                      torch.from_numpy(seq_lens).to(device), torch.from_numpy(qsl).to(device), sm_scale=sm_scale,
                      sliding_window=case.window, seq_ids=torch.from_numpy(seq_ids[batch]).to(device),
-                     num_splits=case.splits).cpu()
+                     num_splits=case.splits, dot_precision=dot_precision).cpu()
     ref = R.kivi_attention(spec, expected, query.double().numpy(), seq_ids[batch], qsl, seq_lens, table[batch],
                            sm_scale, case.window, bs, num_kv_heads=H)
     vmax = max(float(np.abs(R.kivi_read(spec, expected, int(seq_ids[s]), lens[s], table[s], bs, H, D)[1]).max())
@@ -460,6 +511,12 @@ def run_stream(fmt: Format, case: StreamCase, device: str = "cpu") -> dict:
     atol, rtol = TOLERANCE[case.dtype]
     err = np.abs(out.double().numpy() - ref)
     limit = atol * vmax + rtol * np.abs(ref)
+    if dot_precision == "fast":
+        q64 = query.double().numpy()
+        for i, s in enumerate(batch):
+            k_d, v_d = R.kivi_read(spec, expected, int(seq_ids[s]), lens[s], table[s], bs, H, D)
+            rows = slice(int(qsl[i]), int(qsl[i + 1]))
+            limit[rows] = limit[rows] + fast_slack(spec, q64[rows], k_d, v_d, sm_scale)
     if not np.all(err <= limit):
         result["attention"] = f"error {err.max():.3g} above tolerance (worst ratio {(err / limit).max():.2f})"
     return result

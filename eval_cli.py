@@ -47,10 +47,12 @@ def _fmt_bytes(b: float) -> str:
 @click.option("--backend", type=click.Choice(["auto", "reference", "kernels"]), default="auto", show_default=True,
               help="Where the attention output comes from: the format's generated kernels (auto: when a GPU is "
                    "present; on a CPU they run interpreted, slowly) or float64 attention on the reference decoding.")
-@click.option("--dot-precision", type=click.Choice(["auto", "ieee", "quantized"]), default="auto", show_default=True,
+@click.option("--dot-precision", type=click.Choice(["auto", "ieee", "quantized", "fast"]), default="auto",
+              show_default=True,
               help="With --backend kernels: the attention's dots. quantized: int8 dots on int8 codes with the query "
-                   "and probabilities quantized per row (formats without int8 codes run auto); its accuracy cost "
-                   "is the difference to auto.")
+                   "and probabilities quantized per row (formats without int8 codes run auto); fast: one fp16 / "
+                   "bf16 term per operand (dequantized values rounded once, as engines do). The accuracy cost is "
+                   "the difference to auto.")
 def eval_cmd(specs, contexts, seeds, as_json, png, backend, dot_precision):
     """Accuracy of KV-cache formats: attention error on synthetic K/V, through the kernels on a GPU, else the
     NumPy reference.

@@ -278,8 +278,9 @@ def evaluate(formats: Optional[Sequence[str]] = None, contexts: Iterable[int] = 
     from .runtime.loader import shipped_names
 
     backend = resolve_backend(backend)
-    if dot_precision not in ("auto", "ieee", "quantized"):
-        raise EvalError(f"dot_precision: expected auto, ieee or quantized, got {dot_precision!r}")
+    from .runtime.kernels import DOT_PRECISIONS
+    if dot_precision not in DOT_PRECISIONS:
+        raise EvalError(f"dot_precision: expected one of {', '.join(DOT_PRECISIONS)}, got {dot_precision!r}")
     if dot_precision != "auto" and backend != "kernels":
         raise EvalError(f"dot_precision: {dot_precision!r} applies to the kernels backend (--backend kernels); "
                         "the reference attends in float64")

@@ -262,9 +262,9 @@ def main() -> int:
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
                         help="measure only these cases (e.g. `--kinds prefill --no-sweep` for a quick A/B of the "
                              "chunked prefill); default: all")
-    parser.add_argument("--dot-precision", choices=["auto", "ieee", "quantized"], default="auto",
-                        help="attention dots: tensor cores where products stay exact (default), exact fp32, or the "
-                             "quantized compute domain where the format offers it")
+    parser.add_argument("--dot-precision", choices=["auto", "ieee", "quantized", "fast"], default="auto",
+                        help="attention dots: tensor cores where products stay exact (default), exact fp32, the "
+                             "quantized compute domain where the format offers it, or one 16-bit term per operand")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="time kvgen's attention and writes as CUDA graph replays (no host launch cost per call)")
     parser.add_argument("--replot", metavar="JSON", nargs="+",

@@ -22,7 +22,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--formats", nargs="+",
                     default=[n for n in kvgen.shipped_names() if any(kvgen.load(n).quantized_dot.values())])
-    ap.add_argument("--modes", nargs="+", default=["auto", "quantized"], choices=["auto", "ieee", "quantized"])
+    ap.add_argument("--modes", nargs="+", default=["auto", "quantized"], choices=["auto", "ieee", "quantized", "fast"])
     ap.add_argument("--shapes", nargs="+", default=["64x8192", "4x65536"])
     args = ap.parse_args()
     bench.require_gpu(ap)

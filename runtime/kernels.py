@@ -58,6 +58,9 @@ def _choose_mode() -> None:
 # the configuration used before that measurement, also for every prefill. The interpreter takes 128 positions per
 # step.
 DECODE_ROWS = 16
+# attention's dot precisions (Format.attend): "auto" exact products on tensor cores where the operands allow, else
+# fp32; "ieee" exact fp32 dots; "quantized" int8 dots on int8 codes; "fast" one 16-bit term per operand
+DOT_PRECISIONS = ("auto", "ieee", "quantized", "fast")
 ATTENTION_TILES = (
     # bits, terms, block, split, rows, head -> tiles
     ((16, 1, None, False, 16, 64), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # hs 64
@@ -86,6 +89,11 @@ MIN_FEW_SPLIT = 128
 # H200, eleventh session (benchmarks/RESULTS.md; benchmarks/key_fold_heads.py): decode took 10-16% less time at head
 # size 128 and 9-14% less at 256, 2-3% more at 64
 KEY_FOLD_HEADS = (128, 256)
+# dot_precision="fast" in decode: block-scaled sides with codes of at most this many bits keep auto's dot per block
+# (BLOCK_DOTS, exact); wider ones take one dot on the codes times their block ratios, rounded once to the dot type.
+# H200, fourteenth session (benchmarks/RESULTS.md), decode at 64 x 8192: q8_0 1044 us with block dots, 730 without;
+# q4_0 772 with, 816 without
+FAST_BLOCK_DOT_BITS = 4
 # experiments and tests: tiles used for every format instead of the rules above (None: the rules)
 TILE_OVERRIDE: dict | None = None
 # reshape_and_cache, compiled: tokens per program and warps (the interpreter takes 64 tokens per program), by the
@@ -285,30 +293,16 @@ class KernelSet:
         group = num_q_heads // consts["NUM_KV_HEADS"]
         block_m = query_rows(group, max_query_len, consts["HEAD_PAD"])
         block_q = max(1, block_m // group)
-        dots = self._cached_dot_modes(query.dtype, dot_precision, rotated_keys, consts["HEAD_PAD"], query.device)
-        if dot_precision == "quantized" and 3 not in (dots["DOT_K"], dots["DOT_V"]):
+        modes = self._cached_dot_modes(query.dtype, dot_precision, rotated_keys, consts["HEAD_PAD"], query.device)
+        if dot_precision == "quantized" and 3 not in (modes["DOT_K"], modes["DOT_V"]):
             raise ValueError(f"dot_precision: 'quantized' has no side to quantize at head size {query.shape[2]}: "
                              "int8 keys need a head of at least 32 elements, and the values are not int8")
-        if not tensor_core_rows_ok(block_m, consts["HEAD_PAD"]):
-            dots = self._cached_dot_modes(query.dtype, "ieee", rotated_keys, consts["HEAD_PAD"], query.device)
-        block_dots = getattr(self.module, "BLOCK_DOTS", {})
-        if any(block_dots.values()):
-            # decode (one query row per KV head and query head group): block-scaled sides in two terms take one
-            # tensor-core dot per block on their codes alone (one term) instead; prefill, and exact fp32 dots, keep
-            # the block ratios (render.BLOCK_DOT_MIN)
-            sides = [s.upper() for s, on in block_dots.items() if on and dots[f"DOT_{s.upper()}"] in (1, 2)]
-            on = block_m <= DECODE_ROWS and bool(sides)
-            dots = dict(dots, BLOCK_DOTS=on, **({f"{s}_TERMS": 1 for s in sides} if on else {}))
-        if any(getattr(self.module, "RATIO_PAIRS", {}).values()):
-            # e8m0 ratios in two fp16 factors pay in decode only (H200: mxfp8's chunked prefill took 9% longer with
-            # them); prefill multiplies the codes by the ratios in fp32. Both give the same operand
-            dots = dict(dots, RATIO_PAIRS=block_m <= DECODE_ROWS)
-        if getattr(self.module, "KEY_FOLD", False):
-            # keys scaled per channel and token group (KIVI): in decode, with a query of one dot term, the scales
-            # multiply the query (one row block per group) and the codes enter the dot alone
-            dots = dict(dots, KEY_FOLD=(block_m <= DECODE_ROWS and dots["DOT_K"] == 1 and dots["Q_TERMS"] == 1
-                                        and consts["HEAD_PAD"] in KEY_FOLD_HEADS))
-        tiles = attention_tiles(self.module.CODE_BITS, dots, self.block_scaled, block_m, consts["HEAD_PAD"])
+        dots = self._call_dots(query.dtype, dot_precision, rotated_keys, consts["HEAD_PAD"], block_m, query.device)
+        # "fast" launches with the tiles measured for auto's kernel of the same format and shape (dropping a term
+        # changes no load; the table's classes by terms would move KIVI and the rotated formats to another class)
+        tile_dots = dots if dot_precision != "fast" else self._call_dots(query.dtype, "auto", rotated_keys,
+                                                                         consts["HEAD_PAD"], block_m, query.device)
+        tiles = attention_tiles(self.module.CODE_BITS, tile_dots, self.block_scaled, block_m, consts["HEAD_PAD"])
         block_n = tiles.pop("BLOCK_N")
         group_n = getattr(self.module, "BLOCK_N_GROUP", None)
         if group_n:  # KIVI keys: whole token groups per step (both powers of two)
@@ -341,6 +335,33 @@ class KernelSet:
                           HEAD_PAD=consts["HEAD_PAD"])
         return AttentionLaunch(grid=(num_seqs * num_q_tiles, consts["NUM_KV_HEADS"], num_splits),
                                kwargs=kwargs, part=part, ml=ml, reduce=reduce)
+
+    def _call_dots(self, query_dtype: torch.dtype, dot_precision: str, rotated_keys: bool, head_pad: int,
+                   block_m: int, device) -> dict:
+        """The dot constexprs of one attention call: dot_modes, then the decode-only choices (BLOCK_DOTS,
+        RATIO_PAIRS, KEY_FOLD) for a program of block_m query rows."""
+        dots = self._cached_dot_modes(query_dtype, dot_precision, rotated_keys, head_pad, device)
+        if not tensor_core_rows_ok(block_m, head_pad):
+            dots = self._cached_dot_modes(query_dtype, "ieee", rotated_keys, head_pad, device)
+        block_dots = getattr(self.module, "BLOCK_DOTS", {})
+        if any(block_dots.values()):
+            # decode (one query row per KV head and query head group): block-scaled sides in two terms take one
+            # tensor-core dot per block on their codes alone (one term) instead; prefill, and exact fp32 dots, keep
+            # the block ratios (render.BLOCK_DOT_MIN)
+            sides = [s.upper() for s, on in block_dots.items() if on and dots[f"DOT_{s.upper()}"] in (1, 2)
+                     and (dot_precision != "fast" or self.module.CODE_BITS[s] <= FAST_BLOCK_DOT_BITS)]
+            on = block_m <= DECODE_ROWS and bool(sides)
+            dots = dict(dots, BLOCK_DOTS=on, **({f"{s}_TERMS": 1 for s in sides} if on else {}))
+        if any(getattr(self.module, "RATIO_PAIRS", {}).values()):
+            # e8m0 ratios in two fp16 factors pay in decode only (H200: mxfp8's chunked prefill took 9% longer with
+            # them); prefill multiplies the codes by the ratios in fp32. Both give the same operand
+            dots = dict(dots, RATIO_PAIRS=block_m <= DECODE_ROWS)
+        if getattr(self.module, "KEY_FOLD", False):
+            # keys scaled per channel and token group (KIVI): in decode, with a query of one dot term, the scales
+            # multiply the query (one row block per group) and the codes enter the dot alone
+            dots = dict(dots, KEY_FOLD=(block_m <= DECODE_ROWS and dots["DOT_K"] == 1 and dots["Q_TERMS"] == 1
+                                        and head_pad in KEY_FOLD_HEADS))
+        return dots
 
     def run_attend(self, launch: AttentionLaunch, query, out, tensors: dict, bound: BoundLaunch | None = None) -> None:
         """Launch a planned attention call on ``query`` (the planned shape and dtype) into ``out``, over the cache
@@ -378,24 +399,27 @@ class KernelSet:
         ``dot_precision="ieee"``, and for bf16 dots in the interpreter (which cannot compute them), exact fp32 dots.
         KIVI formats also get the residual ring's steps (DOT_R, QR_TERMS, PR_TERMS): the ring's values are one term
         of their dtype (the generated RESIDUAL_DOT), the query and the probabilities as for the paged sides.
+        ``dot_precision="fast"``: the same dots in one term each (an operand that needs two, such as q8_0's codes
+        times their fp16 block ratios or a rotated query, is rounded once to the dot type).
         """
         if dot_precision == "quantized":
             return self._quantized_dot_modes(query_dtype, rotated_keys, head_pad, device)
+        fast = dot_precision == "fast"  # one term per operand: each value rounded once to the dot type
         q_bits = 22 if rotated_keys or query_dtype == torch.float32 else (8 if query_dtype == torch.bfloat16 else 11)
         p_bits = {torch.float32: 22, torch.float16: 11}.get(query_dtype, 8)
         modes = {"NATIVE_CASTS": native_fp8(device)}
         for side, (x, bits) in (("K", ("Q", q_bits)), ("V", ("P", p_bits))):
             dtype, terms, min_head_pad = self.module.DOT_OPERANDS[side.lower()]
-            x_terms = -(-bits // {"fp16": 11, "bf16": 8}.get(dtype, 1))
+            x_terms = 1 if fast else -(-bits // {"fp16": 11, "bf16": 8}.get(dtype, 1))
             exact = (dot_precision == "ieee" or not dtype or x_terms > 2 or head_pad < min_head_pad
                      or (dtype == "bf16" and interpreting()))
             modes.update({f"DOT_{side}": 0 if exact else {"fp16": 1, "bf16": 2}[dtype],
-                          f"{x}_TERMS": 1 if exact else x_terms, f"{side}_TERMS": 1 if exact else terms})
+                          f"{x}_TERMS": 1 if exact else x_terms, f"{side}_TERMS": 1 if exact or fast else terms})
         if hasattr(self.module, "RESIDUAL_DOT"):
             # KIVI's residual ring: real values of its dtype, one term; the query and the probabilities as above
             dtype = self.module.RESIDUAL_DOT
             per_term = {"fp16": 11, "bf16": 8}.get(dtype, 1)
-            q_terms, p_terms = -(-q_bits // per_term), -(-p_bits // per_term)
+            q_terms, p_terms = (1, 1) if fast else (-(-q_bits // per_term), -(-p_bits // per_term))
             exact = (dot_precision == "ieee" or not dtype or max(q_terms, p_terms) > 2
                      or (dtype == "bf16" and interpreting()))
             modes.update(DOT_R=0 if exact else {"fp16": 1, "bf16": 2}[dtype], QR_TERMS=1 if exact else q_terms,
