@@ -48,33 +48,43 @@ def _fast_unit(side, residual: Optional[str]) -> float:
     return max(units)
 
 
-def fast_slack(spec, q: np.ndarray, keys: np.ndarray, vals: np.ndarray, sm_scale: float) -> np.ndarray:
-    """The extra error dot_precision="fast" may add to the attention of one sequence's queries, ``[t, Hq, 1]``.
+def _dot_basis(side, x: np.ndarray) -> tuple:
+    """(x as the kernel's dots see it, the factor the dot's result is divided by): rotated sides dot FWHT_b(x * signs)
+    (unnormalized, so a dot of two rotated vectors is b times the plain one); others x itself."""
+    if side.rotation is None:
+        return x, 1
+    from .reference import rotation as rot
 
-    q ``[t, Hq, D]``; keys / vals ``[L, H, D]`` the sequence's dequantized cache. A score q . k whose factors are
-    each rounded once (unit u) moves by at most sm_scale * (2u + u**2) * sum_d |q_d| |k_d| (or 8 times the root-sum-
-    square of the q_d k_d, below) =: delta; scores that move
-    by at most delta scale every probability by a factor within exp(+-2 delta), which moves the output by at most
+    d = x.shape[-1]
+    b = rot.block_size(d)
+    return rot.fwht(x * rot.signs(side.rotation.seed, d).astype(np.float64), b), b
+
+
+def fast_slack(spec, q: np.ndarray, keys: np.ndarray, vals: np.ndarray, sm_scale: float) -> np.ndarray:
+    """The extra error dot_precision="fast" may add to the attention of one sequence's queries, ``[t, Hq, 1]``: a
+    worst-case bound, loose by design (the roundings' errors mostly cancel).
+
+    q ``[t, Hq, D]``; keys / vals ``[L, H, D]`` the sequence's dequantized cache, in the input's basis. A score
+    q . k whose factors are each rounded once (unit u) moves by at most sm_scale * (2u + u**2) * sum_d |q_d| |k_d|
+    =: delta, the sum taken in the basis the dots use (rotated keys: FWHT of q and k, over b); scores that move by at
+    most delta scale every probability by a factor within exp(+-2 delta), which moves the output by at most
     (exp(2 delta) - 1) * max |v - out| <= (exp(2 delta) - 1) * 2 max |v|. A value rounded once moves the output by at
-    most u * max |v|, the probabilities' rounding by about as much again. With a float zero point (KIVI) the part
-    that is rounded is the code times its scale, x - min: at most twice the group's largest magnitude, bounded here by
-    twice the sequence's per channel (keys) or overall (values)."""
+    most u * max |v| (rotated values: their rotated magnitudes), the probabilities' rounding by about as much again.
+    With a float zero point (KIVI) the part that is rounded is the code times its scale, x - min: at most twice the
+    group's largest magnitude, bounded here by twice the sequence's per channel (keys) or overall (values)."""
     residual = spec.key.residual.dtype if spec.key.residual is not None else None
     uk, uv = _fast_unit(spec.key, residual), _fast_unit(spec.value, residual)
-    kmag = np.abs(keys)
+    q, b = _dot_basis(spec.key, np.asarray(q, dtype=np.float64))
+    kmag = np.abs(_dot_basis(spec.key, np.asarray(keys, dtype=np.float64))[0])
     if spec.key.zero_point is not None and spec.key.zero_point.dtype != "uint8":
         kmag = np.broadcast_to(2 * kmag.max(axis=0, keepdims=True), kmag.shape)
     group = q.shape[1] // keys.shape[1]
-    kmag = np.repeat(kmag, group, axis=1)
-    # sum_d |q_d| |k_d|, the worst case; the D roundings' errors are independent and centred, so their sum stays
-    # within 8 times its root-sum-square but with probability below 1e-13 (Hoeffding), the bound taken where tighter
-    worst = np.einsum("thd,lhd->thl", np.abs(q), kmag)
-    rss = np.sqrt(np.einsum("thd,lhd->thl", q * q, kmag * kmag))
-    reach = np.minimum(worst, 8 * rss).max(axis=2, initial=0.0)
+    reach = np.einsum("thd,lhd->thl", np.abs(q), np.repeat(kmag, group, axis=1)).max(axis=2, initial=0.0) / b
     delta = sm_scale * (2 * uk + uk * uk) * reach
     vmax = float(np.abs(vals).max(initial=0.0))
+    vrot = float(np.abs(_dot_basis(spec.value, np.asarray(vals, dtype=np.float64))[0]).max(initial=0.0))
     cz = 2.0 if spec.value.zero_point is not None and spec.value.zero_point.dtype != "uint8" else 1.0
-    return ((np.expm1(2 * delta) * 2 * vmax) + 3 * cz * uv * vmax)[:, :, None]
+    return ((np.expm1(2 * delta) * 2 * vmax) + 3 * cz * uv * max(vmax, vrot))[:, :, None]
 
 
 @dataclasses.dataclass

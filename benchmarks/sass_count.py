@@ -1,6 +1,6 @@
 """Static instruction counts of the generated attention kernels for the H200 (sm_90), without a GPU.
 
-    python benchmarks/sass_count.py [--quantized] [FORMAT ...]   # default: every shipped format
+    python benchmarks/sass_count.py [--quantized | --fast] [FORMAT ...]   # default: every shipped format
     python benchmarks/sass_count.py --write [FORMAT ...]         # reshape-and-cache, as Format.write launches it
     python benchmarks/sass_count.py --tiles 64/4/3/128 [FORMAT ...]  # another tile choice (tune_tiles.py's syntax)
     python benchmarks/sass_count.py --write-streaming [FORMAT ...]   # KIVI's flush and residual-store kernels
@@ -308,6 +308,8 @@ def main() -> int:
         kernels.TILE_OVERRIDE, args = parse(args[1]), args[2:]
     if args[:1] == ["--quantized"]:  # the quantized compute domain, for the formats that offer it
         precision, args = "quantized", args[1:]
+    elif args[:1] == ["--fast"]:  # dot_precision="fast": one 16-bit term per operand
+        precision, args = "fast", args[1:]
     shape = dict(seqs=64, ctx=8192, q_len=1)
     if args[:1] == ["--prefill"]:  # bench.py's chunked prefill: 2048 new tokens on each of 4 sequences of 8192
         shape, args = dict(seqs=4, ctx=8192, q_len=2048), args[1:]

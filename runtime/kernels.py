@@ -91,8 +91,8 @@ MIN_FEW_SPLIT = 128
 KEY_FOLD_HEADS = (128, 256)
 # dot_precision="fast" in decode: block-scaled sides with codes of at most this many bits keep auto's dot per block
 # (BLOCK_DOTS, exact); wider ones take one dot on the codes times their block ratios, rounded once to the dot type.
-# H200, fourteenth session (benchmarks/RESULTS.md), decode at 64 x 8192: q8_0 1044 us with block dots, 730 without;
-# q4_0 772 with, 816 without
+# H200, fourteenth session (benchmarks/RESULTS.md, run 2; the same tiles either way), decode at 64 x 8192: q8_0
+# 1044 us with block dots, 730 without; q4_0 772 with, 816 without
 FAST_BLOCK_DOT_BITS = 4
 # experiments and tests: tiles used for every format instead of the rules above (None: the rules)
 TILE_OVERRIDE: dict | None = None
