@@ -358,7 +358,7 @@ class Format:
         contexts on the H200, at an accuracy cost (docs/accuracy.md, benchmarks/RESULTS.md); ``"fast"`` the
         tensor-core dots of "auto" with one fp16 / bf16 term per operand, each dequantized value, the query and
         the probabilities rounded once to the dot's type, as inference engines dequantize (q8_0's decode takes 11-30%
-        less time on the H200; `kvgen eval` measured attention errors within 0.1% of auto's; docs/accuracy.md).
+        less time on the H200; `kvgen eval` measured the same attention errors to about 0.1%; docs/accuracy.md).
         ``max_seq_len``
         (optional) bounds the KV length for splitting long sequences across programs (default: what the block table
         can address); ``num_splits`` overrides that split (1 = none).
