@@ -15,6 +15,7 @@ from rich.table import Table
 
 from .codegen.errors import KvgenError
 from .consoles import console, err_console
+from .runtime.kernels import DOT_PRECISIONS
 
 
 class _EvalCommand(click.Command):
@@ -47,7 +48,7 @@ def _fmt_bytes(b: float) -> str:
 @click.option("--backend", type=click.Choice(["auto", "reference", "kernels"]), default="auto", show_default=True,
               help="Where the attention output comes from: the format's generated kernels (auto: when a GPU is "
                    "present; on a CPU they run interpreted, slowly) or float64 attention on the reference decoding.")
-@click.option("--dot-precision", type=click.Choice(["auto", "ieee", "quantized", "fast"]), default="auto",
+@click.option("--dot-precision", type=click.Choice(list(DOT_PRECISIONS)), default="auto",
               show_default=True,
               help="With --backend kernels: the attention's dots. quantized: int8 dots on int8 codes with the query "
                    "and probabilities quantized per row (formats without int8 codes run auto); fast: one fp16 / "

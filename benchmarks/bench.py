@@ -44,6 +44,7 @@ import torch
 
 
 import kvgen  # noqa: E402
+from kvgen.runtime.kernels import DOT_PRECISIONS  # noqa: E402
 
 DECODE_SHAPES = [(64, 8192), (4, 65536), (256, 1024)]
 # (label, sequences, context, head size, block size or None for the format's default)
@@ -262,7 +263,7 @@ def main() -> int:
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
                         help="measure only these cases (e.g. `--kinds prefill --no-sweep` for a quick A/B of the "
                              "chunked prefill); default: all")
-    parser.add_argument("--dot-precision", choices=["auto", "ieee", "quantized", "fast"], default="auto",
+    parser.add_argument("--dot-precision", choices=DOT_PRECISIONS, default="auto",
                         help="attention dots: tensor cores where products stay exact (default), exact fp32, the "
                              "quantized compute domain where the format offers it, or one 16-bit term per operand")
     parser.add_argument("--cuda-graphs", action="store_true",

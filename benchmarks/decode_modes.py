@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import kvgen
+from kvgen.runtime.kernels import DOT_PRECISIONS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
@@ -22,7 +23,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--formats", nargs="+",
                     default=[n for n in kvgen.shipped_names() if any(kvgen.load(n).quantized_dot.values())])
-    ap.add_argument("--modes", nargs="+", default=["auto", "quantized"], choices=["auto", "ieee", "quantized", "fast"])
+    ap.add_argument("--modes", nargs="+", default=["auto", "quantized"], choices=DOT_PRECISIONS)
     ap.add_argument("--shapes", nargs="+", default=["64x8192", "4x65536"])
     args = ap.parse_args()
     bench.require_gpu(ap)

@@ -339,7 +339,8 @@ class KernelSet:
     def _call_dots(self, query_dtype: torch.dtype, dot_precision: str, rotated_keys: bool, head_pad: int,
                    block_m: int, device) -> dict:
         """The dot constexprs of one attention call: dot_modes, then the decode-only choices (BLOCK_DOTS,
-        RATIO_PAIRS, KEY_FOLD) for a program of block_m query rows."""
+        RATIO_PAIRS, KEY_FOLD) for a program of block_m query rows. Not cached: experiments flip the module's
+        knobs (KEY_FOLD_HEADS, FAST_BLOCK_DOT_BITS) between plans in one process."""
         dots = self._cached_dot_modes(query_dtype, dot_precision, rotated_keys, head_pad, device)
         if not tensor_core_rows_ok(block_m, head_pad):
             dots = self._cached_dot_modes(query_dtype, "ieee", rotated_keys, head_pad, device)

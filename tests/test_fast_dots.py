@@ -80,6 +80,8 @@ def test_fast_keeps_the_narrow_block_dots(monkeypatch):
     monkeypatch.setattr(K, "interpreting", lambda: False)
     for name, block_dots in (("q8_0", False), ("q4_0", True)):
         ks = kvgen.load(name)._kernels
+        # the dots of a GPU: not what earlier interpreted calls of this process cached
+        monkeypatch.setattr(ks, "_dot_modes", {})
         for block_m in (16, 64):
             auto = ks._call_dots(torch.bfloat16, "auto", False, 128, block_m, None)
             fast = ks._call_dots(torch.bfloat16, "fast", False, 128, block_m, None)
