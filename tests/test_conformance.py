@@ -21,10 +21,10 @@ from kvgen.conformance import Case, cases, run_case
 FORMATS = [n for n in kvgen.shipped_names() if not kvgen.load(n).spec.streaming]
 # CPU under the Triton interpreter by default; TRITON_INTERPRET=0 on a GPU machine runs the compiled kernels
 DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
-# hypothesis cases per format: 30 on a GPU; on the CPU (the interpreter) 24, and 10 for formats with a rotation
+# hypothesis cases per format: 30 on a GPU; on the CPU (the interpreter) 20, and 10 for formats with a rotation
 # (the interpreted FWHT is slow; test_long_context and the small-tile test cover them too) so the suite stays under
 # ten minutes on two cores. KVGEN_EXAMPLES overrides both.
-EXAMPLES = int(os.environ.get("KVGEN_EXAMPLES", "30" if DEVICE == "cuda" else "24"))
+EXAMPLES = int(os.environ.get("KVGEN_EXAMPLES", "30" if DEVICE == "cuda" else "20"))
 ROTATED_EXAMPLES = int(os.environ.get("KVGEN_EXAMPLES", "30" if DEVICE == "cuda" else "10"))
 
 

@@ -19,8 +19,8 @@ import kvgen
 from kvgen.conformance import Case, cases, format_specs, run_case
 
 DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
-# random specs: 40 on a GPU, 25 on the CPU (the interpreter; the suite's ten minutes on two cores)
-SPECS = int(os.environ.get("KVGEN_RANDOM_SPECS", "40" if DEVICE == "cuda" else "25"))
+# random specs: 40 on a GPU, 20 on the CPU (the interpreter; the suite's ten minutes on two cores)
+SPECS = int(os.environ.get("KVGEN_RANDOM_SPECS", "40" if DEVICE == "cuda" else "20"))
 
 
 @settings(max_examples=SPECS, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
