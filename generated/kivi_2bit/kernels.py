@@ -691,7 +691,13 @@ def paged_attention_kernel(
             else:
                 v_tok = pow2_floor(tl.max(v_bs, axis=1))
                 v_ratio = v_bs * pow2_inv(v_tok)[:, None]
-                v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+                if (DOT_V != 0) & (V_TERMS == 1):
+                    # one dot term (dot_precision="fast"): the ratios (at most 2) in the tile's type, two elements per multiply;
+                    # each product rounds once, as the dot's conversion of the exact fp32 product would (ratios of fp16's normal
+                    # range; a smaller one rounds first)
+                    v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio.to(v_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+                else:  # two terms (hi + lo: exact products) or exact fp32 dots
+                    v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
             if BLOCK_DOTS:
                 # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
                 # relative to each query row's largest of them in the block (block_pv)
@@ -815,7 +821,13 @@ def paged_attention_kernel(
             else:
                 v_tok = pow2_floor(tl.max(v_bs, axis=1))
                 v_ratio = v_bs * pow2_inv(v_tok)[:, None]
-                v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+                if (DOT_V != 0) & (V_TERMS == 1):
+                    # one dot term (dot_precision="fast"): the ratios (at most 2) in the tile's type, two elements per multiply;
+                    # each product rounds once, as the dot's conversion of the exact fp32 product would (ratios of fp16's normal
+                    # range; a smaller one rounds first)
+                    v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio.to(v_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+                else:  # two terms (hi + lo: exact products) or exact fp32 dots
+                    v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
             if BLOCK_DOTS:
                 # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
                 # relative to each query row's largest of them in the block (block_pv)
