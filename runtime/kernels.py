@@ -91,9 +91,28 @@ MIN_FEW_SPLIT = 128
 KEY_FOLD_HEADS = (128, 256)
 # dot_precision="fast" in decode: block-scaled sides with codes of at most this many bits keep auto's dot per block
 # (BLOCK_DOTS, exact); wider ones take one dot on the codes times their block ratios, rounded once to the dot type.
-# H200, fourteenth session (benchmarks/RESULTS.md, run 2; the same tiles either way), decode at 64 x 8192: q8_0
-# 1044 us with block dots, 730 without; q4_0 772 with, 816 without
-FAST_BLOCK_DOT_BITS = 4
+# 0: none keeps them. H200, decode at 64 x 8192: fourteenth session (run 2; ratios multiplied in fp32), q8_0 1044 us
+# with block dots, 730 without, q4_0 772 with, 816 without (then 4); fifteenth session (run 2; ratios multiplied in
+# fp16 since fast-fp16-ratios), q4_0 776 -> 725 us without, kivi_2bit 1496 -> 1403, kivi_4bit 1503 -> 1428, and
+# at 4 x 65536 / 256 x 1024 level or faster (benchmarks/RESULTS.md)
+FAST_BLOCK_DOT_BITS = 0
+# dot_precision="fast" in decode where auto takes per-block dots on both sides and fast multiplies the codes by their
+# block ratios instead (BLOCK_DOTS off: q8_0, q4_0; not KIVI): these replace entries of auto's tiles, by the widest code in bits. H200,
+# fifteenth session run 3 (`python benchmarks/tune_tiles.py q8_0 q4_0 --dot-precision fast`): q8_0 with a
+# 168-register cap (3 programs per SM, no spills) 666 -> 609 us at 64 x 8192, 342 -> 321 at 4 x 65536; q4_0 at 64
+# positions per step, 3 stages, 128 registers (4 programs per SM) 721 -> 707 and 395 -> 361
+FAST_RATIO_TILES = (
+    (8, dict(maxnreg=168)),
+    (4, dict(BLOCK_N=64, num_stages=3, maxnreg=128)),
+)
+# Triton 3.6 fails to compile (an "Illegal shared layout" abort in TritonGPUOptimizeDotOperands) the warpgroup dots
+# (from WGMMA_ROWS query rows per program) of a kernel where one side packs its row into fewer than NARROW_ROW_BYTES
+# bytes and the step holds 128 positions: found on the H200 by tests/test_random_specs.py (2-bit keys at head size
+# 48, padded to 64: 16 bytes a row), reproduced for sm_90 without a GPU (tests/test_sm90_compile.py). 2-bit sides
+# at head 64 compile at 32 rows and at 64 positions a step, so such kernels take at most NARROW_ROW_BLOCK_N.
+WGMMA_ROWS = 64
+NARROW_ROW_BYTES = 32
+NARROW_ROW_BLOCK_N = 64
 # experiments and tests: tiles used for every format instead of the rules above (None: the rules)
 TILE_OVERRIDE: dict | None = None
 # reshape_and_cache, compiled: tokens per program and warps (the interpreter takes 64 tokens per program), by the
@@ -143,8 +162,21 @@ def attention_tiles(code_bits: dict, dots: dict, block_scaled: bool, block_m: in
     key = (bits, terms, block_scaled, split, DECODE_ROWS if block_m <= DECODE_ROWS else block_m, head_pad)
     for rule, tiles in ATTENTION_TILES:
         if all(r is None or r == k for r, k in zip(rule, key)):
-            return dict(tiles)
+            tiles = dict(tiles)
+            if block_m >= WGMMA_ROWS and head_pad * min(code_bits.values()) // 8 < NARROW_ROW_BYTES:
+                tiles["BLOCK_N"] = min(tiles["BLOCK_N"], NARROW_ROW_BLOCK_N)
+            return tiles
     raise AssertionError("the last rule matches every kernel")
+
+
+def fast_ratio_tiles(code_bits: dict, block_dots: dict) -> dict:
+    """What replaces auto's tiles in a "fast" decode call whose block ratios multiply the codes where auto takes
+    per-block dots on both sides (FAST_RATIO_TILES; ``block_dots``: the sides that can; nothing for KIVI, whose
+    keys fold their scales instead, nor in the interpreter or under TILE_OVERRIDE)."""
+    if interpreting() or TILE_OVERRIDE is not None or not all(block_dots.get(s) for s in ("k", "v")):
+        return {}
+    bits = max(code_bits.values())
+    return next((dict(t) for b, t in FAST_RATIO_TILES if b == bits), {})
 
 
 _CAPABILITY: dict = {}
@@ -303,6 +335,8 @@ class KernelSet:
         tile_dots = dots if dot_precision != "fast" else self._call_dots(query.dtype, "auto", rotated_keys,
                                                                          consts["HEAD_PAD"], block_m, query.device)
         tiles = attention_tiles(self.module.CODE_BITS, tile_dots, self.block_scaled, block_m, consts["HEAD_PAD"])
+        if tile_dots.get("BLOCK_DOTS") and not dots.get("BLOCK_DOTS"):  # fast's ratios where auto takes block dots
+            tiles.update(fast_ratio_tiles(self.module.CODE_BITS, self.module.BLOCK_DOTS))
         block_n = tiles.pop("BLOCK_N")
         group_n = getattr(self.module, "BLOCK_N_GROUP", None)
         if group_n:  # KIVI keys: whole token groups per step (both powers of two)

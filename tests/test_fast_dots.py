@@ -74,11 +74,14 @@ def test_fast_takes_one_term(name):
         C.fast_slack = slack
 
 
-def test_fast_keeps_the_narrow_block_dots(monkeypatch):
-    """In decode, 4-bit block-scaled sides keep their per-block dots (exact, and faster there on the H200) while
-    8-bit ones take the block ratios in one term; prefill takes them in one term."""
+@pytest.mark.parametrize("bits", [0, 4])
+def test_fast_block_dots_follow_the_code_bits(monkeypatch, bits):
+    """In decode, block-scaled sides with codes of at most FAST_BLOCK_DOT_BITS keep their per-block dots under fast
+    (none by default: q4_0 and KIVI measured faster without them once the ratios multiply in fp16), the others take
+    the block ratios in one term; prefill takes them in one term; auto keeps its per-block dots in decode."""
     monkeypatch.setattr(K, "interpreting", lambda: False)
-    for name, block_dots in (("q8_0", False), ("q4_0", True)):
+    monkeypatch.setattr(K, "FAST_BLOCK_DOT_BITS", bits)
+    for name, code_bits in (("q8_0", 8), ("q4_0", 4), ("kivi_2bit", 2)):
         ks = kvgen.load(name)._kernels
         # the dots of a GPU: not what earlier interpreted calls of this process cached
         monkeypatch.setattr(ks, "_dot_modes", {})
@@ -86,10 +89,8 @@ def test_fast_keeps_the_narrow_block_dots(monkeypatch):
             auto = ks._call_dots(torch.bfloat16, "auto", False, 128, block_m, None)
             fast = ks._call_dots(torch.bfloat16, "fast", False, 128, block_m, None)
             assert (fast["K_TERMS"], fast["V_TERMS"]) == (1, 1)
-            assert fast["BLOCK_DOTS"] == (block_dots and block_m == 16)
-            assert auto["BLOCK_DOTS"] == (block_m == 16)
-            if block_m == 64:
-                assert (auto["K_TERMS"], auto["V_TERMS"]) == (2, 2)
+            assert fast["BLOCK_DOTS"] == (code_bits <= bits and block_m == 16), (name, block_m)
+            assert auto["BLOCK_DOTS"] == (block_m == 16), (name, block_m)
 
 
 @pytest.mark.parametrize("name", ["q8_0", "int4_per_token_head"])
@@ -124,3 +125,35 @@ def test_unknown_dot_precision_is_named():
                                          r"got 'fp16'"):
         fmt.attend(q, cache, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
                    torch.tensor([0, 1], dtype=torch.int32), dot_precision="fp16")
+
+
+def test_fast_ratio_tiles_replace_autos_where_block_dots_go(monkeypatch):
+    """A GPU's decode plans (planned here on CPU tensors with the compiled path's choices): "fast" keeps auto's tiles
+    but where auto takes per-block dots and fast multiplies the block ratios (q8_0, q4_0), whose entries
+    FAST_RATIO_TILES replaces by code bits; KIVI (its keys fold their scales, its values' block dots go too but are
+    not of those bits' classes), mxfp8 (no block dots) and prefill keep auto's tiles."""
+    import warnings
+
+    monkeypatch.setattr(K, "interpreting", lambda: False)
+    monkeypatch.setattr(K.KernelSet, "_check_device", lambda self, t: None)
+    monkeypatch.setattr(K.KernelSet, "_splits", lambda self, *a, **k: 1)
+    tile_keys = ("BLOCK_N", "num_warps", "num_stages", "maxnreg")
+    by_bits = dict(K.FAST_RATIO_TILES)
+    want = {"q8_0": by_bits[8], "q4_0": by_bits[4], "kivi_4bit": {}, "mxfp8": {}}
+    for name, changed in want.items():
+        fmt = kvgen.load(name)
+        monkeypatch.setattr(fmt._kernels, "_dot_modes", {})
+        block = 32 if fmt.spec.streaming else 16
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cache = fmt.allocate(8, block, 2, 128, **({"max_seqs": 1} if fmt.spec.streaming else {}))
+        for q_len in (1, 16):
+            q = torch.randn(q_len, 8, 128).to(torch.bfloat16)
+            meta = (torch.arange(8, dtype=torch.int32)[None], torch.tensor([100], dtype=torch.int32),
+                    torch.tensor([0, q_len], dtype=torch.int32))
+            extra = {"seq_ids": torch.zeros(1, dtype=torch.int32)} if fmt.spec.streaming else {}
+            plans = {p: fmt.plan_attention(q, cache, *meta, max_query_len=q_len, dot_precision=p,
+                                           **extra)._launch.kwargs for p in ("auto", "fast")}
+            auto = {k: plans["auto"].get(k) for k in tile_keys}
+            fast = {k: plans["fast"].get(k) for k in tile_keys}
+            assert fast == dict(auto, **(changed if q_len == 1 else {})), (name, q_len, auto, fast)
