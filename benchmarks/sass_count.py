@@ -6,6 +6,7 @@
     python benchmarks/sass_count.py --write-streaming [FORMAT ...]   # KIVI's flush and residual-store kernels
     python benchmarks/sass_count.py --write --no-fast-div [FORMAT ...]   # (or --write-streaming) with FAST_DIV off
     python benchmarks/sass_count.py --prefill [FORMAT ...]       # bench.py's chunked prefill (4 x 2048 new on 8192)
+    python benchmarks/sass_count.py --prefill --head-size 48 SPEC   # another head size (default 128)
 
 Compiles each format's paged_attention_kernel for sm_90 with Triton's own ptxas exactly as the runtime would launch
 it on an H200 for decode at 64 x 8192 (32 query heads over 8 KV heads, head size 128, block size 16, bf16 queries):
@@ -150,7 +151,7 @@ def _bound_source(fn, args, kwargs):
     return ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs), launch
 
 
-def runtime_source(fmt, seqs: int, ctx: int, block: int, dot_precision: str, q_len: int = 1):
+def runtime_source(fmt, seqs: int, ctx: int, block: int, dot_precision: str, q_len: int = 1, head_size: int = 128):
     """The attention kernel exactly as the runtime would launch it on an H200 for a step of ``q_len`` new tokens
     (1: decode) on each of ``seqs`` sequences of ``ctx`` tokens with bf16 queries: the launch is captured from
     ``Format.attend`` (CPU tensors, the kernel call stubbed) and bound by Triton's own binder, so the constexprs, the
@@ -160,8 +161,8 @@ def runtime_source(fmt, seqs: int, ctx: int, block: int, dot_precision: str, q_l
     blocks_per_seq = -(-ctx // block)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cache = fmt.allocate(seqs * blocks_per_seq, block, 8, 128, **({"max_seqs": seqs} if res else {}))
-    q = torch.zeros(seqs * q_len, 32, 128, dtype=torch.bfloat16)
+        cache = fmt.allocate(seqs * blocks_per_seq, block, 8, head_size, **({"max_seqs": seqs} if res else {}))
+    q = torch.zeros(seqs * q_len, 32, head_size, dtype=torch.bfloat16)
     table = torch.arange(seqs * blocks_per_seq, dtype=torch.int32).reshape(seqs, blocks_per_seq)
     extra = {"seq_ids": torch.arange(seqs, dtype=torch.int32)} if res else {}
     launches = _captured(fmt, lambda: fmt.attend(
@@ -172,12 +173,13 @@ def runtime_source(fmt, seqs: int, ctx: int, block: int, dot_precision: str, q_l
     return src, launch, kwargs["BLOCK_N"]
 
 
-def count(name: str, dot_precision: str = "auto", seqs: int = 64, ctx: int = 8192, q_len: int = 1) -> dict:
+def count(name: str, dot_precision: str = "auto", seqs: int = 64, ctx: int = 8192, q_len: int = 1,
+          head_size: int = 128) -> dict:
     fmt = kvgen.load(name)
     res = fmt.layout.RESIDUAL
     block = res["group"] if res else 16
     os.environ["TRITON_INTERPRET"] = "0"
-    src, tiles, block_n = runtime_source(fmt, seqs, ctx, block, dot_precision, q_len)
+    src, tiles, block_n = runtime_source(fmt, seqs, ctx, block, dot_precision, q_len, head_size)
     kernel, sass, usage = compile_sm90(src, tiles)
     loop = main_loop(sass)
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
@@ -188,7 +190,7 @@ def count(name: str, dot_precision: str = "auto", seqs: int = 64, ctx: int = 819
     per_warp = -(-regs * 32 // 256) * 256
     occupancy = min(65536 // (per_warp * warps), (228 * 1024) // (smem + 1024) if smem else 32, 32)
     ops = collections.Counter(opcode(line) for line in loop)
-    bytes_per_position = fmt.page_bytes(block, 8, 128) / block / 8
+    bytes_per_position = fmt.page_bytes(block, 8, head_size) / block / 8
     return dict(format=name, block_n=block_n, per_position=len(loop) / block_n, bytes=bytes_per_position,
                 per_byte=len(loop) / block_n / bytes_per_position, regs=regs, smem=smem, occupancy=occupancy,
                 spills=(ops["STL"] + ops["LDL"]) / block_n,
@@ -313,6 +315,8 @@ def main() -> int:
     shape = dict(seqs=64, ctx=8192, q_len=1)
     if args[:1] == ["--prefill"]:  # bench.py's chunked prefill: 2048 new tokens on each of 4 sequences of 8192
         shape, args = dict(seqs=4, ctx=8192, q_len=2048), args[1:]
+    if args[:1] == ["--head-size"]:
+        shape["head_size"], args = int(args[1]), args[2:]
     names = args or kvgen.shipped_names()
     if precision == "quantized":
         names = [n for n in names if any(kvgen.load(n).quantized_dot.values())]

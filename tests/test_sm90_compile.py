@@ -58,3 +58,24 @@ def test_write_kernels_compile_for_sm90(tmp_path):
     out = sass_count("--write", cache=tmp_path / "cache")
     rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "---" not in line]
     assert rows[1:] == [n for n in kvgen.shipped_names() if not kvgen.load(n).spec.streaming], out
+
+
+# Found on the H200 by tests/test_random_specs.py (2026-12-01): 2-bit keys at head size 48 (16 bytes a row) beside
+# 8-bit values aborted Triton's compiler in chunked prefill ("Illegal shared layout") at 128 positions a step
+# (runtime.kernels.NARROW_ROW_BYTES keeps such kernels at 64).
+NARROW_KEY_ROWS = {
+    "name": "narrow_key_rows",
+    "cache": {"layout": "interleaved"},
+    "key": {"element": "int2", "data_align": 16, "rotation": {"kind": "hadamard", "seed": 0},
+            "rounding": "half_even", "packing": "lsb_first", "scale": {"granularity": "per_tensor", "apply": "divide"}},
+    "value": {"element": "fp8_e5m2", "rotation": {"kind": "hadamard", "seed": 0},
+              "scale": {"granularity": "per_tensor", "apply": "divide"}},
+}
+
+
+def test_prefill_with_narrow_packed_rows_compiles_for_sm90(tmp_path):
+    spec = tmp_path / "narrow_key_rows.yaml"
+    spec.write_text(yaml.safe_dump(NARROW_KEY_ROWS))
+    out = sass_count("--prefill", "--head-size", "48", str(spec), cache=tmp_path / "cache")
+    rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[1:] == [str(spec)], out
