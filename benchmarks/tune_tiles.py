@@ -4,6 +4,7 @@ register cap), per format and shape. On a GPU:
     python benchmarks/tune_tiles.py bf16 fp8_e4m3 int8_per_token_head
     python benchmarks/tune_tiles.py fp8_e4m3 --configs 128/4/2 128/4/2/128 --programs-per-sm 4 8
     python benchmarks/tune_tiles.py int8_per_token_head --shapes 64x8192hs64   # head size 64
+    python benchmarks/tune_tiles.py q8_0 --dot-precision fast             # another dot precision (default auto)
 
 A config is BLOCK_N/num_warps/num_stages[/maxnreg]; a register cap below the compiler's choice (255 for most
 generated kernels) lets more programs share an SM, at the price of spills (`python benchmarks/sass_count.py` counts
@@ -39,7 +40,9 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS)
     ap.add_argument("--programs-per-sm", nargs="+", type=int, default=[4])
     ap.add_argument("--shapes", nargs="+", default=["64x8192", "4x65536"])
+    ap.add_argument("--dot-precision", choices=K.DOT_PRECISIONS, default="auto")
     args = ap.parse_args()
+    bench.DOT = args.dot_precision
     bench.require_gpu(ap)
     shapes = {}
     for shape in args.shapes:
@@ -49,7 +52,7 @@ def main() -> None:
         shapes[shape] = int(m[1]), int(m[2]), int(m[3] or bench.D)
     copy = bench.copy_bandwidth()
     cols = [(c, pps) for pps in args.programs_per_sm for c in args.configs]
-    print(f"copy bandwidth {copy / 1e9:.0f} GB/s")
+    print(f"copy bandwidth {copy / 1e9:.0f} GB/s; dot precision {args.dot_precision}")
     print("| format | shape | " + " | ".join(f"{c} pps {pps}" for c, pps in cols) + " |")
     print("|---|---|" + "---|" * len(cols))
     for name in args.formats:
