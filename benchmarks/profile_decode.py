@@ -3,6 +3,7 @@
     python benchmarks/profile_decode.py                          # a representative set of formats, 64 x 8192
     python benchmarks/profile_decode.py --formats fp8_e4m3 int8_asym_per_token_head --out prof
     python benchmarks/profile_decode.py --write --formats q4_0 kivi_2bit   # reshape-and-cache of 32768 tokens
+    python benchmarks/profile_decode.py --formats q8_0 --dot-precision fast  # another dot precision (default auto)
 
 For each format, runs ``ncu`` on a child process that sets up benchmarks/bench.py's decode case (32 query heads,
 8 KV heads, head size 128, block size 16; KIVI block 32) and launches attention a few times; the third launch of
@@ -47,7 +48,7 @@ def find_ncu() -> str:
     return found
 
 
-def child(name: str, seqs: int, ctx: int, write: bool) -> None:
+def child(name: str, seqs: int, ctx: int, write: bool, dot_precision: str = "auto") -> None:
     """Set up one decode case (or write case of ctx tokens) and launch it 4 times (ncu picks one launch)."""
     import torch
 
@@ -56,6 +57,7 @@ def child(name: str, seqs: int, ctx: int, write: bool) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench
 
+    bench.DOT = dot_precision
     fmt = kvgen.load(name)
     block = fmt.layout.RESIDUAL["group"] if fmt.spec.streaming else 16
     fn, _ = bench.write_case(fmt, ctx, block) if write else bench.decode_case(fmt, seqs, ctx, block)
@@ -72,7 +74,8 @@ def number(row: dict, key: str) -> float | None:
         return None
 
 
-def profile(ncu: str, name: str, seqs: int, ctx: int, out: Path, write: bool = False) -> dict:
+def profile(ncu: str, name: str, seqs: int, ctx: int, out: Path, write: bool = False,
+            dot_precision: str = "auto") -> dict:
     kernel = "regex:reshape_and_cache|kivi_flush" if write else "regex:paged_attention"
     cmd = [ncu, "--clock-control", "none", "--kernel-name", kernel, "--launch-skip", "2",
            "--launch-count", "1", "--csv", "--page", "raw"]
@@ -80,7 +83,7 @@ def profile(ncu: str, name: str, seqs: int, ctx: int, out: Path, write: bool = F
         cmd += ["--section", section]
     cmd += [sys.executable, str(Path(__file__).resolve()), "--child", name, "--shape",
             str(ctx) if write else f"{seqs}x{ctx}"]
-    cmd += ["--write"] if write else []
+    cmd += ["--write"] if write else ["--dot-precision", dot_precision]
     run = subprocess.run(cmd, capture_output=True, text=True)
     with open(out / "ncu_raw.csv", "a") as raw:  # one file for all formats (fewer files to carry back)
         raw.write(f"# {name}\n{run.stdout}\n")
@@ -152,6 +155,10 @@ def main() -> int:
                     "(default 32768)")
     ap.add_argument("--write", action="store_true", help="profile reshape-and-cache (KIVI: its flush) instead")
     ap.add_argument("--out", default="profile_out")
+    from kvgen.runtime.kernels import DOT_PRECISIONS
+
+    ap.add_argument("--dot-precision", default="auto", choices=DOT_PRECISIONS,
+                    help="attention's dot precision (decode only)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     shape = args.shape or ("32768" if args.write else "64x8192")
@@ -160,19 +167,20 @@ def main() -> int:
     except ValueError:
         ap.error(f"--shape {shape!r}: expected " + ("a token count" if args.write else "SEQUENCESxCONTEXT"))
     if args.child:
-        child(args.child, seqs, ctx, args.write)
+        child(args.child, seqs, ctx, args.write, args.dot_precision)
         return 0
     ncu = find_ncu()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    what = f"reshape-and-cache of {ctx} tokens" if args.write else f"decode {seqs} x {ctx}, bf16 queries"
+    what = (f"reshape-and-cache of {ctx} tokens" if args.write
+            else f"decode {seqs} x {ctx}, bf16 queries, dot precision {args.dot_precision}")
     print(f"ncu: {ncu}; {what}; one launch per format", flush=True)
     print(f"| format | kernel us | DRAM of peak | DRAM MB moved | registers | achieved occupancy "
           f"| issue slots busy | warp instr / {'token' if args.write else 'KV position'} and KV head | cycles per "
           "issue | largest stalls (cycles per issued instruction) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.formats:
-        row = profile(ncu, name, seqs, ctx, out, args.write)
+        row = profile(ncu, name, seqs, ctx, out, args.write, args.dot_precision)
         if row:
             print(summary(name, row, seqs, ctx), flush=True)
     return 0
