@@ -39,6 +39,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import kvgen  # noqa: E402
 from kvgen.runtime.kernels import attention_tiles  # noqa: E402
+from kvgen.runtime.occupancy import resident_programs  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 def main_loop(sass: str) -> list[str]:
@@ -185,10 +186,7 @@ def count(name: str, dot_precision: str = "auto", seqs: int = 64, ctx: int = 819
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     smem = kernel.metadata.shared
     warps = tiles.get("num_warps", 4)
-    # programs resident per SM on sm_90: 64K registers (allocated per warp in units of 256), 228 KiB shared memory
-    # (1 KiB reserved per block), at most 32 blocks
-    per_warp = -(-regs * 32 // 256) * 256
-    occupancy = min(65536 // (per_warp * warps), (228 * 1024) // (smem + 1024) if smem else 32, 32)
+    occupancy = resident_programs(regs, warps, smem)  # programs per SM on sm_90, as the runtime counts them
     ops = collections.Counter(opcode(line) for line in loop)
     bytes_per_position = fmt.page_bytes(block, 8, head_size) / block / 8
     return dict(format=name, block_n=block_n, per_position=len(loop) / block_n, bytes=bytes_per_position,

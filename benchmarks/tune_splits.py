@@ -37,7 +37,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("formats", nargs="+")
     ap.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES)
-    ap.add_argument("--splits", nargs="+", type=int, default=DEFAULT_SPLITS)
+    ap.add_argument("--splits", nargs="*", type=int, default=DEFAULT_SPLITS,
+                    help="forced split counts to time (none: the runtime's rule and --rules only)")
     ap.add_argument("--rules", nargs="+", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
                     help="also time the runtime's rule with these constants of kvgen.runtime.kernels changed, e.g. "
                          "FEW_PROGRAMS_PER_SM=0 (the rule before the ninth session) or MIN_FEW_SPLIT=256")

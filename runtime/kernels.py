@@ -15,6 +15,7 @@ try:
 except ImportError:
     from codegen.errors import KvgenError
 from .launch import BoundLaunch, FastLaunch
+from .occupancy import resident_programs, wave_splits
 
 LOG2E = 1.4426950408889634
 
@@ -85,6 +86,9 @@ INTERPRETER_TILES = {"BLOCK_N": 128}
 MIN_SPLIT = 512
 FEW_PROGRAMS_PER_SM = 2
 MIN_FEW_SPLIT = 128
+# Decode then raises the split count where waves of the kernel's resident programs end sooner (runtime/occupancy.py:
+# fp8_e4m3 at 4 x 65536 198 -> 183 us on the H200, 33 -> 37 splits at 3 programs per SM). 0: the rule above alone.
+WAVE_SPLITS = 1
 # KIVI's key fold (KEY_FOLD: per-channel group scales folded into the query in decode) at these padded head sizes.
 # H200, eleventh session (benchmarks/RESULTS.md; benchmarks/key_fold_heads.py): decode took 10-16% less time at head
 # size 128 and 9-14% less at 256, 2-3% more at 64
@@ -346,29 +350,54 @@ class KernelSet:
         num_seqs = seq_lens.shape[0]
         # an upper bound of the KV length without reading seq_lens back: what the block table can address
         max_kv = block_table.shape[1] * consts["BLOCK_SIZE"] if max_seq_len is None else max_seq_len
-        if num_splits is None:
-            num_splits = self._splits(num_seqs * num_q_tiles * consts["NUM_KV_HEADS"], max_kv, num_tokens,
-                                      num_q_heads, consts["HEAD_PAD"], query.device, programs_per_sm)
-        chunk = triton_cdiv(triton_cdiv(max(max_kv, 1), num_splits), block_n) * block_n
+        programs = num_seqs * num_q_tiles * consts["NUM_KV_HEADS"]
+        ruled = num_splits is None
+        if ruled:
+            num_splits = self._splits(programs, max_kv, num_tokens, num_q_heads, consts["HEAD_PAD"], query.device,
+                                      programs_per_sm)
         # 32-bit byte offsets (fewer instructions) unless a cache tensor is too large for them
         offsets_64 = max(tensors[f].numel() for f in ("k_cache_ptr", "v_cache_ptr", "k_meta_ptr", "v_meta_ptr")) >= 2**31
-        part = ml = None
+        static = dict(
+            block_table_ptr=block_table, seq_lens_ptr=seq_lens, query_start_loc_ptr=query_start_loc,
+            qk_scale=qk_scale * LOG2E, window=window, num_q_tiles=num_q_tiles, stride_bt=block_table.stride(0),
+            GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, OFFSETS_64=offsets_64, **dots, **consts,
+            **(extra or {}), **tiles,
+        )
+        launch = self._attention_launch(query, max_kv, num_splits, block_n, programs, static)
+        if (ruled and WAVE_SPLITS and block_m <= DECODE_ROWS and not interpreting() and query.is_cuda
+                and programs * num_splits >= self._sm_count(query.device)):
+            # decode whose grid may fill a wave (at least a program per SM): splits whose waves of resident programs
+            # end sooner (runtime/occupancy.py)
+            binary = self.launch("paged_attention_kernel").compiled(
+                launch.grid, query, query, query if launch.part is None else launch.part,
+                query if launch.ml is None else launch.ml, stride_qt=query.stride(0), stride_qh=query.stride(1),
+                stride_ot=num_q_heads * query.shape[2], stride_oh=query.shape[2], **tensors, **launch.kwargs)
+            filled = num_splits
+            if binary is not None:  # (None: a stand-in for the kernel, as benchmarks/sass_count.py installs)
+                resident = resident_programs(binary.n_regs, binary.metadata.num_warps, binary.metadata.shared)
+                filled = wave_splits(programs, num_splits, max_kv, block_n, resident * self._sm_count(query.device),
+                                     self._most_splits(max_kv, num_tokens, num_q_heads, consts["HEAD_PAD"]))
+            if filled != num_splits:
+                launch = self._attention_launch(query, max_kv, filled, block_n, programs, static)
+        return launch
+
+    @staticmethod
+    def _attention_launch(query, max_kv: int, num_splits: int, block_n: int, programs: int,
+                          static: dict) -> AttentionLaunch:
+        """A planned call's launch for ``num_splits`` splits: the grid, the chunk, the split scratch and the
+        reduction's constexprs around the ``static`` arguments of plan_attend."""
+        num_tokens, num_q_heads, _ = query.shape
+        chunk = triton_cdiv(triton_cdiv(max(max_kv, 1), num_splits), block_n) * block_n
+        part = ml = reduce = None
         if num_splits > 1:  # one scratch per plan: the calls of a plan run one after another on the stream
-            part = torch.empty((num_tokens, num_q_heads, num_splits, consts["HEAD_PAD"]), dtype=torch.float32,
+            part = torch.empty((num_tokens, num_q_heads, num_splits, static["HEAD_PAD"]), dtype=torch.float32,
                                device=query.device)
             ml = torch.empty((num_tokens, num_q_heads, num_splits, 2), dtype=torch.float32, device=query.device)
-        kwargs = dict(
-            block_table_ptr=block_table, seq_lens_ptr=seq_lens, query_start_loc_ptr=query_start_loc,
-            qk_scale=qk_scale * LOG2E, window=window, num_q_tiles=num_q_tiles, chunk=chunk,
-            stride_bt=block_table.stride(0), GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
-            NUM_SPLITS=num_splits, OFFSETS_64=offsets_64, **dots, **consts, **(extra or {}), **tiles,
-        )
-        reduce = None
-        if num_splits > 1:
-            reduce = dict(NUM_SPLITS=num_splits, SPLITS_PAD=_next_pow2(num_splits), HEAD_SIZE=consts["HEAD_SIZE"],
-                          HEAD_PAD=consts["HEAD_PAD"])
-        return AttentionLaunch(grid=(num_seqs * num_q_tiles, consts["NUM_KV_HEADS"], num_splits),
-                               kwargs=kwargs, part=part, ml=ml, reduce=reduce)
+            reduce = dict(NUM_SPLITS=num_splits, SPLITS_PAD=_next_pow2(num_splits), HEAD_SIZE=static["HEAD_SIZE"],
+                          HEAD_PAD=static["HEAD_PAD"])
+        return AttentionLaunch(grid=(programs // static["NUM_KV_HEADS"], static["NUM_KV_HEADS"], num_splits),
+                               kwargs=dict(static, chunk=chunk, NUM_SPLITS=num_splits), part=part, ml=ml,
+                               reduce=reduce)
 
     def _call_dots(self, query_dtype: torch.dtype, dot_precision: str, rotated_keys: bool, head_pad: int,
                    block_m: int, device) -> dict:
@@ -476,15 +505,24 @@ class KernelSet:
 
     _SMS: dict = {}
 
-    def _splits(self, programs: int, max_kv: int, num_tokens: int, num_q_heads: int, head_pad: int,
-                device: torch.device, programs_per_sm: int = 4) -> int:
-        """KV splits per program so that the grid fills the GPU (flash decoding; the rule is above MIN_SPLIT),
-        partial results at most 64 MiB. 1 in the interpreter."""
-        if interpreting():
-            return 1
+    def _sm_count(self, device: torch.device) -> int:
         sms = self._SMS.get(device.index)
         if sms is None:
             sms = self._SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+        return sms
+
+    @staticmethod
+    def _most_splits(max_kv: int, num_tokens: int, num_q_heads: int, head_pad: int) -> int:
+        """The most splits of the programs-per-SM target: MIN_SPLIT positions each, partial results of 64 MiB."""
+        return max(1, min(max_kv // MIN_SPLIT, (64 << 20) // (num_tokens * num_q_heads * head_pad * 4)))
+
+    def _splits(self, programs: int, max_kv: int, num_tokens: int, num_q_heads: int, head_pad: int,
+                device: torch.device, programs_per_sm: int = 4) -> int:
+        """KV splits per program so that the grid fills the GPU (flash decoding; the rule is above MIN_SPLIT),
+        partial results at most 64 MiB. 1 in the interpreter. (plan_attend then fills the last wave in decode.)"""
+        if interpreting():
+            return 1
+        sms = self._sm_count(device)
         splits = min(triton_cdiv(programs_per_sm * sms, programs), max(1, max_kv // MIN_SPLIT))
         few = min(FEW_PROGRAMS_PER_SM * sms // programs, max(1, max_kv // MIN_FEW_SPLIT))  # 0 for many sequences
         splits = max(splits, few)

@@ -78,6 +78,16 @@ class FastLaunch:
             return binary
         return _run(binary, grid, triton.current_stream(device), values)
 
+    def compiled(self, grid, *args, **kwargs):
+        """The binary ``self(grid, *args, **kwargs)`` would launch, compiled (or found in Triton's caches) and loaded,
+        without launching it: its registers (``n_regs``) and shared memory (``metadata.shared``) are then known.
+        None under the interpreter."""
+        if not self.compiled_kernel:
+            return None
+        binary = self.fn.warmup(*args, grid=grid, **kwargs)
+        binary._init_handles()  # loads the module: sets n_regs
+        return binary
+
     def bind(self, **static) -> BoundLaunch:
         """``bind(**static)(grid, *args, **dynamic)`` launches like ``self(grid, *args, **static, **dynamic)``, with
         the static arguments bound, specialised and keyed once: a call specialises only its own arguments (a planned

@@ -16,6 +16,7 @@ import torch
 
 import kvgen
 from kvgen.runtime import kernels as K
+from kvgen.runtime import occupancy
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # the plan tests below run where the suite runs: the interpreter on the CPU, compiled kernels on a GPU
@@ -171,6 +172,89 @@ def test_split_rule(compiled, monkeypatch):
     assert splits(64, 8192, programs_per_sm=4) == 2
     assert splits(64, 1024) == 2
     assert splits(256, 1024) == 1
+
+
+def test_resident_programs():
+    """Programs per SM on sm_90 from a kernel's registers, warps and shared memory (registers in units of 8 per
+    thread): the counts benchmarks/sass_count.py printed for the shipped kernels on 2026-12-02."""
+    assert occupancy.resident_programs(128, 4, 38 * 1024) == 4  # bf16
+    assert occupancy.resident_programs(168, 4, 40 * 1024) == 3  # fp8_e4m3
+    assert occupancy.resident_programs(249, 4, 26 * 1024) == 2  # q4_0 (rounded up to 256)
+    assert occupancy.resident_programs(255, 4, 57 * 1024) == 2  # mxfp8
+    assert occupancy.resident_programs(72, 4, 100 * 1024) == 2  # shared memory, not registers
+    assert occupancy.resident_programs(32, 1, 0) == 32  # at most 32 blocks
+    assert occupancy.resident_programs(255, 16, 0) == 1  # never none
+
+
+def test_split_makespan():
+    """The waves model by hand: 1056 programs of 16 steps (+1) on 396 slots, 33 splits of 65536 positions at 128 a
+    step of which the last is empty, take three program-times; 37 splits (36 of 14 steps, the last of 8) fit the same
+    three waves of shorter programs, the short ones last."""
+    assert occupancy.split_makespan(32, 65536, 33, 128, 396) == 3 * 17
+    assert occupancy.split_makespan(32, 65536, 37, 128, 396) == 3 * 15
+    assert occupancy.split_makespan(32, 65536, 1, 128, 396) == 512 + 1
+    # 17 splits on 264 slots: 512 programs of 31 steps, then 32 of 16; the 16 slots the second wave leaves free run
+    # the short ones two after another, while the second wave ends at 64
+    assert occupancy.split_makespan(32, 65536, 17, 128, 264) == 32 + 2 * 17
+
+
+def test_wave_splits():
+    """Decode's split counts at the shapes the H200 timed (benchmarks/RESULTS.md, seventeenth session): raised where
+    the rule's grid leaves a wave of a latency-bound kernel partly filled, kept elsewhere."""
+    sms = 132
+    ws = occupancy.wave_splits
+    assert ws(32, 33, 65536, 128, 3 * sms, 128) == 37  # 4 x 65536, 3 per SM (fp8 198 -> 183 us, nvfp4 296 -> 289)
+    assert ws(32, 33, 65536, 64, 4 * sms, 128) == 33  # bf16: 2.00 waves already (37 splits took 304 us, 33 267)
+    assert ws(32, 33, 65536, 128, 2 * sms, 128) == 33  # 2 per SM: 4.00 waves
+    assert ws(32, 17, 65536, 128, 2 * sms, 128) == 17  # int4 per token-head: its tail is the short last splits
+    assert ws(32, 33, 65536, 128, 3 * sms, 35) <= 35  # never above the most splits
+    assert ws(512, 3, 8192, 128, 3 * sms, 16) == 3  # 64 x 8192
+    assert ws(512, 3, 8192, 64, 4 * sms, 16) == 3
+    assert ws(2048, 1, 1024, 128, 3 * sms, 2) == 1  # 256 x 1024 (5.17 waves; 2 splits took longer)
+    assert ws(32, 8, 1024, 64, 4 * sms, 8) == 8  # 4 x 1024: fewer programs than slots
+    for programs in (8, 32, 100, 512):
+        for splits in (1, 2, 3, 8, 33):
+            for resident in (2 * sms, 3 * sms, 4 * sms):
+                s = ws(programs, splits, 65536, 128, resident, 128)
+                assert splits <= s <= max(splits, min(128, 2 * splits))
+                if s > splits:  # only for a predicted gain of MIN_GAIN
+                    new = occupancy.split_makespan(programs, 65536, s, 128, resident)
+                    old = occupancy.split_makespan(programs, 65536, splits, 128, resident)
+                    assert new <= (1 - occupancy.MIN_GAIN) * old
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the compiled kernel's registers decide: a GPU run")
+@pytest.mark.parametrize("name", ["fp8_e4m3", "bf16"])
+def test_plan_fills_the_last_wave(name):
+    """A decode plan's split count is the old rule's, raised by wave_splits for the programs per SM of the binary
+    it launches; the output does not change beyond the fp32 sums' order (against the same plan with one split)."""
+    fmt = kvgen.load(name)
+    seqs, ctx, heads = 4, 32768, 8
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache = fmt.allocate(seqs * ctx // 16, 16, heads, 128, device="cuda")
+    for t in cache.tensors.values():
+        if t.dtype == torch.uint8:
+            t.random_(0, 256)
+            t.masked_fill_((t & 0x7F) == 0x7F, 0)  # fp8 codes of either sign, no NaN
+        elif t.is_floating_point() and t.numel() > 64:
+            t.normal_()
+    table = torch.randperm(seqs * ctx // 16, dtype=torch.int32, device="cuda").reshape(seqs, -1)
+    lens = torch.full((seqs,), ctx, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(seqs + 1, dtype=torch.int32, device="cuda")
+    q = torch.randn(seqs, 4 * heads, 128, dtype=torch.bfloat16, device="cuda")
+    plan = fmt.plan_attention(q, cache, table, lens, qsl, max_query_len=1)
+    ks = fmt._kernels
+    binary = ks.launch("paged_attention_kernel").compiled(
+        plan._launch.grid, q, q, plan._launch.part, plan._launch.ml, stride_qt=q.stride(0), stride_qh=q.stride(1),
+        stride_ot=q.stride(0), stride_oh=q.stride(1), **fmt._kernel_args(cache)[0], **plan._launch.kwargs)
+    resident = occupancy.resident_programs(binary.n_regs, binary.metadata.num_warps, binary.metadata.shared)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    old = ks._splits(seqs * heads, ctx, seqs, 4 * heads, 128, q.device, 8)
+    assert plan._launch.grid[2] == occupancy.wave_splits(seqs * heads, old, ctx, plan._launch.kwargs["BLOCK_N"],
+                                                         resident * sms, ks._most_splits(ctx, seqs, 4 * heads, 128))
+    one = fmt.attend(q, cache, table, lens, qsl, max_query_len=1, num_splits=1).float()
+    torch.testing.assert_close(plan.run(q, cache).float(), one, rtol=2e-2, atol=2e-3)
 
 
 def decode_and_prefill_plans(fmt):
