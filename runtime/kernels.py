@@ -364,21 +364,23 @@ class KernelSet:
             **(extra or {}), **tiles,
         )
         launch = self._attention_launch(query, max_kv, num_splits, block_n, programs, static)
-        if (ruled and WAVE_SPLITS and block_m <= DECODE_ROWS and not interpreting() and query.is_cuda
+        if (ruled and WAVE_SPLITS and block_m <= DECODE_ROWS and not window and not interpreting() and query.is_cuda
                 and programs * num_splits >= self._sm_count(query.device)):
-            # decode whose grid may fill a wave (at least a program per SM): splits whose waves of resident programs
-            # end sooner (runtime/occupancy.py)
+            # decode whose grid may fill a wave (a program per SM at least; no sliding window, whose splits would be
+            # mostly empty): splits whose waves of resident programs end sooner (runtime/occupancy.py). The kernel
+            # compiled is the rule's split count (launched unless the count changes; NUM_SPLITS changes only the end)
             binary = self.launch("paged_attention_kernel").compiled(
                 launch.grid, query, query, query if launch.part is None else launch.part,
                 query if launch.ml is None else launch.ml, stride_qt=query.stride(0), stride_qh=query.stride(1),
                 stride_ot=num_q_heads * query.shape[2], stride_oh=query.shape[2], **tensors, **launch.kwargs)
-            filled = num_splits
-            if binary is not None:  # (None: a stand-in for the kernel, as benchmarks/sass_count.py installs)
+            chosen = num_splits
+            if binary is not None:  # (None: not compiled here, e.g. the stand-in benchmarks/sass_count.py installs)
                 resident = resident_programs(binary.n_regs, binary.metadata.num_warps, binary.metadata.shared)
-                filled = wave_splits(programs, num_splits, max_kv, block_n, resident * self._sm_count(query.device),
+                chosen = wave_splits(programs, num_splits, triton_cdiv(max(max_kv, 1), block_n),
+                                     resident * self._sm_count(query.device),
                                      self._most_splits(max_kv, num_tokens, num_q_heads, consts["HEAD_PAD"]))
-            if filled != num_splits:
-                launch = self._attention_launch(query, max_kv, filled, block_n, programs, static)
+            if chosen != num_splits:
+                launch = self._attention_launch(query, max_kv, chosen, block_n, programs, static)
         return launch
 
     @staticmethod
@@ -506,15 +508,21 @@ class KernelSet:
     _SMS: dict = {}
 
     def _sm_count(self, device: torch.device) -> int:
+        """The device's SM count, read once per device."""
         sms = self._SMS.get(device.index)
         if sms is None:
             sms = self._SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
         return sms
 
     @staticmethod
-    def _most_splits(max_kv: int, num_tokens: int, num_q_heads: int, head_pad: int) -> int:
+    def _scratch_splits(num_tokens: int, num_q_heads: int, head_pad: int) -> int:
+        """The most splits whose fp32 partial results fit in 64 MiB."""
+        return max(1, (64 << 20) // (num_tokens * num_q_heads * head_pad * 4))
+
+    @classmethod
+    def _most_splits(cls, max_kv: int, num_tokens: int, num_q_heads: int, head_pad: int) -> int:
         """The most splits of the programs-per-SM target: MIN_SPLIT positions each, partial results of 64 MiB."""
-        return max(1, min(max_kv // MIN_SPLIT, (64 << 20) // (num_tokens * num_q_heads * head_pad * 4)))
+        return max(1, min(max_kv // MIN_SPLIT, cls._scratch_splits(num_tokens, num_q_heads, head_pad)))
 
     def _splits(self, programs: int, max_kv: int, num_tokens: int, num_q_heads: int, head_pad: int,
                 device: torch.device, programs_per_sm: int = 4) -> int:
@@ -526,8 +534,7 @@ class KernelSet:
         splits = min(triton_cdiv(programs_per_sm * sms, programs), max(1, max_kv // MIN_SPLIT))
         few = min(FEW_PROGRAMS_PER_SM * sms // programs, max(1, max_kv // MIN_FEW_SPLIT))  # 0 for many sequences
         splits = max(splits, few)
-        splits = min(splits, max(1, (64 << 20) // (num_tokens * num_q_heads * head_pad * 4)))
-        return max(1, splits)
+        return max(1, min(splits, self._scratch_splits(num_tokens, num_q_heads, head_pad)))
 
 
 # Triton 3.6 on Hopper miscompiles some warpgroup (wgmma) dots whose head dimension is 32 or less: the kernel reads

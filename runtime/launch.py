@@ -81,11 +81,19 @@ class FastLaunch:
     def compiled(self, grid, *args, **kwargs):
         """The binary ``self(grid, *args, **kwargs)`` would launch, compiled (or found in Triton's caches) and loaded,
         without launching it: its registers (``n_regs``) and shared memory (``metadata.shared``) are then known.
-        None under the interpreter."""
+        None under the interpreter, or where Triton gives no loaded binary (a compile hook, an error: the launch
+        itself will report those)."""
         if not self.compiled_kernel:
             return None
-        binary = self.fn.warmup(*args, grid=grid, **kwargs)
-        binary._init_handles()  # loads the module: sets n_regs
+        try:
+            binary = self.fn.warmup(*args, grid=grid, **kwargs)
+            if hasattr(binary, "result"):  # Triton's asynchronous compile mode: a future
+                binary = binary.result()
+            if binary is None:  # a cache hook that took the compile
+                return None
+            binary._init_handles()  # loads the module: sets n_regs
+        except Exception:  # noqa: BLE001 - the caller falls back to what it would do without the binary
+            return None
         return binary
 
     def bind(self, **static) -> BoundLaunch:

@@ -187,15 +187,16 @@ def test_resident_programs():
 
 
 def test_split_makespan():
-    """The waves model by hand: 1056 programs of 16 steps (+1) on 396 slots, 33 splits of 65536 positions at 128 a
-    step of which the last is empty, take three program-times; 37 splits (36 of 14 steps, the last of 8) fit the same
-    three waves of shorter programs, the short ones last."""
-    assert occupancy.split_makespan(32, 65536, 33, 128, 396) == 3 * 17
-    assert occupancy.split_makespan(32, 65536, 37, 128, 396) == 3 * 15
-    assert occupancy.split_makespan(32, 65536, 1, 128, 396) == 512 + 1
+    """The waves model by hand: 33 splits of 512 steps (4 x 65536 at 128 positions a step) are 32 of 16 steps and an
+    empty one, 1024 programs of 16 steps (+1) on 396 slots: three program-times; 37 splits (36 of 14 steps, the last
+    of 8) fit the same three waves of shorter programs, the short ones last."""
+    assert occupancy.split_makespan(32, 512, 33, 396) == 3 * 17
+    assert occupancy.split_makespan(32, 512, 37, 396) == 3 * 15
+    assert occupancy.split_makespan(32, 512, 1, 396) == 512 + 1
     # 17 splits on 264 slots: 512 programs of 31 steps, then 32 of 16; the 16 slots the second wave leaves free run
     # the short ones two after another, while the second wave ends at 64
-    assert occupancy.split_makespan(32, 65536, 17, 128, 264) == 32 + 2 * 17
+    assert occupancy.split_makespan(32, 512, 17, 264) == 32 + 2 * 17
+    assert occupancy.split_makespan(3, 0, 1, 10) == 2  # no positions: one step each, not a division by zero
 
 
 def test_wave_splits():
@@ -203,23 +204,25 @@ def test_wave_splits():
     the rule's grid leaves a wave of a latency-bound kernel partly filled, kept elsewhere."""
     sms = 132
     ws = occupancy.wave_splits
-    assert ws(32, 33, 65536, 128, 3 * sms, 128) == 37  # 4 x 65536, 3 per SM (fp8 198 -> 183 us, nvfp4 296 -> 289)
-    assert ws(32, 33, 65536, 64, 4 * sms, 128) == 33  # bf16: 2.00 waves already (37 splits took 304 us, 33 267)
-    assert ws(32, 33, 65536, 128, 2 * sms, 128) == 33  # 2 per SM: 4.00 waves
-    assert ws(32, 17, 65536, 128, 2 * sms, 128) == 17  # int4 per token-head: its tail is the short last splits
-    assert ws(32, 33, 65536, 128, 3 * sms, 35) <= 35  # never above the most splits
-    assert ws(512, 3, 8192, 128, 3 * sms, 16) == 3  # 64 x 8192
-    assert ws(512, 3, 8192, 64, 4 * sms, 16) == 3
-    assert ws(2048, 1, 1024, 128, 3 * sms, 2) == 1  # 256 x 1024 (5.17 waves; 2 splits took longer)
-    assert ws(32, 8, 1024, 64, 4 * sms, 8) == 8  # 4 x 1024: fewer programs than slots
+    assert ws(32, 33, 512, 3 * sms, 128) == 37  # 4 x 65536, 3 per SM (fp8 197 -> 183 us, nvfp4 296 -> 290)
+    assert ws(32, 33, 1024, 4 * sms, 128) == 33  # bf16: 1024 programs in 2 waves (37 splits took 304 us, 33 267)
+    assert ws(32, 33, 512, 2 * sms, 128) == 33  # 2 per SM: 3.88 waves
+    assert ws(32, 17, 512, 2 * sms, 128) == 17  # int4 per token-head: its tail is the short last splits
+    assert ws(64, 9, 256, 2 * sms, 64) == 16  # int4 at 8 x 32768 (514 -> 428 us)
+    assert ws(32, 33, 512, 3 * sms, 35) == 33  # 35 splits: 5.9% sooner in the model, under MIN_GAIN
+    assert ws(512, 3, 64, 3 * sms, 16) == 3  # 64 x 8192
+    assert ws(512, 3, 128, 4 * sms, 16) == 3
+    assert ws(2048, 1, 8, 3 * sms, 2) == 1  # 256 x 1024 (5.17 waves; 2 splits took longer)
+    assert ws(32, 8, 16, 4 * sms, 64) == 8  # 4 x 1024: fewer programs than slots (the model alone would take 16)
+    assert occupancy.split_makespan(32, 16, 16, 4 * sms) < 0.9 * occupancy.split_makespan(32, 16, 8, 4 * sms)
     for programs in (8, 32, 100, 512):
         for splits in (1, 2, 3, 8, 33):
             for resident in (2 * sms, 3 * sms, 4 * sms):
-                s = ws(programs, splits, 65536, 128, resident, 128)
+                s = ws(programs, splits, 512, resident, 128)
                 assert splits <= s <= max(splits, min(128, 2 * splits))
                 if s > splits:  # only for a predicted gain of MIN_GAIN
-                    new = occupancy.split_makespan(programs, 65536, s, 128, resident)
-                    old = occupancy.split_makespan(programs, 65536, splits, 128, resident)
+                    new = occupancy.split_makespan(programs, 512, s, resident)
+                    old = occupancy.split_makespan(programs, 512, splits, resident)
                     assert new <= (1 - occupancy.MIN_GAIN) * old
 
 
@@ -251,8 +254,11 @@ def test_plan_fills_the_last_wave(name):
     resident = occupancy.resident_programs(binary.n_regs, binary.metadata.num_warps, binary.metadata.shared)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     old = ks._splits(seqs * heads, ctx, seqs, 4 * heads, 128, q.device, 8)
-    assert plan._launch.grid[2] == occupancy.wave_splits(seqs * heads, old, ctx, plan._launch.kwargs["BLOCK_N"],
-                                                         resident * sms, ks._most_splits(ctx, seqs, 4 * heads, 128))
+    steps = -(-ctx // plan._launch.kwargs["BLOCK_N"])
+    assert plan._launch.grid[2] == occupancy.wave_splits(seqs * heads, old, steps, resident * sms,
+                                                         ks._most_splits(ctx, seqs, 4 * heads, 128))
+    if sms == 132:  # the H200, with the tiles of 2026-12-02: fp8 at 3 programs per SM, bf16 at 4
+        assert (resident, plan._launch.grid[2]) == {"fp8_e4m3": (3, 37), "bf16": (4, 33)}[name]
     one = fmt.attend(q, cache, table, lens, qsl, max_query_len=1, num_splits=1).float()
     torch.testing.assert_close(plan.run(q, cache).float(), one, rtol=2e-2, atol=2e-3)
 
