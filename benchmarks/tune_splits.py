@@ -59,8 +59,8 @@ def main() -> None:
         for k in rules[rule]:
             if not isinstance(getattr(K, k, None), int):
                 ap.error(f"--rules: kvgen.runtime.kernels has no integer constant {k!r}")
-    print("| format | shape | runtime (splits) | " + " | ".join([f"{r} (splits)" for r in rules]
-                                                            + [f"{s} splits" for s in args.splits]) + " |")
+    print("| " + " | ".join(["format", "shape", "runtime (splits)"] + [f"{r} (splits)" for r in rules]
+                            + [f"{s} splits" for s in args.splits]) + " |")
     print("|---|---|---|" + "---|" * (len(rules) + len(args.splits)))
     for name in args.formats:
         fmt = kvgen.load(name)
@@ -80,8 +80,8 @@ def main() -> None:
             best = min(times.values())
             cell = lambda t: f"**{t:.1f}**" if t == best else f"{t:.1f}"  # noqa: E731
             ruled = [f"{cell(times[r])} ({chosen[r]})" for r in rules]
-            print(f"| {name} | {label} | {cell(times['runtime'])} ({chosen['runtime']}) | "
-                  + " | ".join(ruled + [cell(times[s]) for s in args.splits]) + " |", flush=True)
+            print("| " + " | ".join([name, label, f"{cell(times['runtime'])} ({chosen['runtime']})"] + ruled
+                                    + [cell(times[s]) for s in args.splits]) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -363,25 +363,40 @@ class KernelSet:
             GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, OFFSETS_64=offsets_64, **dots, **consts,
             **(extra or {}), **tiles,
         )
-        launch = self._attention_launch(query, max_kv, num_splits, block_n, programs, static)
         if (ruled and WAVE_SPLITS and block_m <= DECODE_ROWS and not window and not interpreting() and query.is_cuda
                 and programs * num_splits >= self._sm_count(query.device)):
             # decode whose grid may fill a wave (a program per SM at least; no sliding window, whose splits would be
             # mostly empty): splits whose waves of resident programs end sooner (runtime/occupancy.py). The kernel
-            # compiled is the rule's split count (launched unless the count changes; NUM_SPLITS changes only the end)
-            binary = self.launch("paged_attention_kernel").compiled(
-                launch.grid, query, query, query if launch.part is None else launch.part,
-                query if launch.ml is None else launch.ml, stride_qt=query.stride(0), stride_qh=query.stride(1),
-                stride_ot=num_q_heads * query.shape[2], stride_oh=query.shape[2], **tensors, **launch.kwargs)
-            chosen = num_splits
-            if binary is not None:  # (None: not compiled here, e.g. the stand-in benchmarks/sass_count.py installs)
-                resident = resident_programs(binary.n_regs, binary.metadata.num_warps, binary.metadata.shared)
-                chosen = wave_splits(programs, num_splits, triton_cdiv(max(max_kv, 1), block_n),
-                                     resident * self._sm_count(query.device),
-                                     self._most_splits(max_kv, num_tokens, num_q_heads, consts["HEAD_PAD"]))
-            if chosen != num_splits:
-                launch = self._attention_launch(query, max_kv, chosen, block_n, programs, static)
-        return launch
+            # read is the rule's split count (launched unless the count changes; NUM_SPLITS changes only the end)
+            resident = self.resident_programs(query, tensors, static, max_kv, num_splits, block_n)
+            if resident is not None:
+                num_splits = wave_splits(programs, num_splits, triton_cdiv(max(max_kv, 1), block_n),
+                                         resident * self._sm_count(query.device),
+                                         self._most_splits(max_kv, num_tokens, num_q_heads, consts["HEAD_PAD"]))
+        return self._attention_launch(query, max_kv, num_splits, block_n, programs, static)
+
+    def resident_programs(self, query, tensors: dict, static: dict, max_kv: int, num_splits: int,
+                          block_n: int) -> int | None:
+        """Programs per SM of the attention kernel a plan with these arguments launches for ``num_splits`` splits,
+        from its compiled binary (compiled here if need be, not launched); None where there is no binary (the
+        interpreter, a stand-in kernel such as benchmarks/sass_count.py installs, a compile hook). The split scratch
+        and the output enter only as pointers of their dtype: one-element stand-ins."""
+        num_q_heads, head_size = query.shape[1], query.shape[2]
+        scratch = torch.empty(1, dtype=torch.float32, device=query.device) if num_splits > 1 else query
+        binary = self.launch("paged_attention_kernel").compiled(
+            (1, 1, num_splits), query, query, scratch, scratch, stride_qt=query.stride(0), stride_qh=query.stride(1),
+            stride_ot=num_q_heads * head_size, stride_oh=head_size, **tensors,
+            **self._split_kwargs(static, max_kv, num_splits, block_n))
+        if binary is None:
+            return None
+        return resident_programs(binary.n_regs, binary.metadata.num_warps, binary.metadata.shared)
+
+    @staticmethod
+    def _split_kwargs(static: dict, max_kv: int, num_splits: int, block_n: int) -> dict:
+        """The kernel arguments of a plan for ``num_splits`` splits: ``static`` with each split's chunk of KV
+        positions (whole steps; the last split takes the rest)."""
+        chunk = triton_cdiv(triton_cdiv(max(max_kv, 1), num_splits), block_n) * block_n
+        return dict(static, chunk=chunk, NUM_SPLITS=num_splits)
 
     @staticmethod
     def _attention_launch(query, max_kv: int, num_splits: int, block_n: int, programs: int,
@@ -389,7 +404,6 @@ class KernelSet:
         """A planned call's launch for ``num_splits`` splits: the grid, the chunk, the split scratch and the
         reduction's constexprs around the ``static`` arguments of plan_attend."""
         num_tokens, num_q_heads, _ = query.shape
-        chunk = triton_cdiv(triton_cdiv(max(max_kv, 1), num_splits), block_n) * block_n
         part = ml = reduce = None
         if num_splits > 1:  # one scratch per plan: the calls of a plan run one after another on the stream
             part = torch.empty((num_tokens, num_q_heads, num_splits, static["HEAD_PAD"]), dtype=torch.float32,
@@ -398,8 +412,8 @@ class KernelSet:
             reduce = dict(NUM_SPLITS=num_splits, SPLITS_PAD=_next_pow2(num_splits), HEAD_SIZE=static["HEAD_SIZE"],
                           HEAD_PAD=static["HEAD_PAD"])
         return AttentionLaunch(grid=(programs // static["NUM_KV_HEADS"], static["NUM_KV_HEADS"], num_splits),
-                               kwargs=dict(static, chunk=chunk, NUM_SPLITS=num_splits), part=part, ml=ml,
-                               reduce=reduce)
+                               kwargs=KernelSet._split_kwargs(static, max_kv, num_splits, block_n), part=part,
+                               ml=ml, reduce=reduce)
 
     def _call_dots(self, query_dtype: torch.dtype, dot_precision: str, rotated_keys: bool, head_pad: int,
                    block_m: int, device) -> dict:
