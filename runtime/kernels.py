@@ -190,6 +190,7 @@ _CAPABILITY: dict = {}
 # scale, tests/test_fast_div.py and the conformance suite compiled). The interpreter always divides with div_rn.
 # H200: KIVI's prefill write of 32768 tokens 347 -> 218 us (kivi_2bit); q4_0's 86 -> 85 us (benchmarks/RESULTS.md).
 FAST_DIV = True
+FLUSH_OPTIONS: dict = {}
 
 
 def native_fp8(device: torch.device | None) -> bool:
@@ -296,7 +297,7 @@ class KernelSet:
         max_groups = max_query_len // group + 1
         strides = dict(stride_kt=key.stride(0), stride_kh=key.stride(1), stride_vt=value.stride(0),
                        stride_vh=value.stride(1))
-        fusion = {} if interpreting() else {"enable_fp_fusion": False}
+        fusion = {} if interpreting() else {"enable_fp_fusion": False, **FLUSH_OPTIONS}
         self.launch("kivi_flush_kernel")(
             (num_seqs, max_groups, consts["NUM_KV_HEADS"]), key, value, **tensors, seq_ids_ptr=seq_ids,
             query_start_loc_ptr=query_start_loc, seq_lens_ptr=seq_lens,
@@ -304,8 +305,10 @@ class KernelSet:
             BLOCK_T=group, RESIDUAL=residual["tokens"], RING=ring, NATIVE_CASTS=native_fp8(key.device),
             FAST_DIV=FAST_DIV and not interpreting(), **fusion,
         )
-        block_t = min(64 if interpreting() else 16, _next_pow2(max_query_len))
-        num_q_tiles = triton_cdiv(max_query_len, block_t)
+        # the tokens that stay in full precision are among each sequence's last RING new tokens: tiles for those
+        kept = min(max_query_len, ring)
+        block_t = min(64 if interpreting() else 16, _next_pow2(kept))
+        num_q_tiles = triton_cdiv(kept, block_t)
         self.launch("kivi_residual_kernel")(
             (num_seqs * num_q_tiles, consts["NUM_KV_HEADS"]), key, value, tensors["k_res_ptr"], tensors["v_res_ptr"],
             seq_ids, query_start_loc, seq_lens,

@@ -370,7 +370,9 @@ def kivi_flush_kernel(
 
 # ---------------------------------------------------------------------------------------------------------------
 # kivi_residual_kernel: one program per (sequence, tile of BLOCK_T new tokens, KV head); new tokens at positions
-# >= Q(new length) go to the ring, rounded to the residual dtype.
+# >= Q(new length) go to the ring, rounded to the residual dtype. Those are among a sequence's last RING new tokens,
+# so the num_q_tiles tiles cover the last num_q_tiles * BLOCK_T >= min(longest query, RING) of its new tokens (a
+# prefill of 32768 tokens takes 10 tiles per head, not 2048), and a tile holding none of them returns at once.
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
 def kivi_residual_kernel(
@@ -386,18 +388,21 @@ def kivi_residual_kernel(
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     new_len = tl.load(seq_lens_ptr + seq)
     quantized = (tl.maximum(new_len - RESIDUAL, 0) // TOKEN_GROUP) * TOKEN_GROUP
-    i = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-    pos = new_len - q_len + i
-    keep = (i < q_len) & (pos >= quantized)
-    d = tl.arange(0, HEAD_PAD)
-    mask = keep[:, None] & (d < HEAD_SIZE)[None, :]
-    row = (q_start + i).to(tl.int64)
-    sid = tl.load(seq_ids_ptr + seq).to(tl.int64)
-    ring = ((sid * RING + pos % RING) * NUM_KV_HEADS + head) * (HEAD_SIZE * 2)
-    x_key = tl.load(key_ptr + row[:, None] * stride_kt + head * stride_kh + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store((k_res_ptr + ring[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), r_encode(x_key), mask=mask)
-    x_value = tl.load(value_ptr + row[:, None] * stride_vt + head * stride_vh + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store((v_res_ptr + ring[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), r_encode(x_value), mask=mask)
+    first = q_len - (num_q_tiles - tile) * BLOCK_T  # this tile's first new token (negative: before the query)
+    kept_from = tl.maximum(quantized - (new_len - q_len), 0)  # the first new token that stays in the ring
+    if (first + BLOCK_T > kept_from) & (first < q_len):
+        i = first + tl.arange(0, BLOCK_T)
+        pos = new_len - q_len + i
+        keep = (i >= kept_from) & (i < q_len)
+        d = tl.arange(0, HEAD_PAD)
+        mask = keep[:, None] & (d < HEAD_SIZE)[None, :]
+        row = (q_start + i).to(tl.int64)
+        sid = tl.load(seq_ids_ptr + seq).to(tl.int64)
+        ring = ((sid * RING + pos % RING) * NUM_KV_HEADS + head) * (HEAD_SIZE * 2)
+        x_key = tl.load(key_ptr + row[:, None] * stride_kt + head * stride_kh + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store((k_res_ptr + ring[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), r_encode(x_key), mask=mask)
+        x_value = tl.load(value_ptr + row[:, None] * stride_vt + head * stride_vh + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store((v_res_ptr + ring[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), r_encode(x_value), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------------------------
