@@ -8,7 +8,8 @@ A config is BLOCK_T/num_warps[/maxnreg]. The runtime's choice is kvgen.runtime.k
 WRITE_TILES rules); this script overrides it (WRITE_OVERRIDE) per run and prints one markdown row per (format,
 token count) with median us and the fraction of the copy bandwidth measured in the same run (bytes as
 benchmarks/bench.py counts them: the bf16 input read plus the cache bytes written). Streaming formats (KIVI) write
-through another kernel and are skipped.
+through their flush kernel, whose tile is one key group: for them a config's num_warps and maxnreg become the flush
+kernel's compile options (FLUSH_OPTIONS) and its BLOCK_T is ignored; the cache's block size is the group.
 """
 import argparse
 import sys
@@ -50,30 +51,31 @@ def main() -> None:
     print("|---|---|" + "---|" * len(configs))
     for name in args.formats:
         fmt = kvgen.load(name)
-        if fmt.spec.streaming:
-            print(f"| {name} | - | " + " | ".join("streaming: skipped" for _ in configs) + " |")
-            continue
+        block = fmt.layout.RESIDUAL["group"] if fmt.spec.streaming else 16
         if not args.no_decode_first:
             # bench.py times a format's writes after its decode cases. On the H200 the same write kernel timed in a
             # fresh process (do_bench, graph replays) came out up to 2x slower (fp8_e4m3: 139 against 64 us) while
             # the profiler gave it 59-60 us both ways; the cause is not found. Running one decode case first puts
             # this script in bench.py's state.
-            fn, _ = bench.decode_case(fmt, 64, 8192, 16)
+            fn, _ = bench.decode_case(fmt, 64, 8192, block)
             bench.bench(fn)
             del fn
             torch.cuda.empty_cache()
         for tokens in args.tokens:
             res = []
             for c in args.configs:
-                K.WRITE_OVERRIDE = configs[c]
+                if fmt.spec.streaming:
+                    K.FLUSH_OPTIONS = {k: v for k, v in configs[c].items() if k != "BLOCK_T" and v is not None}
+                else:
+                    K.WRITE_OVERRIDE = configs[c]
                 try:
-                    fn, moved = bench.write_case(fmt, tokens, 16)  # captured with this config
+                    fn, moved = bench.write_case(fmt, tokens, block)  # captured with this config
                     t = bench.bench(fn)
                     res.append(f"{t * 1e6:.0f} ({moved / t / copy * 100:.0f}%)")
                 except Exception as e:  # a config the compiler rejects
                     res.append(f"failed: {type(e).__name__}")
                 finally:
-                    K.WRITE_OVERRIDE = None
+                    K.WRITE_OVERRIDE, K.FLUSH_OPTIONS = None, {}
             print(f"| {name} | {tokens} | " + " | ".join(res) + " |", flush=True)
 
 

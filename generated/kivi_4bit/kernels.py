@@ -265,17 +265,23 @@ def kivi_flush_kernel(
         # the group's full-precision values: new tokens from the input, older ones from the ring. The ring rows are
         # addressed as typed pointers plus channel indices, so the compiler sees them contiguous: their loads get the
         # input's vectorised row-major layout (byte offsets d * size gave a token-per-lane layout, and the key ranges
-        # and value groups then reduced across lanes and warps)
-        from_input = pos >= old_len
+        # and value groups then reduced across lanes and warps). A group of new tokens alone skips the ring's loads
+        # and selects (about 3 instructions per element)
         in_row = (q_start + pos - old_len).to(tl.int64)
-        sid = tl.load(seq_ids_ptr + seq).to(tl.int64)
-        ring = ((sid * RING + pos % RING) * NUM_KV_HEADS + head) * (HEAD_SIZE * 2)
-        in_mask = from_input[:, None] & dmask[None, :]
-        ring_mask = (~from_input)[:, None] & dmask[None, :]
-        x_key = tl.where(in_mask, tl.load(key_ptr + in_row[:, None] * stride_kt + head * stride_kh + d[None, :], mask=in_mask, other=0.0).to(tl.float32),
-                         r_decode(tl.load((k_res_ptr + ring).to(tl.pointer_type(tl.uint16))[:, None] + d[None, :], mask=ring_mask, other=0)))
-        x_value = tl.where(in_mask, tl.load(value_ptr + in_row[:, None] * stride_vt + head * stride_vh + d[None, :], mask=in_mask, other=0.0).to(tl.float32),
-                           r_decode(tl.load((v_res_ptr + ring).to(tl.pointer_type(tl.uint16))[:, None] + d[None, :], mask=ring_mask, other=0)))
+        if group * BLOCK_T >= old_len:  # every row is new (a prefill's groups): the input alone
+            in_mask = tl.broadcast_to(dmask[None, :], [BLOCK_T, HEAD_PAD])
+            x_key = tl.load(key_ptr + in_row[:, None] * stride_kt + head * stride_kh + d[None, :], mask=in_mask, other=0.0).to(tl.float32)
+            x_value = tl.load(value_ptr + in_row[:, None] * stride_vt + head * stride_vh + d[None, :], mask=in_mask, other=0.0).to(tl.float32)
+        else:
+            from_input = pos >= old_len
+            sid = tl.load(seq_ids_ptr + seq).to(tl.int64)
+            ring = ((sid * RING + pos % RING) * NUM_KV_HEADS + head) * (HEAD_SIZE * 2)
+            in_mask = from_input[:, None] & dmask[None, :]
+            ring_mask = (~from_input)[:, None] & dmask[None, :]
+            x_key = tl.where(in_mask, tl.load(key_ptr + in_row[:, None] * stride_kt + head * stride_kh + d[None, :], mask=in_mask, other=0.0).to(tl.float32),
+                             r_decode(tl.load((k_res_ptr + ring).to(tl.pointer_type(tl.uint16))[:, None] + d[None, :], mask=ring_mask, other=0)))
+            x_value = tl.where(in_mask, tl.load(value_ptr + in_row[:, None] * stride_vt + head * stride_vh + d[None, :], mask=in_mask, other=0.0).to(tl.float32),
+                               r_decode(tl.load((v_res_ptr + ring).to(tl.pointer_type(tl.uint16))[:, None] + d[None, :], mask=ring_mask, other=0)))
 
         # ---- key: one scale and minimum per channel over the group's 32 tokens ----
         x_key = tl.where(x_key == x_key, x_key, 0.0)  # key codes have no NaN: NaN is stored as 0.0 would be
