@@ -190,7 +190,20 @@ _CAPABILITY: dict = {}
 # scale, tests/test_fast_div.py and the conformance suite compiled). The interpreter always divides with div_rn.
 # H200: KIVI's prefill write of 32768 tokens 347 -> 218 us (kivi_2bit); q4_0's 86 -> 85 us (benchmarks/RESULTS.md).
 FAST_DIV = True
+# KIVI's flush (one program per key group of G tokens and KV head, K and V): warps per program by the elements one
+# program holds, G * HEAD_PAD per side, at FLUSH_ELEMENTS_PER_WARP each (2 warps at G = 32, head size 128). H200,
+# 32768-token prefill write, head size 128 (benchmarks/RESULTS.md, eighteenth session): 2 warps 112 us, 4 warps 130,
+# 8 warps 200 (kivi_2bit; kivi_4bit 109 / 130 / 202): the flush is issue-bound, and fewer warps issue fewer
+# instructions (less cross-warp reduction and layout traffic). FLUSH_OPTIONS overrides the choice (tune_writes.py).
+FLUSH_ELEMENTS_PER_WARP = 2048
 FLUSH_OPTIONS: dict = {}
+
+
+def flush_options(group: int, head_pad: int) -> dict:
+    """Compile options of KIVI's flush kernel for key groups of ``group`` tokens and heads padded to ``head_pad``."""
+    if FLUSH_OPTIONS:
+        return dict(FLUSH_OPTIONS)
+    return {"num_warps": min(max(group * head_pad // FLUSH_ELEMENTS_PER_WARP, 1), 8)}
 
 
 def native_fp8(device: torch.device | None) -> bool:
@@ -297,7 +310,7 @@ class KernelSet:
         max_groups = max_query_len // group + 1
         strides = dict(stride_kt=key.stride(0), stride_kh=key.stride(1), stride_vt=value.stride(0),
                        stride_vh=value.stride(1))
-        fusion = {} if interpreting() else {"enable_fp_fusion": False, **FLUSH_OPTIONS}
+        fusion = {} if interpreting() else {"enable_fp_fusion": False, **flush_options(group, consts["HEAD_PAD"])}
         self.launch("kivi_flush_kernel")(
             (num_seqs, max_groups, consts["NUM_KV_HEADS"]), key, value, **tensors, seq_ids_ptr=seq_ids,
             query_start_loc_ptr=query_start_loc, seq_lens_ptr=seq_lens,

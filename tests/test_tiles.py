@@ -313,3 +313,15 @@ def test_ratio_pairs_in_decode_only(name, pairs):
         assert decode["RATIO_PAIRS"] is True and prefill["RATIO_PAIRS"] is False
     else:
         assert "RATIO_PAIRS" not in decode and "RATIO_PAIRS" not in prefill
+
+
+def test_kivi_flush_warps_follow_the_elements_a_program_holds(monkeypatch):
+    """The flush takes 2 warps for groups of 32 tokens at head size 128 (the H200's fastest of 1 / 2 / 4 / 8 there:
+    benchmarks/RESULTS.md, eighteenth session), twice that for twice the elements, and FLUSH_OPTIONS overrides it."""
+    assert K.flush_options(32, 128) == {"num_warps": 2}
+    assert K.flush_options(32, 256) == {"num_warps": 4}
+    assert K.flush_options(64, 256) == {"num_warps": 8}
+    assert K.flush_options(32, 32) == {"num_warps": 1}
+    assert K.flush_options(128, 512)["num_warps"] == 8  # capped
+    monkeypatch.setattr(K, "FLUSH_OPTIONS", {"num_warps": 4, "maxnreg": 96})
+    assert K.flush_options(32, 128) == {"num_warps": 4, "maxnreg": 96}
