@@ -316,8 +316,10 @@ class KernelSet:
             query_start_loc_ptr=query_start_loc, seq_lens_ptr=seq_lens,
             block_table_ptr=block_table, stride_bt=block_table.stride(0), **strides, **consts,
             BLOCK_T=group, RESIDUAL=residual["tokens"], RING=ring, NATIVE_CASTS=native_fp8(key.device),
-            FAST_DIV=FAST_DIV and not interpreting(), **fusion,
+            FAST_DIV=FAST_DIV and not interpreting(), STORE_NEW=max_query_len == 1, **fusion,
         )
+        if max_query_len == 1:  # a decode step: the flush kernel stored the new tokens (kivi_write.py.jinja)
+            return
         # the tokens that stay in full precision are among each sequence's last RING new tokens: tiles for those
         kept = min(max_query_len, ring)
         block_t = min(64 if interpreting() else 16, _next_pow2(kept))

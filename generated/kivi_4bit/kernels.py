@@ -227,6 +227,34 @@ def r_decode(code):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# store_new_tokens: one tile of BLOCK_T new tokens of one sequence and KV head, from new token `first` on (it may be
+# negative: rows before the query are skipped), into the ring; only tokens at positions >= Q(new length) stay there,
+# rounded to the residual dtype.
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def store_new_tokens(
+    key_ptr, value_ptr, k_res_ptr, v_res_ptr, sid, q_start, q_len, new_len, head, first,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    TOKEN_GROUP: tl.constexpr, RESIDUAL: tl.constexpr, RING: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    quantized = (tl.maximum(new_len - RESIDUAL, 0) // TOKEN_GROUP) * TOKEN_GROUP
+    kept_from = tl.maximum(quantized - (new_len - q_len), 0)  # the first new token that stays in the ring
+    if (first + BLOCK_T > kept_from) & (first < q_len):
+        i = first + tl.arange(0, BLOCK_T)
+        pos = new_len - q_len + i
+        keep = (i >= kept_from) & (i < q_len)
+        d = tl.arange(0, HEAD_PAD)
+        mask = keep[:, None] & (d < HEAD_SIZE)[None, :]
+        row = (q_start + i).to(tl.int64)
+        ring = ((sid * RING + pos % RING) * NUM_KV_HEADS + head) * (HEAD_SIZE * 2)
+        x_key = tl.load(key_ptr + row[:, None] * stride_kt + head * stride_kh + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store((k_res_ptr + ring[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), r_encode(x_key), mask=mask)
+        x_value = tl.load(value_ptr + row[:, None] * stride_vt + head * stride_vh + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store((v_res_ptr + ring[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), r_encode(x_value), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # kivi_flush_kernel: one program per (sequence, group index among this write's new groups, KV head).
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
@@ -247,6 +275,7 @@ def kivi_flush_kernel(
     BLOCK_T: tl.constexpr, RESIDUAL: tl.constexpr, RING: tl.constexpr,
     NATIVE_CASTS: tl.constexpr,  # compiled: hardware fp8 / int8 conversions (the same bytes)
     FAST_DIV: tl.constexpr,  # compiled: divisions by a group's scale through its reciprocal (the same codes)
+    STORE_NEW: tl.constexpr,  # a decode step (one new token per sequence): also store it in the ring, after the flush
 ):
     seq = tl.program_id(0)
     head = tl.program_id(2)
@@ -360,13 +389,16 @@ def kivi_flush_kernel(
         tl.store(v_srow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], v_scode, mask=v_gmask)
         v_zrow = v_cache_ptr + blk * V_ZP_PAGE + V_ZP_BASE + (off * NUM_KV_HEADS + head) * V_ZP_CELL
         tl.store(v_zrow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], v_zcode, mask=v_gmask)
+    if STORE_NEW:  # one new token per sequence, one group index in the grid: the token this program's head keeps
+        store_new_tokens(key_ptr, value_ptr, k_res_ptr, v_res_ptr, tl.load(seq_ids_ptr + seq).to(tl.int64), q_start,
+                         q_len, new_len, head, q_len - 1, stride_kt, stride_kh, stride_vt, stride_vh,
+                         NUM_KV_HEADS, HEAD_SIZE, HEAD_PAD, BLOCK_T, RESIDUAL, RING, 1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# kivi_residual_kernel: one program per (sequence, tile of BLOCK_T new tokens, KV head); new tokens at positions
-# >= Q(new length) go to the ring, rounded to the residual dtype. Those are among a sequence's last RING new tokens,
-# so the num_q_tiles tiles cover the last num_q_tiles * BLOCK_T >= min(longest query, RING) of its new tokens (a
-# prefill of 32768 tokens takes 10 tiles per head, not 2048), and a tile holding none of them returns at once.
+# kivi_residual_kernel: one program per (sequence, tile of BLOCK_T new tokens, KV head). The tokens that stay in the
+# ring are among a sequence's last RING new tokens, so the num_q_tiles tiles cover the last num_q_tiles * BLOCK_T >=
+# min(longest query, RING) of its new tokens (a prefill of 32768 tokens takes 10 tiles per head, not 2048).
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
 def kivi_residual_kernel(
@@ -381,22 +413,10 @@ def kivi_residual_kernel(
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     new_len = tl.load(seq_lens_ptr + seq)
-    quantized = (tl.maximum(new_len - RESIDUAL, 0) // TOKEN_GROUP) * TOKEN_GROUP
-    first = q_len - (num_q_tiles - tile) * BLOCK_T  # this tile's first new token (negative: before the query)
-    kept_from = tl.maximum(quantized - (new_len - q_len), 0)  # the first new token that stays in the ring
-    if (first + BLOCK_T > kept_from) & (first < q_len):
-        i = first + tl.arange(0, BLOCK_T)
-        pos = new_len - q_len + i
-        keep = (i >= kept_from) & (i < q_len)
-        d = tl.arange(0, HEAD_PAD)
-        mask = keep[:, None] & (d < HEAD_SIZE)[None, :]
-        row = (q_start + i).to(tl.int64)
-        sid = tl.load(seq_ids_ptr + seq).to(tl.int64)
-        ring = ((sid * RING + pos % RING) * NUM_KV_HEADS + head) * (HEAD_SIZE * 2)
-        x_key = tl.load(key_ptr + row[:, None] * stride_kt + head * stride_kh + d[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store((k_res_ptr + ring[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), r_encode(x_key), mask=mask)
-        x_value = tl.load(value_ptr + row[:, None] * stride_vt + head * stride_vh + d[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store((v_res_ptr + ring[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), r_encode(x_value), mask=mask)
+    sid = tl.load(seq_ids_ptr + seq).to(tl.int64)
+    store_new_tokens(key_ptr, value_ptr, k_res_ptr, v_res_ptr, sid, q_start, q_len, new_len, head,
+                     q_len - (num_q_tiles - tile) * BLOCK_T, stride_kt, stride_kh, stride_vt, stride_vh,
+                     NUM_KV_HEADS, HEAD_SIZE, HEAD_PAD, TOKEN_GROUP, RESIDUAL, RING, BLOCK_T)
 
 
 # ---------------------------------------------------------------------------------------------------------------
