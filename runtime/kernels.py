@@ -194,8 +194,11 @@ FAST_DIV = True
 # program holds, G * HEAD_PAD per side, at FLUSH_ELEMENTS_PER_WARP each (2 warps at G = 32, head size 128). H200,
 # 32768-token prefill write, head size 128 (benchmarks/RESULTS.md, eighteenth session): 2 warps 112 us, 4 warps 130,
 # 8 warps 200 (kivi_2bit; kivi_4bit 109 / 130 / 202): the flush is issue-bound, and fewer warps issue fewer
-# instructions (less cross-warp reduction and layout traffic). FLUSH_OPTIONS overrides the choice (tune_writes.py).
+# instructions (less cross-warp reduction and layout traffic). Capped at FLUSH_MAXNREG registers (193 / 225 uncapped
+# at 2 warps; no spills at 168): 5 programs per SM instead of 4, kivi_2bit 112 -> 99 us, kivi_4bit 109 -> 108 (128
+# registers: 101 and 132). FLUSH_OPTIONS overrides the choice (tune_writes.py).
 FLUSH_ELEMENTS_PER_WARP = 2048
+FLUSH_MAXNREG = 168
 FLUSH_OPTIONS: dict = {}
 
 
@@ -203,7 +206,7 @@ def flush_options(group: int, head_pad: int) -> dict:
     """Compile options of KIVI's flush kernel for key groups of ``group`` tokens and heads padded to ``head_pad``."""
     if FLUSH_OPTIONS:
         return dict(FLUSH_OPTIONS)
-    return {"num_warps": min(max(group * head_pad // FLUSH_ELEMENTS_PER_WARP, 1), 8)}
+    return {"num_warps": min(max(group * head_pad // FLUSH_ELEMENTS_PER_WARP, 1), 8), "maxnreg": FLUSH_MAXNREG}
 
 
 def native_fp8(device: torch.device | None) -> bool:
