@@ -209,6 +209,10 @@ class ScaleSpec(_Strict):
             raise ValueError("'align' only applies to inline scales")
         if self.align is not None and self.align & (self.align - 1):
             raise ValueError(f"'align' must be a power of two, got {self.align}")
+        if self.align is not None and self.align < SCALE_BYTES[self.dtype]:
+            raise ValueError(f"'align' {self.align} is below the size of one {self.dtype.value} scale "
+                             f"({SCALE_BYTES[self.dtype]} bytes): the kernels load a scale as one word, which a GPU "
+                             "reads only at a multiple of its size")
         if self.apply is None:
             object.__setattr__(
                 self, "apply", ApplyScale.divide if g.is_static else ApplyScale.reciprocal_multiply

@@ -338,6 +338,39 @@ def test_bad_data_align(tmp_path, element, align, words):
     assert all(w in err.message for w in words), err.message
 
 
+SCALE_ALIGN = """\
+name: sa
+key:
+  element: int8
+  scale:
+    granularity: per_token_head
+    dtype: {dtype}
+    align: {align}
+value:
+  element: bf16
+"""
+
+
+@pytest.mark.parametrize("dtype, align, words", [("bf16", 1, ["below", "bf16", "2 bytes"]),
+                                                 ("fp32", 2, ["below", "fp32", "4 bytes"])])
+def test_inline_scale_align_below_its_size(tmp_path, dtype, align, words):
+    """An inline scale at an address that is no multiple of its size would fault on the GPU (misaligned address:
+    found by the random specs on the H200), so the spec says so instead."""
+    text = SCALE_ALIGN.format(dtype=dtype, align=align)
+    err = spec_error(write(tmp_path, "sa.yaml", text))
+    assert err.field in ("key.scale", "key.scale.align"), str(err)
+    assert err.line in (line_of(text, "scale:"), line_of(text, "align:")), str(err)
+    assert all(w in err.message for w in words), err.message
+
+
+def test_inline_scale_align_at_its_size_builds(tmp_path, monkeypatch):
+    import kvgen
+
+    monkeypatch.setenv("KVGEN_CACHE_DIR", str(tmp_path / "cache"))
+    fmt = kvgen.load(write(tmp_path, "sa.yaml", SCALE_ALIGN.format(dtype="bf16", align=2)))
+    assert fmt.spec.key.scale.inline_align == 2
+
+
 def test_out_of_range_number(tmp_path):
     text = "name: mn\nkey:\n  element: int8\n  scale:\n    granularity: per_token_head\n    min: 0\nvalue:\n  element: bf16\n"
     p = write(tmp_path, "mn.yaml", text)
