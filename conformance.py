@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from . import reference as R
+from .codegen.spec import SCALE_BYTES
 from .runtime.format import Format
 
 PROPERTIES = ("page_bytes", "bytes", "error_bound", "attention")
@@ -324,7 +325,6 @@ def check(fmt: Format, examples: int = 20, device: str = "cpu",
 # --------------------------------------------------------------------------------------------------------------
 _QUANTIZED = ["fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "int8", "int4", "int2", "uint8", "uint4", "uint2"]
 _ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}  # the rest take at most one byte
-_SCALE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8_e4m3": 1, "e8m0": 1}  # an inline scale's align is at least this
 
 
 @st.composite
@@ -350,7 +350,7 @@ def side_specs(draw) -> dict:
         scale["dtype"] = draw(st.sampled_from(["fp32", "fp16", "bf16", "fp8_e4m3", "e8m0"]))
         scale["placement"] = draw(st.sampled_from(["inline", "page_end", "separate"]))
         if scale["placement"] == "inline" and draw(st.booleans()):
-            scale["align"] = draw(st.sampled_from([a for a in (1, 2, 4, 8, 16) if a >= _SCALE_BYTES[scale["dtype"]]]))
+            scale["align"] = draw(st.sampled_from([a for a in (1, 2, 4, 8, 16) if a >= SCALE_BYTES[scale["dtype"]]]))
         if gran == "per_block":
             scale["block"] = draw(st.sampled_from([16, 32]))
         scale["min"] = draw(st.sampled_from([1e-6, 1e-3]))

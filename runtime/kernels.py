@@ -313,13 +313,14 @@ class KernelSet:
         max_groups = max_query_len // group + 1
         strides = dict(stride_kt=key.stride(0), stride_kh=key.stride(1), stride_vt=value.stride(0),
                        stride_vh=value.stride(1))
-        fusion = {} if interpreting() else {"enable_fp_fusion": False, **flush_options(group, consts["HEAD_PAD"])}
+        compile_options = ({} if interpreting() else
+                           {"enable_fp_fusion": False, **flush_options(group, consts["HEAD_PAD"])})
         self.launch("kivi_flush_kernel")(
             (num_seqs, max_groups, consts["NUM_KV_HEADS"]), key, value, **tensors, seq_ids_ptr=seq_ids,
             query_start_loc_ptr=query_start_loc, seq_lens_ptr=seq_lens,
             block_table_ptr=block_table, stride_bt=block_table.stride(0), **strides, **consts,
             BLOCK_T=group, RESIDUAL=residual["tokens"], RING=ring, NATIVE_CASTS=native_fp8(key.device),
-            FAST_DIV=FAST_DIV and not interpreting(), STORE_NEW=max_query_len == 1, **fusion,
+            FAST_DIV=FAST_DIV and not interpreting(), STORE_NEW=max_query_len == 1, **compile_options,
         )
         if max_query_len == 1:  # a decode step: the flush kernel stored the new tokens (kivi_write.py.jinja)
             return
