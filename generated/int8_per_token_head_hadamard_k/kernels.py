@@ -167,14 +167,18 @@ def fwht(x, ROWS: tl.constexpr, D: tl.constexpr, LOG_B: tl.constexpr):
 def fwht_inplace(x, ROWS: tl.constexpr, D: tl.constexpr, LOG_B: tl.constexpr):
     # fwht's transform, bit for bit, in the layout x arrives in (fwht's reshape, split and join make the compiler
     # convert layouts, through shared memory, at every stage whose pairs span lanes: here in the write kernels, where
-    # it cost more than the quantization). Each element reads its partner x[i ^ h] with tl.flip (an exact exchange of
-    # bits: a register move, or one lane shuffle where the pair spans lanes); the lower element adds the partner
-    # (x + p), the upper one subtracts itself (p - x): one fp32 add each, as fma(x, +-1, p), whose product is exact,
-    # so it rounds once in the interpreter too. (Kept out of attention, where it lengthened the main loop.)
+    # it cost more than the quantization). Each element reads its partner x[i ^ h] as an exact exchange of bits: the
+    # pair's int32 bit patterns summed (wrapping) less its own, a register move or one lane shuffle where the pair
+    # spans lanes. (tl.flip does the same exchange with an xor-reduction, which the interpreter runs element by
+    # element in Python: 97% of a rotated format's write there.) The lower element adds the partner (x + p), the
+    # upper one subtracts itself (p - x): one fp32 add each, as fma(x, +-1, p), whose product is exact, so it rounds
+    # once in the interpreter too. (Kept out of attention, where it lengthened the main loop.)
     for i in tl.static_range(LOG_B):  # h = 1 << i
         x4 = tl.reshape(x, [ROWS, D // (2 << i), 2, 1 << i])
+        bits = x4.to(tl.int32, bitcast=True)
+        partner = (tl.sum(bits, axis=2, keep_dims=True) - bits).to(tl.float32, bitcast=True)
         sgn = tl.where(tl.arange(0, 2) == 0, 1.0, -1.0)[None, None, :, None]
-        x = tl.reshape(tl.fma(x4, sgn, tl.flip(x4, 2)), [ROWS, D])
+        x = tl.reshape(tl.fma(x4, sgn, partner), [ROWS, D])
     return x
 
 
