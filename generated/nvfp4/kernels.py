@@ -688,25 +688,30 @@ def paged_attention_kernel(
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# reduce_splits: one program per (query token, query head) combines the NUM_SPLITS partial results
-# (acc_s, m_s, l_s): out = sum_s 2**(m_s - m) acc_s / sum_s 2**(m_s - m) l_s with m = max_s m_s.
+# reduce_splits: one program per (query token, HEADS query heads) combines the NUM_SPLITS partial results
+# (acc_s, m_s, l_s): out = sum_s 2**(m_s - m) acc_s / sum_s 2**(m_s - m) l_s with m = max_s m_s. Compiled,
+# HEADS = 1; interpreted, a program takes every head of its token (the interpreter runs programs one by one).
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
 def reduce_splits_kernel(
     part_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, num_q_heads,
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    HEADS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    qh = tl.program_id(1)
+    qh = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # [HEADS]
     s = tl.arange(0, SPLITS_PAD)
-    smask = s < NUM_SPLITS
+    smask = (qh < num_q_heads)[:, None] & (s < NUM_SPLITS)[None, :]  # [HEADS, SPLITS_PAD]
     d = tl.arange(0, HEAD_PAD)
-    part = (token * num_q_heads + qh) * NUM_SPLITS + s
+    part = (token * num_q_heads + qh[:, None]) * NUM_SPLITS + s[None, :]
     m = tl.load(ml_ptr + part * 2, mask=smask, other=float("-inf"))
     l = tl.load(ml_ptr + part * 2 + 1, mask=smask, other=0.0)
-    m_max = tl.max(m, axis=0)
-    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # splits that saw nothing weigh 0
-    l_sum = tl.sum(w * l, axis=0)
-    acc = tl.load(part_ptr + part[:, None] * HEAD_PAD + d[None, :], mask=smask[:, None] & (d < HEAD_SIZE)[None, :], other=0.0)
-    out = tl.sum(w[:, None] * acc, axis=0) / tl.where(l_sum == 0.0, 1.0, l_sum)
-    tl.store(out_ptr + token * stride_ot + qh * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_SIZE)
+    m_max = tl.max(m, axis=1)
+    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max)[:, None])  # splits that saw nothing weigh 0
+    l_sum = tl.sum(w * l, axis=1)
+    acc = tl.load(part_ptr + part[:, :, None] * HEAD_PAD + d[None, None, :],
+                  mask=smask[:, :, None] & (d < HEAD_SIZE)[None, None, :], other=0.0)
+    out = tl.sum(w[:, :, None] * acc, axis=1) / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
+    omask = (qh < num_q_heads)[:, None] & (d < HEAD_SIZE)[None, :]
+    tl.store(out_ptr + token * stride_ot + qh[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=omask)
