@@ -21,16 +21,9 @@ from kvgen.conformance import Case, cases, run_case
 FORMATS = [n for n in kvgen.shipped_names() if not kvgen.load(n).spec.streaming]
 # CPU under the Triton interpreter by default; TRITON_INTERPRET=0 on a GPU machine runs the compiled kernels
 DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
-# hypothesis cases per format: 30 on a GPU; on the CPU (the interpreter) 20, and 10 for formats with a rotation
-# (the interpreted FWHT is slow; test_long_context and the small-tile test cover them too) so the suite stays under
-# ten minutes on two cores. KVGEN_EXAMPLES overrides both.
+# hypothesis cases per format: 30 on a GPU, 20 on the CPU (the interpreter) so the suite stays under ten minutes on
+# two cores. KVGEN_EXAMPLES overrides both.
 EXAMPLES = int(os.environ.get("KVGEN_EXAMPLES", "30" if DEVICE == "cuda" else "20"))
-ROTATED_EXAMPLES = int(os.environ.get("KVGEN_EXAMPLES", "30" if DEVICE == "cuda" else "10"))
-
-
-def examples_for(fmt) -> int:
-    rotated = fmt.spec.key.rotation is not None or fmt.spec.value.rotation is not None
-    return ROTATED_EXAMPLES if rotated else EXAMPLES
 
 
 def small_tiles(monkeypatch):
@@ -66,7 +59,7 @@ def test_conformance_with_small_tiles_and_splits(name, monkeypatch):
 def test_conformance(name):
     fmt = kvgen.load(name)
 
-    @settings(max_examples=examples_for(fmt), deadline=None)
+    @settings(max_examples=EXAMPLES, deadline=None)
     @given(case=cases(fmt))
     def prop(case):
         assert_conforms(fmt, case)

@@ -98,7 +98,7 @@ def test_long_prefill_then_decode(name):
 
 
 STREAMS = [  # (steps, window, splits, query dtype): group-crossing prefills, chunked prefill past the residual
-    # window, decode; on a GPU each stream takes both 16-bit query dtypes, on the CPU (interpreted: 75-85 s per
+    # window, decode; on a GPU each stream takes both 16-bit query dtypes, on the CPU (interpreted: 7-25 s per
     # stream and dtype) one each
     ([[300, 200], [300, 150]], 200, 3, torch.bfloat16),
     ([[600, 413, 230], [37, 1, 5]], None, 2, torch.float16),
