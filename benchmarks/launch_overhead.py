@@ -177,12 +177,12 @@ def main() -> int:
     ap.add_argument("--python-only", action="store_true", help="kvgen's own Python per call, launches stubbed")
     ap.add_argument("--profile", action="store_true", help="cProfile of attend calls on the GPU: where the time goes")
     args = ap.parse_args()
+    if args.python_only:  # CPU tensors, launches stubbed: any machine
+        python_only(args.formats, args.calls)
+        return 0
     bench.require_gpu(ap)
     if args.profile:
         profile(args.formats, args.calls)
-        return 0
-    if args.python_only:
-        python_only(args.formats, args.calls)
         return 0
     x = torch.zeros(1, device="cuda")
     print(f"bare Triton launch (one argument): {host_us(lambda: _empty_kernel[(1,)](x), args.calls):.1f} us")
