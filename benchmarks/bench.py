@@ -140,8 +140,16 @@ def decode_case(fmt, num_seqs: int, ctx: int, block_size: int, head_size: int = 
     return (graphed(fn) if (GRAPHS if graphs is None else graphs) else fn), bytes_read
 
 
-def write_case(fmt, num_tokens: int, block_size: int):
-    """reshape_and_cache of num_tokens tokens (KIVI: one prefill of that many tokens, or that many decode steps)."""
+def write_case(fmt, num_tokens: int, block_size: int, release_pool: bool = True):
+    """reshape_and_cache of num_tokens tokens (KIVI: one prefill of that many tokens, or that many decode steps).
+
+    ``release_pool``: hand the blocks torch's caching allocator holds back to the driver first. On the H200 a write
+    kernel first loaded while the pool held freed blocks ran slower for the rest of the process, up to 2.1x
+    (nvfp4 at 32768 tokens: 203 against 95 us after bench.py's copy measurement; back-to-back replays too, so the
+    kernel, not the timing), where the tensors' own placement made no difference (benchmarks/write_state.py;
+    RESULTS.md, twentieth session). Released, every write is timed in the state of a clean start."""
+    if release_pool:
+        torch.cuda.empty_cache()
     torch.manual_seed(0)
     num_blocks = math.ceil(num_tokens / block_size) + 1
     extra = {"max_seqs": max(num_tokens if num_tokens <= 256 else 1, 1)} if fmt.spec.streaming else {}
@@ -330,6 +338,7 @@ def main() -> int:
             rows.append(dict(format=name, kind="write", shape=f"{tokens} tokens", time_us=t * 1e6, bytes=moved,
                              gbps=moved / t / 1e9, frac=moved / t / copy_bw))
             print(rows[-1], flush=True)
+            del fn
         if not args.no_sweep:
             sweep[name] = []
             for ctx in SWEEP:

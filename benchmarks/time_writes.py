@@ -1,5 +1,6 @@
 """Reshape-and-cache times of some formats, in the state benchmarks/bench.py times them (one decode case of the
-format first; see tune_writes.py on why), as CUDA-graph replays. For A/B runs of two trees on one machine: the
+format first, then each write case built after the allocator's pool is released: bench.write_case), as CUDA-graph
+replays. For A/B runs of two trees on one machine: the
 script times whichever tree ``kvgen`` imports from and uses that tree's benchmarks/bench.py, so the same file
 serves both (`PYTHONPATH=OTHER_TREE_PARENT python benchmarks/time_writes.py ...`).
 

@@ -53,10 +53,10 @@ def main() -> None:
         fmt = kvgen.load(name)
         block = fmt.layout.RESIDUAL["group"] if fmt.spec.streaming else 16
         if not args.no_decode_first:
-            # bench.py times a format's writes after its decode cases. On the H200 the same write kernel timed in a
-            # fresh process (do_bench, graph replays) came out up to 2x slower (fp8_e4m3: 139 against 64 us) while
-            # the profiler gave it 59-60 us both ways; the cause is not found. Running one decode case first puts
-            # this script in bench.py's state.
+            # bench.py times a format's writes after its decode cases; one decode case first puts this script in
+            # that state. (The up-to-2x slower writes of a fresh process that this was added for came from the
+            # write kernel being loaded while torch's allocator pool held freed blocks: bench.write_case now
+            # releases the pool, and the twentieth session measured the same times with and without this case.)
             fn, _ = bench.decode_case(fmt, 64, 8192, block)
             bench.bench(fn)
             del fn
@@ -71,6 +71,7 @@ def main() -> None:
                 try:
                     fn, moved = bench.write_case(fmt, tokens, block)  # captured with this config
                     t = bench.bench(fn)
+                    del fn  # freed before the next config's case (write_case releases the pool: its docstring)
                     res.append(f"{t * 1e6:.0f} ({moved / t / copy * 100:.0f}%)")
                 except Exception as e:  # a config the compiler rejects
                     res.append(f"failed: {type(e).__name__}")
