@@ -1,11 +1,14 @@
 """Why a write kernel times differently by what ran before it in the process (issue 5's measurement question).
 
-tune_writes.py and time_writes.py run a decode case before timing writes because the same write kernel, timed in a
-fresh process, came out up to 2x slower on the H200 (fp8_e4m3 at 32768 tokens: 139 against 64 us) while Nsight
-Compute gave it 59-60 us both ways. This script times the writes of some formats at 32768 tokens (CUDA-graph
-replays under triton's do_bench, as bench.py times them), each state in a fresh process of its own:
+tune_writes.py and time_writes.py ran a decode case before timing writes because the same write kernel, timed in a
+fresh process, came out up to 2x slower on the H200. This script times the writes of some formats at 32768 tokens
+(CUDA-graph replays under triton's do_bench, as bench.py times them), each process state in a fresh process of its
+own, with the allocator's pool kept as each state leaves it (bench.write_case's ``release_pool=False``):
 
-    python benchmarks/write_state.py fp8_e4m3 bf16 int8_per_token_head
+    python benchmarks/write_state.py kivi_2bit kivi_4bit nvfp4
+    python benchmarks/write_state.py nvfp4 --states copy load-copy      # some states
+    python benchmarks/write_state.py fp8_e4m3 nvfp4 --attention          # decode at 64 x 8192 instead
+    python benchmarks/write_state.py nvfp4 --placement                   # tensors fresh or carved from a pool
 
 States (what runs before the first write case):
   nothing     the write case first, nothing before it
@@ -15,7 +18,9 @@ States (what runs before the first write case):
   load-copy   every format's write case built (its kernels compiled and loaded) and freed, then copy
 
 Each state times every format for two do_bench rounds and back-to-back replays (no L2 flush between them), then
-frees the case and times it again from a new allocation.
+frees the case and times it again from a new allocation. What it found (benchmarks/RESULTS.md, twentieth session):
+a write kernel first loaded while the pool holds freed blocks runs slower for the rest of the process (nvfp4 203
+against 95 us after the copy), whatever the tensors' placement; loaded before the copy, it runs at 95 us.
 """
 import argparse
 import json
@@ -131,6 +136,11 @@ def main() -> None:
                     help="for the first format: the write case's tensors fresh or carved from pooled blocks")
     args = ap.parse_args()
     if args.placement:
+        import kvgen
+
+        if kvgen.load(args.formats[0]).spec.streaming:
+            ap.error(f"--placement: {args.formats[0]} is a streaming format (KIVI), whose writes need a sequence "
+                     "batch; give a paged format")
         placement(args.formats[0], args.tokens)
         return
     if args.state:
