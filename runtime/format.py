@@ -261,15 +261,42 @@ class Format:
         lengths after this write), ``block_table`` (int32 ``[num_seqs, max_blocks]``) and ``seq_ids`` (int32
         ``[num_seqs]``, each sequence's row in the residual buffers). Rows outside every sequence are skipped.
         """
+        launch, ptrs = self._plan_write(cache, key, slot_mapping, seq_ids, query_start_loc, seq_lens, block_table,
+                                        max_query_len)
+        value = checks.tensor("value", value, dtypes=checks.INPUT_DTYPES, ndim=3, device=cache.device)
+        checks.shape("value", value, tuple(key.shape), "key's")
+        checks.last_dim_contiguous("value", value)
+        if launch is not None:
+            self._kernels.run_write(launch, key, value, ptrs)
+
+    def plan_write(self, key: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor, *,
+                   seq_ids: Optional[torch.Tensor] = None, query_start_loc: Optional[torch.Tensor] = None,
+                   seq_lens: Optional[torch.Tensor] = None, block_table: Optional[torch.Tensor] = None,
+                   max_query_len: Optional[int] = None) -> WritePlan:
+        """``write`` in two steps, for engines that write one batch into many layers: the batch's checks (the slot
+        mapping, the sequence metadata) and its launch once per step, then ``plan.run(cache, key, value)`` per
+        layer, which checks only the inputs and the cache against what was planned and launches. Arguments as for
+        ``write``; ``key`` stands for every layer's key and value (the same shape, dtype and device), ``cache`` for
+        every layer's cache (the same geometry).
+
+        The plan keeps references to ``slot_mapping`` (when it is int64; else to an int64 copy made here) and to
+        the sequence metadata: runs read their contents at launch, so they may be updated in place (the checks of
+        their values ran at planning), but another number of tokens or sequences, or another longest query, needs a
+        new plan.
+        """
+        return WritePlan(self, key, cache, *self._plan_write(cache, key, slot_mapping, seq_ids, query_start_loc,
+                                                            seq_lens, block_table, max_query_len))
+
+    def _plan_write(self, cache, key, slot_mapping, seq_ids, query_start_loc, seq_lens, block_table,
+                    max_query_len) -> tuple:
+        """write's checks of everything but the value, and its launch: (KernelSet's WriteLaunch, or None where
+        there is nothing to write; the cache's pointer arguments)."""
         self._check_cache(cache)
         dev = cache.device
         key = checks.tensor("key", key, dtypes=checks.INPUT_DTYPES, ndim=3, device=dev)
-        value = checks.tensor("value", value, dtypes=checks.INPUT_DTYPES, ndim=3, device=dev)
         expected = (None, cache.num_kv_heads, cache.head_size)
         checks.shape("key", key, expected, "[num_tokens, num_kv_heads, head_size] of the cache")
-        checks.shape("value", value, (key.shape[0],) + expected[1:], "key's")
         checks.last_dim_contiguous("key", key)
-        checks.last_dim_contiguous("value", value)
         slot_mapping = checks.index_tensor("slot_mapping", slot_mapping, ndim=1, device=dev)
         if slot_mapping.shape[0] != key.shape[0]:
             raise ValueError(f"slot_mapping: has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
@@ -283,16 +310,17 @@ class Format:
                 raise ValueError(f"{given[0]}: format {self.name} writes by slot only; sequence metadata is for "
                                  "formats with a residual window")
         if key.shape[0] == 0:
-            return
+            return None, None
         ptrs, consts = self._kernel_args(cache)
         if not streaming:
-            self._kernels.write(key, value, slot_mapping.to(torch.int64), ptrs, consts)
-            return
+            return self._kernels.plan_write(key, slot_mapping.to(torch.int64), ptrs, consts), ptrs
         max_query_len = self._check_sequences(cache, meta, key.shape[0], max_query_len)
         if meta["seq_lens"].shape[0] == 0:
-            return
-        self._kernels.write_streaming(key, value, meta["query_start_loc"], meta["seq_lens"], meta["block_table"],
-                                      meta["seq_ids"], max_query_len, ptrs, consts, self.layout.RESIDUAL)
+            return None, None
+        launch = self._kernels.plan_write_streaming(key, meta["query_start_loc"], meta["seq_lens"],
+                                                    meta["block_table"], meta["seq_ids"], max_query_len, ptrs,
+                                                    consts, self.layout.RESIDUAL)
+        return launch, ptrs
 
     def _check_sequences(self, cache: KVCache, meta: dict, num_tokens: int, max_query_len: Optional[int]) -> int:
         """Checks of the sequence metadata a residual-window format needs; returns the longest query."""
@@ -546,28 +574,20 @@ def rotation_signs(seed: int, head_size: int, device: torch.device) -> torch.Ten
     return _SIGNS[key]
 
 
-class AttentionPlan:
-    """A planned attention call (``Format.plan_attention``): ``run(query, cache, out=None)`` per layer."""
+class _CachePointers:
+    """A plan's caches and their pointer arguments: one cache per layer, each checked against the planned geometry
+    the first time it is run, then remembered while it still holds the tensor objects it was checked with (checked
+    on every run)."""
 
-    def __init__(self, fmt: Format, query: torch.Tensor, cache: KVCache, launch, ptrs: Optional[dict] = None):
+    def __init__(self, fmt: Format, cache: KVCache, ptrs: Optional[dict]):
         self.format = fmt
-        self._launch = launch  # None: an empty batch, nothing to launch
-        self._query = (tuple(query.shape), query.dtype, query.device)
-        self._geometry = self._geometry_of(cache)
-        # caches seen by this plan, by id: (the cache, its tensor names, the tensors, their pointer arguments).
-        # An entry holds only while the cache still holds the same tensor objects (checked on every run).
-        self._caches: dict = {}
-        # the attention kernel's launch with the plan's arguments bound: a run specialises only its own arguments
-        self._bound = None if launch is None else fmt._kernels.bind_attend(launch)
-        if launch is not None:
+        self.geometry = self.geometry_of(cache)
+        self._caches: dict = {}  # id -> (the cache, its tensor names, the tensors, their pointer arguments)
+        if ptrs is not None:
             self._remember(cache, ptrs)
 
-    def __repr__(self) -> str:
-        shape, dtype, _ = self._query
-        return f"AttentionPlan({self.format.name}, query {list(shape)} {dtype})"
-
     @staticmethod
-    def _geometry_of(cache: KVCache) -> tuple:
+    def geometry_of(cache: KVCache) -> tuple:
         res = cache.tensors.get("k_residual")
         return (cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_size, cache.device,
                 None if res is None else res.shape[0])
@@ -575,23 +595,49 @@ class AttentionPlan:
     def _remember(self, cache: KVCache, ptrs: dict) -> None:
         self._caches[id(cache)] = (cache, tuple(cache.tensors), tuple(cache.tensors.values()), ptrs)
 
-    def _pointers(self, cache: KVCache) -> dict:
-        """The cache's pointer arguments: remembered for a cache that still holds the tensors it was checked with,
-        else checked against the plan and remembered."""
+    def __call__(self, cache: KVCache) -> dict:
+        """The cache's pointer arguments; raises where the cache does not match the plan."""
         seen = self._caches.get(id(cache))
         if seen is not None and seen[0] is cache:
             tensors = cache.tensors
             if tuple(tensors) == seen[1] and all(map(operator.is_, tensors.values(), seen[2])):
                 return seen[3]
         self.format._check_cache(cache)
-        geometry = self._geometry_of(cache)
-        if geometry != self._geometry:
+        geometry = self.geometry_of(cache)
+        if geometry != self.geometry:
             raise ValueError(f"cache: {geometry[:4]} blocks / block size / KV heads / head size on {geometry[4]} "
-                             f"(residual rows {geometry[5]}), but the plan was made for {self._geometry[:4]} on "
-                             f"{self._geometry[4]} (residual rows {self._geometry[5]}): plan again for this cache")
+                             f"(residual rows {geometry[5]}), but the plan was made for {self.geometry[:4]} on "
+                             f"{self.geometry[4]} (residual rows {self.geometry[5]}): plan again for this cache")
         ptrs = self.format._kernel_args(cache)[0]
         self._remember(cache, ptrs)
         return ptrs
+
+
+def _check_planned(name: str, x, planned: tuple) -> None:
+    """``x`` has the (shape, dtype, device) a plan was made for, and a contiguous last dimension."""
+    shape, dtype, device = planned
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if tuple(x.shape) != shape or x.dtype != dtype or x.device != device:
+        raise ValueError(f"{name}: {list(x.shape)} {x.dtype} on {x.device}, but the plan was made for "
+                         f"{list(shape)} {dtype} on {device}: plan again for this batch")
+    checks.last_dim_contiguous(name, x)
+
+
+class AttentionPlan:
+    """A planned attention call (``Format.plan_attention``): ``run(query, cache, out=None)`` per layer."""
+
+    def __init__(self, fmt: Format, query: torch.Tensor, cache: KVCache, launch, ptrs: Optional[dict] = None):
+        self.format = fmt
+        self._launch = launch  # None: an empty batch, nothing to launch
+        self._query = (tuple(query.shape), query.dtype, query.device)
+        self._pointers = _CachePointers(fmt, cache, ptrs if launch is not None else None)
+        # the attention kernel's launch with the plan's arguments bound: a run specialises only its own arguments
+        self._bound = None if launch is None else fmt._kernels.bind_attend(launch)
+
+    def __repr__(self) -> str:
+        shape, dtype, _ = self._query
+        return f"AttentionPlan({self.format.name}, query {list(shape)} {dtype})"
 
     def run(self, query: torch.Tensor, cache: KVCache, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Attention of ``query`` over ``cache`` (one layer) with the planned batch; returns ``out`` (a new tensor
@@ -600,14 +646,36 @@ class AttentionPlan:
             self.format._check_cache(cache)
         else:
             ptrs = self._pointers(cache)
-        shape, dtype, device = self._query
-        if not isinstance(query, torch.Tensor):
-            raise ValueError(f"query: expected a torch.Tensor, got {type(query).__name__}")
-        if tuple(query.shape) != shape or query.dtype != dtype or query.device != device:
-            raise ValueError(f"query: {list(query.shape)} {query.dtype} on {query.device}, but the plan was made "
-                             f"for {list(shape)} {dtype} on {device}: plan again for this batch")
-        checks.last_dim_contiguous("query", query)
+        _check_planned("query", query, self._query)
         out = torch.empty_like(query) if out is None else checks.output(out, query)
         if self._launch is not None:
             self.format._kernels.run_attend(self._launch, query, out, ptrs, self._bound)
         return out
+
+
+class WritePlan:
+    """A planned write (``Format.plan_write``): ``run(cache, key, value)`` per layer."""
+
+    def __init__(self, fmt: Format, key: torch.Tensor, cache: KVCache, launch, ptrs: Optional[dict] = None):
+        self.format = fmt
+        self._launch = launch  # None: nothing to write (no tokens, or no sequences)
+        self._key = (tuple(key.shape), key.dtype, key.device)
+        self._pointers = _CachePointers(fmt, cache, ptrs if launch is not None else None)
+        # the write kernels' launches with the plan's arguments bound: a run specialises only its own arguments
+        self._bound = None if launch is None else fmt._kernels.bind_write(launch)
+
+    def __repr__(self) -> str:
+        shape, dtype, _ = self._key
+        return f"WritePlan({self.format.name}, key and value {list(shape)} {dtype})"
+
+    def run(self, cache: KVCache, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Quantize ``key`` / ``value`` (the planned shape, dtype and device) into ``cache`` (one layer) at the
+        planned slots."""
+        if self._launch is None:  # nothing to write: the cache is still checked
+            self.format._check_cache(cache)
+        else:
+            ptrs = self._pointers(cache)
+        _check_planned("key", key, self._key)
+        _check_planned("value", value, self._key)
+        if self._launch is not None:
+            self.format._kernels.run_write(self._launch, key, value, ptrs, self._bound)

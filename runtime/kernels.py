@@ -234,6 +234,14 @@ class AttentionLaunch(NamedTuple):
     reduce: Optional[dict]
 
 
+class WriteLaunch(tuple):
+    """A planned write (KernelSet.plan_write / plan_write_streaming): its kernel launches in order, each (grid,
+    kernel name, every argument but the inputs, their strides and the cache's tensors)."""
+
+    def __new__(cls, *launches):
+        return super().__new__(cls, launches)
+
+
 class KernelSet:
     """The kernels module of one generated package, imported on first use."""
 
@@ -284,6 +292,11 @@ class KernelSet:
 
     def write(self, key, value, slot_mapping, tensors: dict, consts: dict) -> None:
         """``tensors``: the kernel's pointer arguments by name; ``consts``: layout and shape constexprs."""
+        self.run_write(self.plan_write(key, slot_mapping, tensors, consts), key, value, tensors)
+
+    def plan_write(self, key, slot_mapping, tensors: dict, consts: dict) -> WriteLaunch:
+        """A paged write's launch for keys of ``key``'s shape at ``slot_mapping`` (int64): all but the inputs and
+        the cache's tensors."""
         self._check_device(tensors["k_cache_ptr"])
         num_tokens = key.shape[0]
         if interpreting():
@@ -295,45 +308,65 @@ class KernelSet:
             if tiles.get("maxnreg"):
                 options["maxnreg"] = tiles["maxnreg"]
         block_t = min(block_t, _next_pow2(num_tokens))
-        grid = (triton_cdiv(num_tokens, block_t), consts["NUM_KV_HEADS"])
-        self.launch("reshape_and_cache_kernel")(
-            grid, key, value, slot_mapping_ptr=slot_mapping, num_tokens=num_tokens,
-            stride_kt=key.stride(0), stride_kh=key.stride(1), stride_vt=value.stride(0), stride_vh=value.stride(1),
-            BLOCK_T=block_t, NATIVE_CASTS=native_fp8(key.device), FAST_DIV=FAST_DIV and not interpreting(),
-            **tensors, **consts, **options,
-        )
+        kwargs = dict(slot_mapping_ptr=slot_mapping, num_tokens=num_tokens, BLOCK_T=block_t,
+                      NATIVE_CASTS=native_fp8(key.device), FAST_DIV=FAST_DIV and not interpreting(), **consts,
+                      **options)
+        return WriteLaunch(((triton_cdiv(num_tokens, block_t), consts["NUM_KV_HEADS"]), "reshape_and_cache_kernel",
+                            kwargs),)
 
     def write_streaming(self, key, value, query_start_loc, seq_lens, block_table, seq_ids, max_query_len,
                         tensors: dict, consts: dict, residual: dict) -> None:
         """KIVI: quantize the groups that leave the residual window, then store the new residual tokens."""
+        launch = self.plan_write_streaming(key, query_start_loc, seq_lens, block_table, seq_ids, max_query_len,
+                                           tensors, consts, residual)
+        self.run_write(launch, key, value, tensors)
+
+    def plan_write_streaming(self, key, query_start_loc, seq_lens, block_table, seq_ids, max_query_len,
+                             tensors: dict, consts: dict, residual: dict) -> WriteLaunch:
+        """KIVI's write launches (the flush, then the residual store unless a decode step's flush stores the new
+        tokens itself) for keys of ``key``'s shape and the batch's sequence metadata."""
         self._check_device(tensors["k_cache_ptr"])
         group, ring = residual["group"], residual["ring"]
         num_seqs = seq_lens.shape[0]
         # groups one sequence can complete in this write: its new tokens span at most this many group boundaries
         max_groups = max_query_len // group + 1
-        strides = dict(stride_kt=key.stride(0), stride_kh=key.stride(1), stride_vt=value.stride(0),
-                       stride_vh=value.stride(1))
         compile_options = ({} if interpreting() else
                            {"enable_fp_fusion": False, **flush_options(group, consts["HEAD_PAD"])})
-        self.launch("kivi_flush_kernel")(
-            (num_seqs, max_groups, consts["NUM_KV_HEADS"]), key, value, **tensors, seq_ids_ptr=seq_ids,
-            query_start_loc_ptr=query_start_loc, seq_lens_ptr=seq_lens,
-            block_table_ptr=block_table, stride_bt=block_table.stride(0), **strides, **consts,
-            BLOCK_T=group, RESIDUAL=residual["tokens"], RING=ring, NATIVE_CASTS=native_fp8(key.device),
-            FAST_DIV=FAST_DIV and not interpreting(), STORE_NEW=max_query_len == 1, **compile_options,
-        )
-        if max_query_len == 1:  # a decode step: the flush kernel stored the new tokens (kivi_write.py.jinja)
-            return
-        # the tokens that stay in full precision are among each sequence's last RING new tokens: tiles for those
-        kept = min(max_query_len, ring)
-        block_t = min(64 if interpreting() else 16, _next_pow2(kept))
-        num_q_tiles = triton_cdiv(kept, block_t)
-        self.launch("kivi_residual_kernel")(
-            (num_seqs * num_q_tiles, consts["NUM_KV_HEADS"]), key, value, tensors["k_res_ptr"], tensors["v_res_ptr"],
-            seq_ids, query_start_loc, seq_lens,
-            **strides, num_q_tiles=num_q_tiles, NUM_KV_HEADS=consts["NUM_KV_HEADS"], HEAD_SIZE=consts["HEAD_SIZE"],
-            HEAD_PAD=consts["HEAD_PAD"], TOKEN_GROUP=group, RESIDUAL=residual["tokens"], RING=ring, BLOCK_T=block_t,
-        )
+        flush = dict(seq_ids_ptr=seq_ids, query_start_loc_ptr=query_start_loc, seq_lens_ptr=seq_lens,
+                     block_table_ptr=block_table, stride_bt=block_table.stride(0), **consts, BLOCK_T=group,
+                     RESIDUAL=residual["tokens"], RING=ring, NATIVE_CASTS=native_fp8(key.device),
+                     FAST_DIV=FAST_DIV and not interpreting(), STORE_NEW=max_query_len == 1, **compile_options)
+        launches = [((num_seqs, max_groups, consts["NUM_KV_HEADS"]), "kivi_flush_kernel", flush)]
+        if max_query_len > 1:  # a decode step: the flush kernel stores the new tokens (kivi_write.py.jinja)
+            # the tokens that stay in full precision are among each sequence's last RING new tokens: tiles for those
+            kept = min(max_query_len, ring)
+            block_t = min(64 if interpreting() else 16, _next_pow2(kept))
+            num_q_tiles = triton_cdiv(kept, block_t)
+            store = dict(seq_ids_ptr=seq_ids, query_start_loc_ptr=query_start_loc, seq_lens_ptr=seq_lens,
+                         num_q_tiles=num_q_tiles, NUM_KV_HEADS=consts["NUM_KV_HEADS"], HEAD_SIZE=consts["HEAD_SIZE"],
+                         HEAD_PAD=consts["HEAD_PAD"], TOKEN_GROUP=group, RESIDUAL=residual["tokens"], RING=ring,
+                         BLOCK_T=block_t)
+            launches.append(((num_seqs * num_q_tiles, consts["NUM_KV_HEADS"]), "kivi_residual_kernel", store))
+        return WriteLaunch(*launches)
+
+    def bind_write(self, launch: WriteLaunch) -> tuple:
+        """Each of a planned write's kernel launches with the plan's arguments bound (runtime/launch.py)."""
+        return tuple(self.launch(name).bind(**kwargs) for _, name, kwargs in launch)
+
+    def run_write(self, launch: WriteLaunch, key, value, tensors: dict, bound: tuple | None = None) -> None:
+        """Launch a planned write of ``key`` / ``value`` (the planned shape) into the cache whose pointer arguments
+        are ``tensors``; ``bound``: ``bind_write(launch)``, for a plan run many times."""
+        strides = dict(stride_kt=key.stride(0), stride_kh=key.stride(1), stride_vt=value.stride(0),
+                       stride_vh=value.stride(1))
+        for i, (grid, name, kwargs) in enumerate(launch):
+            if name == "kivi_residual_kernel":  # the residual store takes only the ring buffers of the cache
+                own = dict(k_res_ptr=tensors["k_res_ptr"], v_res_ptr=tensors["v_res_ptr"])
+            else:
+                own = tensors
+            if bound is not None:
+                bound[i](grid, key, value, **strides, **own)
+            else:
+                self.launch(name)(grid, key, value, **strides, **own, **kwargs)
 
     def bind_attend(self, launch: AttentionLaunch) -> BoundLaunch:
         """The attention kernel's launch with a plan's arguments bound (runtime/launch.py): what ``run_attend``

@@ -75,6 +75,18 @@ class ModelKVCache:
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, **kwargs) -> None:
         self.formats[layer].write(self.layers[layer], key, value, slot_mapping, **kwargs)
 
+    def plan_write(self, key: torch.Tensor, slot_mapping: torch.Tensor, **kwargs) -> "ModelWritePlan":
+        """One step's write for every layer: ``Format.plan_write`` once per distinct format (``key`` stands for
+        every layer's key and value), then ``plan.run(layer, key, value)`` per layer. Keyword arguments as for
+        ``Format.plan_write``."""
+        plans: dict[int, object] = {}
+        by_format: dict[int, object] = {}
+        for i, fmt in enumerate(self.formats):
+            if id(fmt) not in by_format:
+                by_format[id(fmt)] = fmt.plan_write(key, self.layers[i], slot_mapping, **kwargs)
+            plans[i] = by_format[id(fmt)]
+        return ModelWritePlan(self, plans)
+
     def attend(self, layer: int, query: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                query_start_loc: torch.Tensor, **kwargs) -> torch.Tensor:
         return self.formats[layer].attend(query, self.layers[layer], block_table, seq_lens, query_start_loc, **kwargs)
@@ -92,6 +104,19 @@ class ModelKVCache:
                                                         query_start_loc, **kwargs)
             plans[i] = by_format[id(fmt)]
         return ModelAttentionPlan(self, plans)
+
+
+class ModelWritePlan:
+    """A step's write planned for every layer of a ModelKVCache: ``run(layer, key, value)``."""
+
+    def __init__(self, model: ModelKVCache, plans: dict):
+        self.model = model
+        self._plans = plans
+
+    def run(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        if not isinstance(layer, int) or not 0 <= layer < len(self.model):
+            raise ValueError(f"layer: {layer!r} is not a layer index in [0, {len(self.model)})")
+        self._plans[layer].run(self.model.layers[layer], key, value)
 
 
 class ModelAttentionPlan:

@@ -77,3 +77,23 @@ def test_a_step_planned_for_every_layer_runs_like_attend():
                            m.attend(layer, queries[layer], table, lens, qsl, max_query_len=2))
     with pytest.raises(ValueError, match="^layer: 3 is not a layer index"):
         plan.run(3, queries[0])
+
+
+def test_a_step_write_planned_for_every_layer_writes_like_write():
+    """ModelKVCache.plan_write: one plan per distinct format (the bf16 skip layer's too), run per layer, writes the
+    bytes write() writes into a twin model cache."""
+    args = ("fp8_e4m3", 3, BLOCKS, BS, H, D)
+    kw = dict(skip_layers=[1], scales={0: (0.5, 0.25), 2: (2.0, 1.0)})
+    planned, written = kvgen.model_cache(*args, **kw), kvgen.model_cache(*args, **kw)
+    g = torch.Generator().manual_seed(2)
+    slots = torch.tensor([8, 9, 10, 0, 1, 20, -1, 22], dtype=torch.int64)
+    layers = [(torch.randn(8, H, D, generator=g), torch.randn(8, H, D, generator=g)) for _ in range(3)]
+    plan = planned.plan_write(layers[0][0], slots)
+    for layer, (key, value) in enumerate(layers):
+        plan.run(layer, key, value)
+        written.write(layer, key, value, slots)
+        for name, t in planned.layers[layer].tensors.items():
+            assert torch.equal(t.view(torch.uint8), written.layers[layer].tensors[name].view(torch.uint8)), name
+    assert not torch.equal(planned.layers[0].tensors["kv_cache"], planned.layers[2].tensors["kv_cache"])
+    with pytest.raises(ValueError, match="^layer: -1 is not a layer index"):
+        plan.run(-1, *layers[0])

@@ -1,0 +1,141 @@
+"""Format.plan_write: a batch planned once and run per layer writes write()'s bytes bit for bit, reads the slot
+mapping's and sequence metadata's contents at each launch, and rejects inputs or a cache it was not planned for,
+naming the argument.
+
+Runs wherever the suite runs (the interpreter on the CPU; compiled kernels with TRITON_INTERPRET=0 on a GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+import kvgen
+
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
+BLOCK, KV_HEADS, HEAD = 16, 2, 64
+
+
+def caches(fmt, blocks: int, n: int, max_seqs: int = 2) -> list:
+    """``n`` zeroed caches of one geometry; static scales (per tensor, per head, or a block format's global scale)
+    0.5 for keys and 2.0 for values where the format takes them."""
+    block = fmt.layout.RESIDUAL["group"] if fmt.layout.RESIDUAL else BLOCK
+    kw = {"max_seqs": max_seqs} if fmt.layout.RESIDUAL else {}
+    scale = fmt.spec.key.scale
+    if scale.granularity.value in ("per_tensor", "per_head") or getattr(scale, "global_scale", False):
+        kw.update(k_scale=0.5, v_scale=2.0)
+    return [fmt.allocate(blocks, block, KV_HEADS, HEAD, device=DEVICE, **kw) for _ in range(n)]
+
+
+def inputs(tokens: int, layers: int, seed: int = 0) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randn(tokens, KV_HEADS, HEAD, generator=g).to(torch.bfloat16).to(DEVICE) for _ in range(2))
+            for _ in range(layers)]
+
+
+def same_bytes(a, b) -> bool:
+    return all(torch.equal(a.tensors[k].view(torch.uint8), b.tensors[k].view(torch.uint8)) for k in a.tensors)
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "int8_per_token_head", "nvfp4", "int4_per_token_head"])
+def test_plan_writes_like_write_on_every_layer(name):
+    fmt = kvgen.load(name)
+    slots = torch.tensor([5, 40, -1, 17, 3, 63, 22], dtype=torch.int64, device=DEVICE)  # one token skipped
+    planned, written = caches(fmt, 4, 3), caches(fmt, 4, 3)
+    layers = inputs(slots.shape[0], 3)
+    plan = fmt.plan_write(layers[0][0], planned[0], slots)
+    for cache, twin, (key, value) in zip(planned, written, layers):
+        plan.run(cache, key, value)
+        fmt.write(twin, key, value, slots)
+        assert same_bytes(cache, twin)
+    assert not same_bytes(planned[0], planned[1])  # the layers' inputs differ: so do their bytes
+    assert same_bytes(caches(fmt, 4, 1)[0], caches(fmt, 4, 1)[0])  # (the comparison itself sees bytes)
+
+
+def test_an_int32_slot_mapping_is_planned_as_int64():
+    fmt = kvgen.load("int8_per_token_head")
+    slots = torch.tensor([9, 2, 30], dtype=torch.int32, device=DEVICE)
+    (cache, twin), [(key, value)] = caches(fmt, 2, 2), inputs(3, 1)
+    fmt.plan_write(key, cache, slots).run(cache, key, value)
+    fmt.write(twin, key, value, slots.long())
+    assert same_bytes(cache, twin)
+
+
+def test_runs_read_the_slot_mapping_at_launch():
+    """Engines refill the slot mapping in place between steps of one size: a run writes at the new slots."""
+    fmt = kvgen.load("fp8_e4m3")
+    slots = torch.tensor([1, 2, 3], dtype=torch.int64, device=DEVICE)
+    (cache, twin), [(key, value)] = caches(fmt, 2, 2), inputs(3, 1)
+    plan = fmt.plan_write(key, cache, slots)
+    slots.copy_(torch.tensor([20, 7, 31]))
+    plan.run(cache, key, value)
+    fmt.write(twin, key, value, torch.tensor([20, 7, 31], device=DEVICE))
+    assert same_bytes(cache, twin)
+
+
+def test_a_kivi_plan_writes_like_write_through_the_residual_window():
+    """A prefill that flushes groups and fills the ring, then decode steps, each planned once for two layers."""
+    fmt = kvgen.load("kivi_2bit")
+    group = fmt.layout.RESIDUAL["group"]
+    planned, written = caches(fmt, 12, 2), caches(fmt, 12, 2)
+    table = torch.arange(1, 11, dtype=torch.int32, device=DEVICE).reshape(2, 5)
+    seq_ids = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
+    lens = [2 * group + 9, group - 3]
+    steps = [(lens, lens)] + [([1, 1], [lens[0] + i, lens[1] + i]) for i in (1, 2)]
+    for step, (q_lens, seq_lens) in enumerate(steps):
+        meta = dict(seq_ids=seq_ids, block_table=table,
+                    seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+                    query_start_loc=torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32, device=DEVICE))
+        slots = torch.zeros(sum(q_lens), dtype=torch.int64, device=DEVICE)  # KIVI writes by sequence, not slot
+        layers = inputs(sum(q_lens), 2, seed=step)
+        plan = fmt.plan_write(layers[0][0], planned[0], slots, max_query_len=max(q_lens), **meta)
+        for cache, twin, (key, value) in zip(planned, written, layers):
+            plan.run(cache, key, value)
+            fmt.write(twin, key, value, slots, max_query_len=max(q_lens), **meta)
+            assert same_bytes(cache, twin)
+    assert not same_bytes(planned[0], planned[1])
+
+
+def test_a_run_names_what_does_not_match_the_plan():
+    fmt = kvgen.load("int8_per_token_head")
+    slots = torch.tensor([0, 1, 2], dtype=torch.int64, device=DEVICE)
+    [cache], [(key, value)] = caches(fmt, 2, 1), inputs(3, 1)
+    plan = fmt.plan_write(key, cache, slots)
+    with pytest.raises(ValueError, match=r"^key: \[2, 2, 64\] .*plan was made for \[3, 2, 64\]"):
+        plan.run(cache, key[:2], value)
+    with pytest.raises(ValueError, match=r"^value: .*float16.*plan again"):
+        plan.run(cache, key, value.half())
+    with pytest.raises(ValueError, match="^value: the last dimension must be contiguous"):
+        plan.run(cache, key, value.transpose(1, 2).contiguous().transpose(1, 2))
+    with pytest.raises(ValueError, match="^key: expected a torch.Tensor"):
+        plan.run(cache, None, value)
+    [bigger] = caches(fmt, 3, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        other = kvgen.load("fp8_e4m3").allocate(2, BLOCK, KV_HEADS, HEAD, device=DEVICE)
+    with pytest.raises(ValueError, match="^cache: .*plan again for this cache"):
+        plan.run(bigger, key, value)
+    with pytest.raises(ValueError, match="^cache: it was allocated by format fp8_e4m3"):
+        plan.run(other, key, value)
+    # planning checks what write checks
+    with pytest.raises(ValueError, match="^slot_mapping: has 2 entries for 3 tokens"):
+        fmt.plan_write(key, cache, slots[:2])
+    with pytest.raises(ValueError, match="^seq_lens: format int8_per_token_head writes by slot only"):
+        fmt.plan_write(key, cache, slots, seq_lens=torch.ones(1, dtype=torch.int32, device=DEVICE))
+    if DEVICE == "cpu":  # the range check reads the slots: on the host only (a GPU copy would synchronise)
+        with pytest.raises(ValueError, match="^slot_mapping: "):
+            fmt.plan_write(key, cache, torch.tensor([0, 1, 32], device=DEVICE))
+
+
+def test_an_empty_batch_plans_and_runs():
+    fmt = kvgen.load("fp8_e4m3")
+    [cache], [(key, value)] = caches(fmt, 2, 1), inputs(0, 1)
+    before = {k: t.clone() for k, t in cache.tensors.items()}
+    plan = fmt.plan_write(key, cache, torch.zeros(0, dtype=torch.int64, device=DEVICE))
+    plan.run(cache, key, value)
+    assert all(torch.equal(before[k], t) for k, t in cache.tensors.items())
+    with pytest.raises(ValueError, match="^value: "):  # still checked
+        plan.run(cache, key, value.half())
