@@ -140,8 +140,9 @@ def decode_case(fmt, num_seqs: int, ctx: int, block_size: int, head_size: int = 
     return (graphed(fn) if (GRAPHS if graphs is None else graphs) else fn), bytes_read
 
 
-def write_case(fmt, num_tokens: int, block_size: int, release_pool: bool = True):
+def write_case(fmt, num_tokens: int, block_size: int, release_pool: bool = True, planned: bool = False):
     """reshape_and_cache of num_tokens tokens (KIVI: one prefill of that many tokens, or that many decode steps).
+    ``planned``: the write as an engine runs it per layer, ``plan.run`` of a plan made once (Format.plan_write).
 
     ``release_pool``: hand the blocks torch's caching allocator holds back to the driver first. On the H200 a write
     kernel first loaded while the pool held freed blocks ran slower for the rest of the process, up to 2.1x
@@ -162,7 +163,11 @@ def write_case(fmt, num_tokens: int, block_size: int, release_pool: bool = True)
     cell = fmt.page_bytes(block_size, HKV, D) / block_size
     moved = 2 * key.numel() * key.element_size() + num_tokens * cell
     if not fmt.spec.streaming:
-        fn = lambda: fmt.write(cache, key, value, slots)  # noqa: E731
+        if planned:
+            plan = fmt.plan_write(key, cache, slots)
+            fn = lambda: plan.run(cache, key, value)  # noqa: E731
+        else:
+            fn = lambda: fmt.write(cache, key, value, slots)  # noqa: E731
         return (graphed(fn) if GRAPHS else fn), moved
     if num_tokens > 256:  # one sequence's prefill
         seqs, q_len = 1, num_tokens
@@ -174,7 +179,11 @@ def write_case(fmt, num_tokens: int, block_size: int, release_pool: bool = True)
                 query_start_loc=torch.arange(seqs + 1, dtype=torch.int32, device="cuda") * q_len,
                 seq_lens=torch.full((seqs,), q_len, dtype=torch.int32, device="cuda"), block_table=table,
                 max_query_len=q_len)
-    fn = lambda: fmt.write(cache, key, value, slots, **meta)  # noqa: E731
+    if planned:
+        plan = fmt.plan_write(key, cache, slots, **meta)
+        fn = lambda: plan.run(cache, key, value)  # noqa: E731
+    else:
+        fn = lambda: fmt.write(cache, key, value, slots, **meta)  # noqa: E731
     return (graphed(fn) if GRAPHS else fn), moved
 
 

@@ -60,9 +60,9 @@ def python_only(names: list, calls: int) -> None:
     from sass_count import stubbed_launches
 
     print("| format | attend, us per call | attend through a plan (plan.run on another layer's cache), us per call | "
-          "write of 4 tokens, us per call | FastLaunch of the attention kernel, us | the same launch bound (a "
-          "plan's), us |")
-    print("|---|---|---|---|---|---|")
+          "write of 4 tokens, us per call | write through a plan (another layer's cache), us per call | "
+          "FastLaunch of the attention kernel, us | the same launch bound (a plan's), us |")
+    print("|---|---|---|---|---|---|---|")
     for name in names:
         fmt = kvgen.load(name)
         with warnings.catch_warnings():
@@ -81,15 +81,18 @@ def python_only(names: list, calls: int) -> None:
                 warnings.simplefilter("ignore")
                 layer = fmt.allocate(8, 16, 8, 128)  # another layer's cache: checked on each run, as engines run
             planned = lambda: plan.run(q, layer)  # noqa: E731
-            for fn in (attend, planned, write):
+            wplan = fmt.plan_write(kv, cache, torch.arange(4))
+            planned_write = lambda: wplan.run(layer, kv, kv)  # noqa: E731
+            for fn in (attend, planned, write, planned_write):
                 for _ in range(100):
                     fn()
                 t = time.perf_counter()
                 for _ in range(calls):
                     fn()
                 times.append((time.perf_counter() - t) / calls * 1e6)
-        print(f"| {name} | {times[0]:.1f} | {times[1]:.1f} | {times[2]:.1f} | {fast_launch_us(fmt, attend, calls):.1f} | "
-              f"{fast_launch_us(fmt, attend, calls, bound=True):.1f} |", flush=True)
+        print(f"| {name} | {times[0]:.1f} | {times[1]:.1f} | {times[2]:.1f} | {times[3]:.1f} | "
+              f"{fast_launch_us(fmt, attend, calls):.1f} | {fast_launch_us(fmt, attend, calls, bound=True):.1f} |",
+              flush=True)
 
 
 def fast_launch_us(fmt, attend, calls: int, bound: bool = False) -> float:
@@ -191,8 +194,8 @@ def main() -> int:
     print("Host us per call; \"direct\": kvgen's launch of the compiled binary (runtime/launch.py), \"Triton\": "
           "Triton's own launch (KVGEN_FAST_LAUNCH=0)\n")
     print("| format | attend, direct | attend, Triton | attend through a plan, direct | attend, CUDA graph replay | "
-          "write 4 tokens, direct | write 4 tokens, Triton |")
-    print("|---|---|---|---|---|---|---|")
+          "write 4 tokens, direct | write 4 tokens, Triton | write 4 tokens through a plan, direct |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in args.formats:
         fmt = kvgen.load(name)
         block = fmt.layout.RESIDUAL["group"] if fmt.spec.streaming else 16
@@ -200,6 +203,7 @@ def main() -> int:
         attend, _ = bench.decode_case(fmt, 4, 64, block)
         planned, _ = bench.decode_case(fmt, 4, 64, block, planned=True)
         write, _ = bench.write_case(fmt, 4, block)
+        planned_write, _ = bench.write_case(fmt, 4, block, planned=True)
         graph = bench.graphed(attend)
         times = {}
         for fast in (True, False):
@@ -207,7 +211,8 @@ def main() -> int:
             times[fast] = host_us(attend, args.calls), host_us(write, args.calls)
         launch.FAST_LAUNCH = FAST
         print(f"| {name} | {times[True][0]:.1f} | {times[False][0]:.1f} | {host_us(planned, args.calls):.1f} | "
-              f"{host_us(graph, args.calls):.1f} | {times[True][1]:.1f} | {times[False][1]:.1f} |", flush=True)
+              f"{host_us(graph, args.calls):.1f} | {times[True][1]:.1f} | {times[False][1]:.1f} | "
+              f"{host_us(planned_write, args.calls):.1f} |", flush=True)
     return 0
 
 
