@@ -261,11 +261,8 @@ class Format:
         lengths after this write), ``block_table`` (int32 ``[num_seqs, max_blocks]``) and ``seq_ids`` (int32
         ``[num_seqs]``, each sequence's row in the residual buffers). Rows outside every sequence are skipped.
         """
-        launch, ptrs = self._plan_write(cache, key, slot_mapping, seq_ids, query_start_loc, seq_lens, block_table,
-                                        max_query_len)
-        value = checks.tensor("value", value, dtypes=checks.INPUT_DTYPES, ndim=3, device=cache.device)
-        checks.shape("value", value, tuple(key.shape), "key's")
-        checks.last_dim_contiguous("value", value)
+        launch, ptrs, _ = self._plan_write(cache, key, value, slot_mapping, seq_ids, query_start_loc, seq_lens,
+                                           block_table, max_query_len)
         if launch is not None:
             self._kernels.run_write(launch, key, value, ptrs)
 
@@ -279,24 +276,35 @@ class Format:
         ``write``; ``key`` stands for every layer's key and value (the same shape, dtype and device), ``cache`` for
         every layer's cache (the same geometry).
 
-        The plan keeps references to ``slot_mapping`` (when it is int64; else to an int64 copy made here) and to
-        the sequence metadata: runs read their contents at launch, so they may be updated in place (the checks of
-        their values ran at planning), but another number of tokens or sequences, or another longest query, needs a
-        new plan.
+        The plan keeps references to ``slot_mapping`` (int64) and to the sequence metadata: runs read their
+        contents at launch, so they may be updated in place (their range checks run again on each run where write
+        runs them: CPU tensors, or ``KVGEN_DEBUG=1``), but another number of tokens or sequences, or another longest
+        query, needs a new plan.
         """
-        return WritePlan(self, key, cache, *self._plan_write(cache, key, slot_mapping, seq_ids, query_start_loc,
-                                                            seq_lens, block_table, max_query_len))
+        if isinstance(slot_mapping, torch.Tensor) and slot_mapping.dtype != torch.int64:
+            raise ValueError(f"slot_mapping: plan_write needs int64 slots (runs read them in place at launch; a "
+                             f"{str(slot_mapping.dtype).replace('torch.', '')} tensor would be copied once and its "
+                             "updates missed): pass slot_mapping.long(), and update that tensor")
+        return WritePlan(self, key, cache, *self._plan_write(cache, key, None, slot_mapping, seq_ids,
+                                                            query_start_loc, seq_lens, block_table, max_query_len))
 
-    def _plan_write(self, cache, key, slot_mapping, seq_ids, query_start_loc, seq_lens, block_table,
+    def _plan_write(self, cache, key, value, slot_mapping, seq_ids, query_start_loc, seq_lens, block_table,
                     max_query_len) -> tuple:
-        """write's checks of everything but the value, and its launch: (KernelSet's WriteLaunch, or None where
-        there is nothing to write; the cache's pointer arguments)."""
+        """write's checks (of ``value`` too unless None) and its launch: (KernelSet's WriteLaunch, or None where
+        there is nothing to write; the cache's pointer arguments; (a function that runs the range checks of the
+        slots and sequences again for a cache, the tensors they read), or None)."""
         self._check_cache(cache)
         dev = cache.device
         key = checks.tensor("key", key, dtypes=checks.INPUT_DTYPES, ndim=3, device=dev)
+        if value is not None:
+            value = checks.tensor("value", value, dtypes=checks.INPUT_DTYPES, ndim=3, device=dev)
         expected = (None, cache.num_kv_heads, cache.head_size)
         checks.shape("key", key, expected, "[num_tokens, num_kv_heads, head_size] of the cache")
+        if value is not None:
+            checks.shape("value", value, (key.shape[0],) + expected[1:], "key's")
         checks.last_dim_contiguous("key", key)
+        if value is not None:
+            checks.last_dim_contiguous("value", value)
         slot_mapping = checks.index_tensor("slot_mapping", slot_mapping, ndim=1, device=dev)
         if slot_mapping.shape[0] != key.shape[0]:
             raise ValueError(f"slot_mapping: has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
@@ -310,17 +318,24 @@ class Format:
                 raise ValueError(f"{given[0]}: format {self.name} writes by slot only; sequence metadata is for "
                                  "formats with a residual window")
         if key.shape[0] == 0:
-            return None, None
+            return None, None, None
         ptrs, consts = self._kernel_args(cache)
+        slots = slot_mapping.to(torch.int64)
         if not streaming:
-            return self._kernels.plan_write(key, slot_mapping.to(torch.int64), ptrs, consts), ptrs
+            recheck = (lambda c: checks.slots_in_range(slots, c.num_slots), slots)
+            return self._kernels.plan_write(key, slots, ptrs, consts), ptrs, recheck
         max_query_len = self._check_sequences(cache, meta, key.shape[0], max_query_len)
         if meta["seq_lens"].shape[0] == 0:
-            return None, None
+            return None, None, None
+
+        def recheck_sequences(c):  # against the longest query the launch was sized for
+            checks.slots_in_range(slots, c.num_slots)
+            self._check_sequences(c, meta, key.shape[0], max_query_len)
+
         launch = self._kernels.plan_write_streaming(key, meta["query_start_loc"], meta["seq_lens"],
                                                     meta["block_table"], meta["seq_ids"], max_query_len, ptrs,
                                                     consts, self.layout.RESIDUAL)
-        return launch, ptrs
+        return launch, ptrs, (recheck_sequences, slots, *meta.values())
 
     def _check_sequences(self, cache: KVCache, meta: dict, num_tokens: int, max_query_len: Optional[int]) -> int:
         """Checks of the sequence metadata a residual-window format needs; returns the longest query."""
@@ -576,13 +591,13 @@ def rotation_signs(seed: int, head_size: int, device: torch.device) -> torch.Ten
 
 class _CachePointers:
     """A plan's caches and their pointer arguments: one cache per layer, each checked against the planned geometry
-    the first time it is run, then remembered while it still holds the tensor objects it was checked with (checked
-    on every run)."""
+    the first time it is run, then remembered while it still holds the tensors it was checked with, at the same
+    addresses and shapes (checked on every run)."""
 
     def __init__(self, fmt: Format, cache: KVCache, ptrs: Optional[dict]):
         self.format = fmt
         self.geometry = self.geometry_of(cache)
-        self._caches: dict = {}  # id -> (the cache, its tensor names, the tensors, their pointer arguments)
+        self._caches: dict = {}  # id -> (the cache, its tensors' storage (_storage), their pointer arguments)
         if ptrs is not None:
             self._remember(cache, ptrs)
 
@@ -592,16 +607,25 @@ class _CachePointers:
         return (cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_size, cache.device,
                 None if res is None else res.shape[0])
 
+    @staticmethod
+    def _storage(cache: KVCache) -> tuple:
+        """What the remembered pointers depend on: each tensor's name, object, address and shape (a tensor given
+        new storage in place, by ``set_`` or ``resize_``, is seen)."""
+        return tuple((name, t, t.data_ptr(), t.shape) for name, t in cache.tensors.items())
+
     def _remember(self, cache: KVCache, ptrs: dict) -> None:
-        self._caches[id(cache)] = (cache, tuple(cache.tensors), tuple(cache.tensors.values()), ptrs)
+        self._caches[id(cache)] = (cache, self._storage(cache), ptrs)
 
     def __call__(self, cache: KVCache) -> dict:
         """The cache's pointer arguments; raises where the cache does not match the plan."""
         seen = self._caches.get(id(cache))
         if seen is not None and seen[0] is cache:
+            storage = seen[1]
             tensors = cache.tensors
-            if tuple(tensors) == seen[1] and all(map(operator.is_, tensors.values(), seen[2])):
-                return seen[3]
+            if len(tensors) == len(storage) and all(
+                    t is s[1] and name == s[0] and t.data_ptr() == s[2] and t.shape == s[3]
+                    for (name, t), s in zip(tensors.items(), storage)):
+                return seen[2]
         self.format._check_cache(cache)
         geometry = self.geometry_of(cache)
         if geometry != self.geometry:
@@ -631,7 +655,7 @@ class AttentionPlan:
         self.format = fmt
         self._launch = launch  # None: an empty batch, nothing to launch
         self._query = (tuple(query.shape), query.dtype, query.device)
-        self._pointers = _CachePointers(fmt, cache, ptrs if launch is not None else None)
+        self._pointers = _CachePointers(fmt, cache, ptrs)
         # the attention kernel's launch with the plan's arguments bound: a run specialises only its own arguments
         self._bound = None if launch is None else fmt._kernels.bind_attend(launch)
 
@@ -642,10 +666,7 @@ class AttentionPlan:
     def run(self, query: torch.Tensor, cache: KVCache, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Attention of ``query`` over ``cache`` (one layer) with the planned batch; returns ``out`` (a new tensor
         of the query's shape and dtype when None)."""
-        if self._launch is None:  # an empty batch: the cache is still checked
-            self.format._check_cache(cache)
-        else:
-            ptrs = self._pointers(cache)
+        ptrs = self._pointers(cache)  # checked against the plan also for an empty batch
         _check_planned("query", query, self._query)
         out = torch.empty_like(query) if out is None else checks.output(out, query)
         if self._launch is not None:
@@ -656,11 +677,15 @@ class AttentionPlan:
 class WritePlan:
     """A planned write (``Format.plan_write``): ``run(cache, key, value)`` per layer."""
 
-    def __init__(self, fmt: Format, key: torch.Tensor, cache: KVCache, launch, ptrs: Optional[dict] = None):
+    def __init__(self, fmt: Format, key: torch.Tensor, cache: KVCache, launch, ptrs: Optional[dict] = None,
+                 recheck: Optional[tuple] = None):
         self.format = fmt
         self._launch = launch  # None: nothing to write (no tokens, or no sequences)
         self._key = (tuple(key.shape), key.dtype, key.device)
-        self._pointers = _CachePointers(fmt, cache, ptrs if launch is not None else None)
+        # (check(cache), the tensors it reads): the slot and sequence range checks, re-run by each run where
+        # write() would run them (CPU tensors, or KVGEN_DEBUG): their contents may have changed in place
+        self._recheck = recheck
+        self._pointers = _CachePointers(fmt, cache, ptrs)
         # the write kernels' launches with the plan's arguments bound: a run specialises only its own arguments
         self._bound = None if launch is None else fmt._kernels.bind_write(launch)
 
@@ -671,11 +696,10 @@ class WritePlan:
     def run(self, cache: KVCache, key: torch.Tensor, value: torch.Tensor) -> None:
         """Quantize ``key`` / ``value`` (the planned shape, dtype and device) into ``cache`` (one layer) at the
         planned slots."""
-        if self._launch is None:  # nothing to write: the cache is still checked
-            self.format._check_cache(cache)
-        else:
-            ptrs = self._pointers(cache)
+        ptrs = self._pointers(cache)  # checked against the plan also when there is nothing to write
         _check_planned("key", key, self._key)
         _check_planned("value", value, self._key)
+        if self._recheck is not None and checks.costly_checks_on(*self._recheck[1:]):
+            self._recheck[0](cache)  # write()'s range checks of the slots and sequences, as they read now
         if self._launch is not None:
             self.format._kernels.run_write(self._launch, key, value, ptrs, self._bound)

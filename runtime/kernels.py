@@ -337,7 +337,7 @@ class KernelSet:
                      RESIDUAL=residual["tokens"], RING=ring, NATIVE_CASTS=native_fp8(key.device),
                      FAST_DIV=FAST_DIV and not interpreting(), STORE_NEW=max_query_len == 1, **compile_options)
         launches = [((num_seqs, max_groups, consts["NUM_KV_HEADS"]), "kivi_flush_kernel", flush)]
-        if max_query_len > 1:  # a decode step: the flush kernel stores the new tokens (kivi_write.py.jinja)
+        if max_query_len > 1:  # (a decode step's flush kernel stores its new tokens itself: kivi_write.py.jinja)
             # the tokens that stay in full precision are among each sequence's last RING new tokens: tiles for those
             kept = min(max_query_len, ring)
             block_t = min(64 if interpreting() else 16, _next_pow2(kept))

@@ -55,12 +55,16 @@ def test_plan_writes_like_write_on_every_layer(name):
     assert same_bytes(caches(fmt, 4, 1)[0], caches(fmt, 4, 1)[0])  # (the comparison itself sees bytes)
 
 
-def test_an_int32_slot_mapping_is_planned_as_int64():
+def test_a_plan_takes_int64_slots_only():
+    """A plan reads its slot mapping in place at each run: an int32 one, copied to int64 once, would miss the
+    engine's updates, so planning refuses it (write() converts it per call)."""
     fmt = kvgen.load("int8_per_token_head")
     slots = torch.tensor([9, 2, 30], dtype=torch.int32, device=DEVICE)
     (cache, twin), [(key, value)] = caches(fmt, 2, 2), inputs(3, 1)
-    fmt.plan_write(key, cache, slots).run(cache, key, value)
-    fmt.write(twin, key, value, slots.long())
+    with pytest.raises(ValueError, match="^slot_mapping: plan_write needs int64 slots"):
+        fmt.plan_write(key, cache, slots)
+    fmt.write(cache, key, value, slots)
+    fmt.plan_write(key, twin, slots.long()).run(twin, key, value)
     assert same_bytes(cache, twin)
 
 
@@ -74,6 +78,36 @@ def test_runs_read_the_slot_mapping_at_launch():
     plan.run(cache, key, value)
     fmt.write(twin, key, value, torch.tensor([20, 7, 31], device=DEVICE))
     assert same_bytes(cache, twin)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the slots' range check runs on host tensors (or with KVGEN_DEBUG)")
+def test_a_run_checks_slots_updated_in_place_as_write_does():
+    fmt = kvgen.load("fp8_e4m3")
+    slots = torch.tensor([1, 2, 3], dtype=torch.int64)
+    [cache], [(key, value)] = caches(fmt, 2, 1), inputs(3, 1)
+    plan = fmt.plan_write(key, cache, slots)
+    slots[1] = cache.num_slots  # one past the end
+    with pytest.raises(ValueError, match="^slot_mapping: "):
+        plan.run(cache, key, value)
+
+
+def test_a_cache_given_new_storage_is_written_there():
+    """Tensors an engine replaces in the cache, or gives new storage in place (set_), after planning are checked
+    again and written through their new storage, not the planned one."""
+    fmt = kvgen.load("int8_per_token_head")
+    slots = torch.tensor([4, 0, 19], dtype=torch.int64, device=DEVICE)
+    (cache, twin), [(key, value)] = caches(fmt, 2, 2), inputs(3, 1)
+    plan = fmt.plan_write(key, cache, slots)
+    plan.run(cache, key, value)
+    old = cache.tensors["kv_cache"]
+    cache.tensors["kv_cache"] = torch.zeros_like(old)  # replaced in the dict
+    plan.run(cache, key, value)
+    fmt.write(twin, key, value, slots)
+    assert same_bytes(cache, twin) and torch.equal(old, cache.tensors["kv_cache"])
+    fresh = torch.zeros_like(old)
+    cache.tensors["kv_cache"].set_(fresh)  # new storage, the same tensor object
+    plan.run(cache, key, value)
+    assert torch.equal(fresh, twin.tensors["kv_cache"])
 
 
 def test_a_kivi_plan_writes_like_write_through_the_residual_window():
@@ -97,6 +131,18 @@ def test_a_kivi_plan_writes_like_write_through_the_residual_window():
             fmt.write(twin, key, value, slots, max_query_len=max(q_lens), **meta)
             assert same_bytes(cache, twin)
     assert not same_bytes(planned[0], planned[1])
+    # decode steps of one plan, the lengths advanced in place as an engine does
+    seq_lens = torch.tensor([lens[0] + 3, lens[1] + 3], dtype=torch.int32, device=DEVICE)
+    meta = dict(seq_ids=seq_ids, block_table=table, seq_lens=seq_lens,
+                query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE))
+    slots = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    plan = fmt.plan_write(inputs(2, 1)[0][0], planned[0], slots, max_query_len=1, **meta)
+    for step in range(group // 2 + 3):  # across a group boundary of the shorter sequence
+        (key, value), = inputs(2, 1, seed=10 + step)
+        plan.run(planned[0], key, value)
+        fmt.write(written[0], key, value, slots, max_query_len=1, **meta)
+        assert same_bytes(planned[0], written[0])
+        seq_lens += 1
 
 
 def test_a_run_names_what_does_not_match_the_plan():
@@ -139,3 +185,5 @@ def test_an_empty_batch_plans_and_runs():
     assert all(torch.equal(before[k], t) for k, t in cache.tensors.items())
     with pytest.raises(ValueError, match="^value: "):  # still checked
         plan.run(cache, key, value.half())
+    with pytest.raises(ValueError, match="^cache: .*plan again for this cache"):
+        plan.run(caches(fmt, 3, 1)[0], key, value)
