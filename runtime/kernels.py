@@ -290,13 +290,10 @@ class KernelSet:
             raise ValueError(f"cache: is on {t.device}; compiled Triton kernels need a CUDA device (or set "
                              "TRITON_INTERPRET=1 before importing kvgen to run on the CPU)")
 
-    def write(self, key, value, slot_mapping, tensors: dict, consts: dict) -> None:
-        """``tensors``: the kernel's pointer arguments by name; ``consts``: layout and shape constexprs."""
-        self.run_write(self.plan_write(key, slot_mapping, tensors, consts), key, value, tensors)
-
     def plan_write(self, key, slot_mapping, tensors: dict, consts: dict) -> WriteLaunch:
         """A paged write's launch for keys of ``key``'s shape at ``slot_mapping`` (int64): all but the inputs and
-        the cache's tensors."""
+        the cache's tensors. ``tensors``: the kernel's pointer arguments by name; ``consts``: layout and shape
+        constexprs."""
         self._check_device(tensors["k_cache_ptr"])
         num_tokens = key.shape[0]
         if interpreting():
@@ -314,17 +311,11 @@ class KernelSet:
         return WriteLaunch(((triton_cdiv(num_tokens, block_t), consts["NUM_KV_HEADS"]), "reshape_and_cache_kernel",
                             kwargs),)
 
-    def write_streaming(self, key, value, query_start_loc, seq_lens, block_table, seq_ids, max_query_len,
-                        tensors: dict, consts: dict, residual: dict) -> None:
-        """KIVI: quantize the groups that leave the residual window, then store the new residual tokens."""
-        launch = self.plan_write_streaming(key, query_start_loc, seq_lens, block_table, seq_ids, max_query_len,
-                                           tensors, consts, residual)
-        self.run_write(launch, key, value, tensors)
-
     def plan_write_streaming(self, key, query_start_loc, seq_lens, block_table, seq_ids, max_query_len,
                              tensors: dict, consts: dict, residual: dict) -> WriteLaunch:
-        """KIVI's write launches (the flush, then the residual store unless a decode step's flush stores the new
-        tokens itself) for keys of ``key``'s shape and the batch's sequence metadata."""
+        """KIVI's write launches for keys of ``key``'s shape and the batch's sequence metadata: the flush kernel
+        quantizes the groups that leave the residual window, then the residual store keeps the new tokens in full
+        precision (a decode step's flush stores its new token itself)."""
         self._check_device(tensors["k_cache_ptr"])
         group, ring = residual["group"], residual["ring"]
         num_seqs = seq_lens.shape[0]
