@@ -162,29 +162,27 @@ def write_case(fmt, num_tokens: int, block_size: int, release_pool: bool = True,
     slots = torch.randperm(num_blocks * block_size, device="cuda")[:num_tokens].to(torch.int64)
     cell = fmt.page_bytes(block_size, HKV, D) / block_size
     moved = 2 * key.numel() * key.element_size() + num_tokens * cell
-    if not fmt.spec.streaming:
-        if planned:
-            plan = fmt.plan_write(key, cache, slots)
-            fn = lambda: plan.run(cache, key, value)  # noqa: E731
-        else:
-            fn = lambda: fmt.write(cache, key, value, slots)  # noqa: E731
-        return (graphed(fn) if GRAPHS else fn), moved
-    if num_tokens > 256:  # one sequence's prefill
-        seqs, q_len = 1, num_tokens
-    else:  # a decode step of num_tokens sequences
-        seqs, q_len = num_tokens, 1
-    per_seq = math.ceil(q_len / block_size) + 1
-    table = torch.arange(seqs * per_seq, dtype=torch.int32, device="cuda").remainder(num_blocks).reshape(seqs, per_seq)
-    meta = dict(seq_ids=torch.arange(seqs, dtype=torch.int32, device="cuda"),
-                query_start_loc=torch.arange(seqs + 1, dtype=torch.int32, device="cuda") * q_len,
-                seq_lens=torch.full((seqs,), q_len, dtype=torch.int32, device="cuda"), block_table=table,
-                max_query_len=q_len)
+    meta = {} if not fmt.spec.streaming else _write_sequences(num_tokens, block_size, num_blocks)
     if planned:
         plan = fmt.plan_write(key, cache, slots, **meta)
         fn = lambda: plan.run(cache, key, value)  # noqa: E731
     else:
         fn = lambda: fmt.write(cache, key, value, slots, **meta)  # noqa: E731
     return (graphed(fn) if GRAPHS else fn), moved
+
+
+def _write_sequences(num_tokens: int, block_size: int, num_blocks: int) -> dict:
+    """A streaming format's write metadata: one sequence's prefill of num_tokens, or a decode step of that many."""
+    if num_tokens > 256:  # one sequence's prefill
+        seqs, q_len = 1, num_tokens
+    else:  # a decode step of num_tokens sequences
+        seqs, q_len = num_tokens, 1
+    per_seq = math.ceil(q_len / block_size) + 1
+    table = torch.arange(seqs * per_seq, dtype=torch.int32, device="cuda").remainder(num_blocks).reshape(seqs, per_seq)
+    return dict(seq_ids=torch.arange(seqs, dtype=torch.int32, device="cuda"),
+                query_start_loc=torch.arange(seqs + 1, dtype=torch.int32, device="cuda") * q_len,
+                seq_lens=torch.full((seqs,), q_len, dtype=torch.int32, device="cuda"), block_table=table,
+                max_query_len=q_len)
 
 
 def sdpa_case(num_seqs: int, ctx: int, head_size: int = D, q_len: int = 1):
