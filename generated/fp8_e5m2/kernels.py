@@ -33,6 +33,26 @@ KEY_FOLD = False
 
 
 @triton.jit
+def widen(x, NATIVE: tl.constexpr, NAN_ZERO: tl.constexpr):
+    # a write's input in fp32, NaN as 0.0 where NAN_ZERO. Compiled, bf16 inputs widen by bits, two per register: the
+    # low one shifted up, the high one masked in place (exact, as cvt.f32.bf16 is; ptxas moved the high half down and
+    # up again, two instructions where one will do), NaN cleared first by a mask of the pair's numeric halves (one
+    # compare per pair, where a select per fp32 element followed). Sides that divide through fp64 keep the cast:
+    # ptxas folds it into one bf16 -> fp64 conversion
+    if NATIVE and x.dtype == tl.bfloat16:
+        if NAN_ZERO:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 m, b; set.num.u32.bf16x2 m, $2, $2; and.b32 b, $2, m; shl.b32 $0, b, 16; "
+                "and.b32 $1, b, 0xFFFF0000; }", "=r,=r,r", [x], dtype=tl.float32, is_pure=True, pack=2)
+        return tl.inline_asm_elementwise("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000; }", "=r,=r,r", [x],
+                                         dtype=tl.float32, is_pure=True, pack=2)
+    y = x.to(tl.float32)
+    if NAN_ZERO:
+        y = tl.where(y == y, y, 0.0)
+    return y
+
+
+@triton.jit
 def k_encode(v):
     # fp32 -> fp8_e5m2 code by bit manipulation (the interpreter's low-precision casts are wrong):
     # saturate |v| to 57344.0, find its binade e (clamped to the subnormal binade -14), and round it half to even

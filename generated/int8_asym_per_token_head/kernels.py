@@ -72,6 +72,26 @@ def div_fast(x, s, r, FAST: tl.constexpr):
 
 
 @triton.jit
+def widen(x, NATIVE: tl.constexpr, NAN_ZERO: tl.constexpr):
+    # a write's input in fp32, NaN as 0.0 where NAN_ZERO. Compiled, bf16 inputs widen by bits, two per register: the
+    # low one shifted up, the high one masked in place (exact, as cvt.f32.bf16 is; ptxas moved the high half down and
+    # up again, two instructions where one will do), NaN cleared first by a mask of the pair's numeric halves (one
+    # compare per pair, where a select per fp32 element followed). Sides that divide through fp64 keep the cast:
+    # ptxas folds it into one bf16 -> fp64 conversion
+    if NATIVE and x.dtype == tl.bfloat16:
+        if NAN_ZERO:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 m, b; set.num.u32.bf16x2 m, $2, $2; and.b32 b, $2, m; shl.b32 $0, b, 16; "
+                "and.b32 $1, b, 0xFFFF0000; }", "=r,=r,r", [x], dtype=tl.float32, is_pure=True, pack=2)
+        return tl.inline_asm_elementwise("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000; }", "=r,=r,r", [x],
+                                         dtype=tl.float32, is_pure=True, pack=2)
+    y = x.to(tl.float32)
+    if NAN_ZERO:
+        y = tl.where(y == y, y, 0.0)
+    return y
+
+
+@triton.jit
 def k_encode(v):
     # clamp to [0.0, 255.0], then round half to even by adding 1.5 * 2**23 (ulp 1): the sum's bits minus
     # 0x4B400000 (whose low 22 bits are zero) are the rounded value, so its low 8 bits (the mask below) are the
@@ -207,11 +227,11 @@ def reshape_and_cache_kernel(
     dmask = d < HEAD_SIZE
     in_mask = valid[:, None] & dmask[None, :]
     tok64 = tok.to(tl.int64)
-    x_key = tl.load(key_ptr + tok64[:, None] * stride_kt + head * stride_kh + d[None, :], mask=in_mask, other=0.0).to(tl.float32)
-    x_value = tl.load(value_ptr + tok64[:, None] * stride_vt + head * stride_vh + d[None, :], mask=in_mask, other=0.0).to(tl.float32)
+    x_key = widen(tl.load(key_ptr + tok64[:, None] * stride_kt + head * stride_kh + d[None, :], mask=in_mask, other=0.0), NATIVE_CASTS, True)
+    x_value = widen(tl.load(value_ptr + tok64[:, None] * stride_vt + head * stride_vh + d[None, :], mask=in_mask, other=0.0), NATIVE_CASTS, True)
 
     # ---- key ----
-    x_key = tl.where(x_key == x_key, x_key, 0.0)  # key codes have no NaN: NaN is stored as 0.0 would be
+    # key codes have no NaN: widen() stored NaN as 0.0 would be
     # dynamic scale per group of HEAD_PAD elements: scale = max((max - min) / 255, 1e-06) stored as fp32
     k_xg = tl.reshape(x_key, [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
     # only finite values set the range (NaN and +-inf do not), and not the padding past HEAD_SIZE
@@ -264,7 +284,7 @@ def reshape_and_cache_kernel(
     tl.store(k_zrow[:, None] + k_gi[None, :], k_zcode, mask=k_gmask)
 
     # ---- value ----
-    x_value = tl.where(x_value == x_value, x_value, 0.0)  # value codes have no NaN: NaN is stored as 0.0 would be
+    # value codes have no NaN: widen() stored NaN as 0.0 would be
     # dynamic scale per group of HEAD_PAD elements: scale = max((max - min) / 255, 1e-06) stored as fp32
     v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
     # only finite values set the range (NaN and +-inf do not), and not the padding past HEAD_SIZE

@@ -33,6 +33,26 @@ KEY_FOLD = False
 
 
 @triton.jit
+def widen(x, NATIVE: tl.constexpr, NAN_ZERO: tl.constexpr):
+    # a write's input in fp32, NaN as 0.0 where NAN_ZERO. Compiled, bf16 inputs widen by bits, two per register: the
+    # low one shifted up, the high one masked in place (exact, as cvt.f32.bf16 is; ptxas moved the high half down and
+    # up again, two instructions where one will do), NaN cleared first by a mask of the pair's numeric halves (one
+    # compare per pair, where a select per fp32 element followed). Sides that divide through fp64 keep the cast:
+    # ptxas folds it into one bf16 -> fp64 conversion
+    if NATIVE and x.dtype == tl.bfloat16:
+        if NAN_ZERO:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 m, b; set.num.u32.bf16x2 m, $2, $2; and.b32 b, $2, m; shl.b32 $0, b, 16; "
+                "and.b32 $1, b, 0xFFFF0000; }", "=r,=r,r", [x], dtype=tl.float32, is_pure=True, pack=2)
+        return tl.inline_asm_elementwise("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000; }", "=r,=r,r", [x],
+                                         dtype=tl.float32, is_pure=True, pack=2)
+    y = x.to(tl.float32)
+    if NAN_ZERO:
+        y = tl.where(y == y, y, 0.0)
+    return y
+
+
+@triton.jit
 def k_encode(v):
     # round half away from zero as vLLM does it: add +-0.5 in fp32, truncate toward zero, clamp to [-128.0, 127.0]
     r = v + tl.where(v >= 0, 0.5, -0.5)
@@ -45,8 +65,12 @@ def k_encode(v):
 def k_encode_native(v, NATIVE: tl.constexpr):
     if NATIVE:  # compiled: one conversion truncates and saturates to [-128.0, 127.0] (encode's clamp, in
         # the same instruction); NaN gives code 0, the code of 0.0, as the writes store NaN
-        r = v + tl.where(v >= 0, 0.5, -0.5)  # encode's fp32 add of +-0.5
-        return tl.inline_asm_elementwise("cvt.rzi.sat.s8.f32 $0, $1;", "=r,r", [r], dtype=tl.int32, is_pure=True, pack=1).to(tl.uint8)
+        # encode's fp32 add of +-0.5 with v's sign bit on 0.5 (one lop3 for the compare and select; -0 and NaN give
+        # encode's codes too: -0.5 truncates to 0, and NaN stays NaN, which converts to 0)
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 h, m, c; mov.b32 m, 0x80000000; mov.b32 c, 0x3F000000; lop3.b32 h, $1, m, c, 0xEA; "
+            "add.rn.f32 h, $1, h; cvt.rzi.sat.s8.f32 $0, h; }",
+            "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1).to(tl.uint8)
     return k_encode(v)
 
 
@@ -103,8 +127,12 @@ def v_encode(v):
 def v_encode_native(v, NATIVE: tl.constexpr):
     if NATIVE:  # compiled: one conversion truncates and saturates to [-128.0, 127.0] (encode's clamp, in
         # the same instruction); NaN gives code 0, the code of 0.0, as the writes store NaN
-        r = v + tl.where(v >= 0, 0.5, -0.5)  # encode's fp32 add of +-0.5
-        return tl.inline_asm_elementwise("cvt.rzi.sat.s8.f32 $0, $1;", "=r,r", [r], dtype=tl.int32, is_pure=True, pack=1).to(tl.uint8)
+        # encode's fp32 add of +-0.5 with v's sign bit on 0.5 (one lop3 for the compare and select; -0 and NaN give
+        # encode's codes too: -0.5 truncates to 0, and NaN stays NaN, which converts to 0)
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 h, m, c; mov.b32 m, 0x80000000; mov.b32 c, 0x3F000000; lop3.b32 h, $1, m, c, 0xEA; "
+            "add.rn.f32 h, $1, h; cvt.rzi.sat.s8.f32 $0, h; }",
+            "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1).to(tl.uint8)
     return v_encode(v)
 
 
@@ -184,8 +212,8 @@ def reshape_and_cache_kernel(
     dmask = d < HEAD_SIZE
     in_mask = valid[:, None] & dmask[None, :]
     tok64 = tok.to(tl.int64)
-    x_key = tl.load(key_ptr + tok64[:, None] * stride_kt + head * stride_kh + d[None, :], mask=in_mask, other=0.0).to(tl.float32)
-    x_value = tl.load(value_ptr + tok64[:, None] * stride_vt + head * stride_vh + d[None, :], mask=in_mask, other=0.0).to(tl.float32)
+    x_key = widen(tl.load(key_ptr + tok64[:, None] * stride_kt + head * stride_kh + d[None, :], mask=in_mask, other=0.0), NATIVE_CASTS, False)
+    x_value = widen(tl.load(value_ptr + tok64[:, None] * stride_vt + head * stride_vh + d[None, :], mask=in_mask, other=0.0), NATIVE_CASTS, False)
 
     # ---- key ----
     if not NATIVE_CASTS:  # key codes have no NaN: NaN is stored as 0.0 would be (compiled, encode_native does it)
