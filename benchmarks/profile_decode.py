@@ -4,6 +4,7 @@
     python benchmarks/profile_decode.py --formats fp8_e4m3 int8_asym_per_token_head --out prof
     python benchmarks/profile_decode.py --write --formats q4_0 kivi_2bit   # reshape-and-cache of 32768 tokens
     python benchmarks/profile_decode.py --formats q8_0 --dot-precision fast  # another dot precision (default auto)
+    python benchmarks/profile_decode.py --write --formats nvfp4 --after copy  # the write loaded after the copy
 
 For each format, runs ``ncu`` on a child process that sets up benchmarks/bench.py's decode case (32 query heads,
 8 KV heads, head size 128, block size 16; KIVI block 32) and launches attention a few times; the third launch of
@@ -14,6 +15,10 @@ largest warp stall reasons (cycles per issued instruction). ncu's raw CSV of eve
 ``--write`` profiles bench.py's write case instead (``--shape`` is then the token count, 32768 by default): the
 third reshape-and-cache launch, or for KIVI (one prefill of that many tokens) its flush kernel; instructions are
 counted per (token, KV head).
+
+``--after copy`` runs bench.py's copy-bandwidth measurement in the child first and keeps torch's allocator pool as it
+leaves it (bench.write_case's ``release_pool=False``): the process state in which a write kernel, first loaded then,
+runs up to 2.1x slower (benchmarks/write_state.py; RESULTS.md, twentieth session).
 
 ncu runs with ``--clock-control none`` (the clocks stay as the driver sets them), so its kernel time is comparable
 with bench.py's medians.
@@ -48,7 +53,7 @@ def find_ncu() -> str:
     return found
 
 
-def child(name: str, seqs: int, ctx: int, write: bool, dot_precision: str = "auto") -> None:
+def child(name: str, seqs: int, ctx: int, write: bool, dot_precision: str = "auto", after: str = "nothing") -> None:
     """Set up one decode case (or write case of ctx tokens) and launch it 4 times (ncu picks one launch)."""
     import torch
 
@@ -60,7 +65,10 @@ def child(name: str, seqs: int, ctx: int, write: bool, dot_precision: str = "aut
     bench.DOT = dot_precision
     fmt = kvgen.load(name)
     block = fmt.layout.RESIDUAL["group"] if fmt.spec.streaming else 16
-    fn, _ = bench.write_case(fmt, ctx, block) if write else bench.decode_case(fmt, seqs, ctx, block)
+    if after == "copy":
+        bench.copy_bandwidth()  # 4 GiB allocated and freed to the pool, which keeps them
+    fn, _ = (bench.write_case(fmt, ctx, block, release_pool=after != "copy") if write
+             else bench.decode_case(fmt, seqs, ctx, block))
     for _ in range(4):
         fn()
     torch.cuda.synchronize()
@@ -75,7 +83,7 @@ def number(row: dict, key: str) -> float | None:
 
 
 def profile(ncu: str, name: str, seqs: int, ctx: int, out: Path, write: bool = False,
-            dot_precision: str = "auto") -> dict:
+            dot_precision: str = "auto", after: str = "nothing") -> dict:
     kernel = "regex:reshape_and_cache|kivi_flush" if write else "regex:paged_attention"
     cmd = [ncu, "--clock-control", "none", "--kernel-name", kernel, "--launch-skip", "2",
            "--launch-count", "1", "--csv", "--page", "raw"]
@@ -84,6 +92,7 @@ def profile(ncu: str, name: str, seqs: int, ctx: int, out: Path, write: bool = F
     cmd += [sys.executable, str(Path(__file__).resolve()), "--child", name, "--shape",
             str(ctx) if write else f"{seqs}x{ctx}"]
     cmd += ["--write"] if write else ["--dot-precision", dot_precision]
+    cmd += ["--after", after]
     run = subprocess.run(cmd, capture_output=True, text=True)
     with open(out / "ncu_raw.csv", "a") as raw:  # one file for all formats (fewer files to carry back)
         raw.write(f"# {name}\n{run.stdout}\n")
@@ -159,6 +168,9 @@ def main() -> int:
 
     ap.add_argument("--dot-precision", default="auto", choices=DOT_PRECISIONS,
                     help="attention's dot precision (decode only)")
+    ap.add_argument("--after", default="nothing", choices=["nothing", "copy"],
+                    help="what the child runs before setting up its case (copy: bench.py's copy measurement, the "
+                    "allocator pool kept)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     shape = args.shape or ("32768" if args.write else "64x8192")
@@ -167,7 +179,7 @@ def main() -> int:
     except ValueError:
         ap.error(f"--shape {shape!r}: expected " + ("a token count" if args.write else "SEQUENCESxCONTEXT"))
     if args.child:
-        child(args.child, seqs, ctx, args.write, args.dot_precision)
+        child(args.child, seqs, ctx, args.write, args.dot_precision, args.after)
         return 0
     ncu = find_ncu()
     out = Path(args.out)
@@ -180,7 +192,7 @@ def main() -> int:
           "issue | largest stalls (cycles per issued instruction) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.formats:
-        row = profile(ncu, name, seqs, ctx, out, args.write, args.dot_precision)
+        row = profile(ncu, name, seqs, ctx, out, args.write, args.dot_precision, args.after)
         if row:
             print(summary(name, row, seqs, ctx), flush=True)
     return 0
