@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import numpy as np
@@ -12,10 +13,11 @@ import kvgen
 from kvgen import reference as R
 
 H, D, BS, BLOCKS = 2, 32, 4, 6
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 
 
 def test_skip_layers_padding_and_shared_block_table():
-    m = kvgen.model_cache("int8_per_token_head", 4, BLOCKS, BS, H, D, skip_layers=[0, 3])
+    m = kvgen.model_cache("int8_per_token_head", 4, BLOCKS, BS, H, D, skip_layers=[0, 3], device=DEVICE)
     assert [f.name for f in m.formats] == ["bf16", "int8_per_token_head", "int8_per_token_head", "bf16"]
     # by hand: bf16 cell 2 * 2 * 32 = 128 B, page 4 * 2 * 128 = 1024; int8 cell 32 + 4 + 32 + 4 = 72, page 576
     assert [m.page_bytes(i) for i in range(4)] == [1024, 576, 576, 1024]
@@ -29,8 +31,9 @@ def test_skip_layers_padding_and_shared_block_table():
     for layer in range(4):
         k = torch.from_numpy(rng.standard_normal((10, H, D)).astype(np.float32))
         v = torch.from_numpy(rng.standard_normal((10, H, D)).astype(np.float32))
-        m.write(layer, k, v, slots)
-        out = m.attend(layer, q, table, torch.tensor([10], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32))
+        m.write(layer, k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE))
+        out = m.attend(layer, q.to(DEVICE), table.to(DEVICE), torch.tensor([10], dtype=torch.int32, device=DEVICE),
+                       torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)).cpu()
         spec = m.formats[layer].spec
         expected = R.new_cache(spec, BLOCKS, BS, H, D)
         R.write(spec, expected, k.numpy(), v.numpy(), slots.numpy())
@@ -63,14 +66,17 @@ def test_bad_arguments_name_them():
 
 def test_a_step_planned_for_every_layer_runs_like_attend():
     """ModelKVCache.plan_attention: one plan per distinct format (skip layers in bf16 included), run per layer."""
-    m = kvgen.model_cache("fp8_e4m3", 3, BLOCKS, BS, H, D, skip_layers=[1], scales={0: (0.5, 0.25), 2: (2.0, 1.0)})
+    m = kvgen.model_cache("fp8_e4m3", 3, BLOCKS, BS, H, D, skip_layers=[1], scales={0: (0.5, 0.25), 2: (2.0, 1.0)},
+                          device=DEVICE)
     g = torch.Generator().manual_seed(1)
-    table = torch.tensor([[2, 0], [5, 3]], dtype=torch.int32)
-    slots = torch.tensor([8, 9, 10, 0, 1, 20, 21, 22, 23, 12], dtype=torch.int64)
+    table = torch.tensor([[2, 0], [5, 3]], dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([8, 9, 10, 0, 1, 20, 21, 22, 23, 12], dtype=torch.int64, device=DEVICE)
     for layer in range(3):
-        m.write(layer, torch.randn(10, H, D, generator=g), torch.randn(10, H, D, generator=g), slots)
-    lens, qsl = torch.tensor([5, 5], dtype=torch.int32), torch.tensor([0, 1, 3], dtype=torch.int32)
-    queries = [torch.randn(3, 2 * H, D, generator=g) for _ in range(3)]
+        m.write(layer, torch.randn(10, H, D, generator=g).to(DEVICE), torch.randn(10, H, D, generator=g).to(DEVICE),
+                slots)
+    lens = torch.tensor([5, 5], dtype=torch.int32, device=DEVICE)
+    qsl = torch.tensor([0, 1, 3], dtype=torch.int32, device=DEVICE)
+    queries = [torch.randn(3, 2 * H, D, generator=g).to(DEVICE) for _ in range(3)]
     plan = m.plan_attention(queries[0], table, lens, qsl, max_query_len=2)
     for layer in range(3):
         assert torch.equal(plan.run(layer, queries[layer]),
@@ -83,11 +89,12 @@ def test_a_step_write_planned_for_every_layer_writes_like_write():
     """ModelKVCache.plan_write: one plan per distinct format (the bf16 skip layer's too), run per layer, writes the
     bytes write() writes into a twin model cache."""
     args = ("fp8_e4m3", 3, BLOCKS, BS, H, D)
-    kw = dict(skip_layers=[1], scales={0: (0.5, 0.25), 2: (2.0, 1.0)})
+    kw = dict(skip_layers=[1], scales={0: (0.5, 0.25), 2: (2.0, 1.0)}, device=DEVICE)
     planned, written = kvgen.model_cache(*args, **kw), kvgen.model_cache(*args, **kw)
     g = torch.Generator().manual_seed(2)
-    slots = torch.tensor([8, 9, 10, 0, 1, 20, -1, 22], dtype=torch.int64)
-    layers = [(torch.randn(8, H, D, generator=g), torch.randn(8, H, D, generator=g)) for _ in range(3)]
+    slots = torch.tensor([8, 9, 10, 0, 1, 20, -1, 22], dtype=torch.int64, device=DEVICE)
+    layers = [(torch.randn(8, H, D, generator=g).to(DEVICE), torch.randn(8, H, D, generator=g).to(DEVICE))
+              for _ in range(3)]
     plan = planned.plan_write(layers[0][0], slots)
     for layer, (key, value) in enumerate(layers):
         plan.run(layer, key, value)
