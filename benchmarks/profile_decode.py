@@ -5,6 +5,7 @@
     python benchmarks/profile_decode.py --write --formats q4_0 kivi_2bit   # reshape-and-cache of 32768 tokens
     python benchmarks/profile_decode.py --formats q8_0 --dot-precision fast  # another dot precision (default auto)
     python benchmarks/profile_decode.py --write --formats nvfp4 --after copy  # the write loaded after the copy
+    python benchmarks/profile_decode.py --write --formats nvfp4 --after copy --graphs  # as CUDA-graph replays
 
 For each format, runs ``ncu`` on a child process that sets up benchmarks/bench.py's decode case (32 query heads,
 8 KV heads, head size 128, block size 16; KIVI block 32) and launches attention a few times; the third launch of
@@ -18,7 +19,8 @@ counted per (token, KV head).
 
 ``--after copy`` runs bench.py's copy-bandwidth measurement in the child first and keeps torch's allocator pool as it
 leaves it (bench.write_case's ``release_pool=False``): the process state in which a write kernel, first loaded then,
-runs up to 2.1x slower (benchmarks/write_state.py; RESULTS.md, twentieth session).
+runs up to 2.1x slower as CUDA-graph replays (benchmarks/write_state.py; RESULTS.md, twentieth and twenty-first
+sessions). ``--graphs`` launches the case as bench.py's graph replays (ncu profiles the kernel node).
 
 ncu runs with ``--clock-control none`` (the clocks stay as the driver sets them), so its kernel time is comparable
 with bench.py's medians.
@@ -53,7 +55,8 @@ def find_ncu() -> str:
     return found
 
 
-def child(name: str, seqs: int, ctx: int, write: bool, dot_precision: str = "auto", after: str = "nothing") -> None:
+def child(name: str, seqs: int, ctx: int, write: bool, dot_precision: str = "auto", after: str = "nothing",
+          graphs: bool = False) -> None:
     """Set up one decode case (or write case of ctx tokens) and launch it 4 times (ncu picks one launch)."""
     import torch
 
@@ -63,6 +66,7 @@ def child(name: str, seqs: int, ctx: int, write: bool, dot_precision: str = "aut
     import bench
 
     bench.DOT = dot_precision
+    bench.GRAPHS = graphs
     fmt = kvgen.load(name)
     block = fmt.layout.RESIDUAL["group"] if fmt.spec.streaming else 16
     if after == "copy":
@@ -83,16 +87,17 @@ def number(row: dict, key: str) -> float | None:
 
 
 def profile(ncu: str, name: str, seqs: int, ctx: int, out: Path, write: bool = False,
-            dot_precision: str = "auto", after: str = "nothing") -> dict:
+            dot_precision: str = "auto", after: str = "nothing", graphs: bool = False) -> dict:
     kernel = "regex:reshape_and_cache|kivi_flush" if write else "regex:paged_attention"
-    cmd = [ncu, "--clock-control", "none", "--kernel-name", kernel, "--launch-skip", "2",
+    skip = "4" if graphs else "2"  # graphs: 3 warm-up launches, then the replays (ncu profiles a replay's node)
+    cmd = [ncu, "--clock-control", "none", "--kernel-name", kernel, "--launch-skip", skip,
            "--launch-count", "1", "--csv", "--page", "raw"]
     for section in SECTIONS:
         cmd += ["--section", section]
     cmd += [sys.executable, str(Path(__file__).resolve()), "--child", name, "--shape",
             str(ctx) if write else f"{seqs}x{ctx}"]
     cmd += ["--write"] if write else ["--dot-precision", dot_precision]
-    cmd += ["--after", after]
+    cmd += ["--after", after] + (["--graphs"] if graphs else [])
     run = subprocess.run(cmd, capture_output=True, text=True)
     with open(out / "ncu_raw.csv", "a") as raw:  # one file for all formats (fewer files to carry back)
         raw.write(f"# {name}\n{run.stdout}\n")
@@ -171,6 +176,7 @@ def main() -> int:
     ap.add_argument("--after", default="nothing", choices=["nothing", "copy"],
                     help="what the child runs before setting up its case (copy: bench.py's copy measurement, the "
                     "allocator pool kept)")
+    ap.add_argument("--graphs", action="store_true", help="launch the case as CUDA-graph replays (bench.py's)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     shape = args.shape or ("32768" if args.write else "64x8192")
@@ -179,7 +185,7 @@ def main() -> int:
     except ValueError:
         ap.error(f"--shape {shape!r}: expected " + ("a token count" if args.write else "SEQUENCESxCONTEXT"))
     if args.child:
-        child(args.child, seqs, ctx, args.write, args.dot_precision, args.after)
+        child(args.child, seqs, ctx, args.write, args.dot_precision, args.after, args.graphs)
         return 0
     ncu = find_ncu()
     out = Path(args.out)
@@ -192,7 +198,7 @@ def main() -> int:
           "issue | largest stalls (cycles per issued instruction) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.formats:
-        row = profile(ncu, name, seqs, ctx, out, args.write, args.dot_precision, args.after)
+        row = profile(ncu, name, seqs, ctx, out, args.write, args.dot_precision, args.after, args.graphs)
         if row:
             print(summary(name, row, seqs, ctx), flush=True)
     return 0

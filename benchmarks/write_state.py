@@ -9,6 +9,8 @@ own, with the allocator's pool kept as each state leaves it (bench.write_case's 
     python benchmarks/write_state.py nvfp4 --states copy load-copy      # some states
     python benchmarks/write_state.py fp8_e4m3 nvfp4 --attention          # decode at 64 x 8192 instead
     python benchmarks/write_state.py nvfp4 --placement                   # tensors fresh or carved from a pool
+    python benchmarks/write_state.py nvfp4 --eager --states nothing copy # launched eagerly, not graph replays
+    python benchmarks/write_state.py nvfp4 --graph-nodes --states nothing copy  # what each state's graph holds
 
 States (what runs before the first write case):
   nothing     the write case first, nothing before it
@@ -45,13 +47,43 @@ def back_to_back_us(fn, calls: int = 200) -> float:
     return start.elapsed_time(end) / calls * 1e3
 
 
-def run_state(state: str, formats: list[str], tokens: int, attention: bool = False) -> dict:
+def graph_nodes(fn) -> tuple[dict, float]:
+    """Capture ``fn`` as bench.graphed does (warm-up on a side stream, then one call captured) with the graph's debug
+    mode on: (the node kinds and kernel names its DOT dump lists, with their counts; the replay's do_bench us)."""
+    import collections
+    import re
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench
+
+    graph = torch.cuda.CUDAGraph()
+    graph.enable_debug_mode()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        fn()
+    with tempfile.NamedTemporaryFile(suffix=".dot") as f:
+        graph.debug_dump(f.name)
+        text = Path(f.name).read_text()
+    found = collections.Counter(re.findall(r"\b(KERNEL|MEMSET|MEMCPY|HOST|EVENT_RECORD|WAIT_EVENT|EMPTY|MEM_ALLOC|"
+                                           r"MEM_FREE|CONDITIONAL)\b", text))
+    found.update(re.findall(r"\b(reshape_and_cache\w*|kivi_\w+_kernel)\b", text))
+    return dict(found), bench.bench(graph.replay) * 1e6
+
+
+def run_state(state: str, formats: list[str], tokens: int, attention: bool = False, eager: bool = False,
+              nodes: bool = False) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench
 
     import kvgen
 
-    bench.GRAPHS = True
+    bench.GRAPHS = not (eager or nodes)
     if state == "load-copy":  # every format's write kernel compiled and loaded first, then the copy
         for name in formats:
             fmt = kvgen.load(name)
@@ -71,6 +103,11 @@ def run_state(state: str, formats: list[str], tokens: int, attention: bool = Fal
             bench.bench(fn)
             del fn
             torch.cuda.empty_cache()
+        if nodes:  # the graph's contents and its replay time instead of the rows below
+            fn, _ = bench.write_case(fmt, tokens, block, release_pool=False)
+            out[name] = graph_nodes(fn)
+            del fn
+            continue
         rows = []
         for _ in range(2):  # a case, then the same case allocated again
             if attention:  # decode at 64 x 8192 instead of the write
@@ -132,6 +169,10 @@ def main() -> None:
     ap.add_argument("--state", help=argparse.SUPPRESS)  # the child process's one state
     ap.add_argument("--attention", action="store_true",
                     help="time decode at 64 x 8192 in each state instead of the writes (the decode state excepted)")
+    ap.add_argument("--eager", action="store_true",
+                    help="launch the cases eagerly (host launches under do_bench) instead of as CUDA-graph replays")
+    ap.add_argument("--graph-nodes", action="store_true",
+                    help="per state, what the captured write graph holds (node kinds, kernels) and its replay time")
     ap.add_argument("--placement", action="store_true",
                     help="for the first format: the write case's tensors fresh or carved from pooled blocks")
     args = ap.parse_args()
@@ -144,25 +185,33 @@ def main() -> None:
         placement(args.formats[0], args.tokens)
         return
     if args.state:
-        print(json.dumps(run_state(args.state, args.formats, args.tokens, args.attention)))
+        print(json.dumps(run_state(args.state, args.formats, args.tokens, args.attention, args.eager,
+                                   args.graph_nodes)))
         return
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench
 
     bench.require_gpu(ap)
     what = "decode at 64 x 8192" if args.attention else f"writes of {args.tokens} tokens"
-    print(f"{what}, us (do_bench medians of CUDA-graph replays): two rounds and back-to-back replays, then the "
-          "case allocated again")
+    how = "eager launches" if args.eager else "CUDA-graph replays"
+    print(f"{what}, us (do_bench medians of {how}): two rounds and back-to-back calls, then the case allocated "
+          "again")
     print("| state | " + " | ".join(args.formats) + " |")
     print("|---|" + "---|" * len(args.formats))
     for state in args.states:
         res = subprocess.run([sys.executable, __file__, *args.formats, "--tokens", str(args.tokens),
-                              "--state", state] + (["--attention"] if args.attention else []),
+                              "--state", state] + (["--attention"] if args.attention else [])
+                             + (["--eager"] if args.eager else []) + (["--graph-nodes"] if args.graph_nodes else []),
                              capture_output=True, text=True)
         if res.returncode:
             print(f"| {state} | failed: {res.stderr.strip().splitlines()[-1]} |")
             continue
         data = json.loads(res.stdout.strip().splitlines()[-1])
+        if args.graph_nodes:
+            cells = [f"{data[n][1]:.1f} us: " + ", ".join(f"{k} {v}" for k, v in sorted(data[n][0].items()))
+                     for n in args.formats]
+            print(f"| {state} | " + " | ".join(cells) + " |", flush=True)
+            continue
         cells = [" / ".join(f"{t:.1f}" for t in data[n][0]) + " ; " + " / ".join(f"{t:.1f}" for t in data[n][1])
                  for n in args.formats]
         print(f"| {state} | " + " | ".join(cells) + " |", flush=True)
