@@ -140,9 +140,12 @@ def decode_case(fmt, num_seqs: int, ctx: int, block_size: int, head_size: int = 
     return (graphed(fn) if (GRAPHS if graphs is None else graphs) else fn), bytes_read
 
 
-def write_case(fmt, num_tokens: int, block_size: int, release_pool: bool = True, planned: bool = False):
+def write_case(fmt, num_tokens: int, block_size: int, release_pool: bool = True, planned: bool = False,
+               ordered_slots: bool = False):
     """reshape_and_cache of num_tokens tokens (KIVI: one prefill of that many tokens, or that many decode steps).
     ``planned``: the write as an engine runs it per layer, ``plan.run`` of a plan made once (Format.plan_write).
+    ``ordered_slots``: paged formats' tokens at slots 0, 1, 2, ... (a prefill into consecutive blocks) instead of
+    the default random permutation of the cache's slots (the case every figure here was measured on).
 
     ``release_pool``: hand the blocks torch's caching allocator holds back to the driver first. On the H200 a write
     kernel first loaded while the pool held freed blocks ran slower for the rest of the process, up to 2.1x
@@ -159,7 +162,8 @@ def write_case(fmt, num_tokens: int, block_size: int, release_pool: bool = True,
         cache = fmt.allocate(num_blocks, block_size, HKV, D, device="cuda", **extra)
     key = torch.randn(num_tokens, HKV, D, dtype=torch.bfloat16, device="cuda")
     value = torch.randn_like(key)
-    slots = torch.randperm(num_blocks * block_size, device="cuda")[:num_tokens].to(torch.int64)
+    slots = (torch.arange(num_tokens, device="cuda") if ordered_slots
+             else torch.randperm(num_blocks * block_size, device="cuda")[:num_tokens]).to(torch.int64)
     cell = fmt.page_bytes(block_size, HKV, D) / block_size
     moved = 2 * key.numel() * key.element_size() + num_tokens * cell
     meta = {} if not fmt.spec.streaming else _write_sequences(num_tokens, block_size, num_blocks)

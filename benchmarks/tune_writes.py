@@ -3,6 +3,7 @@ choice, per format, timed as CUDA-graph replays (no host launch cost). On a GPU:
 
     python benchmarks/tune_writes.py bf16 fp8_e4m3 int8_per_token_head
     python benchmarks/tune_writes.py nvfp4 --configs 16/4 32/4 64/8 --tokens 32768 256
+    python benchmarks/tune_writes.py q8_0 int8_per_token_head --configs 4/1 --ordered-slots  # slots 0, 1, 2, ...
 
 A config is BLOCK_T/num_warps[/maxnreg]. The runtime's choice is kvgen.runtime.kernels.write_tiles (the
 WRITE_TILES rules); this script overrides it (WRITE_OVERRIDE) per run and prints one markdown row per (format,
@@ -41,6 +42,9 @@ def main() -> None:
     ap.add_argument("--tokens", nargs="+", type=int, default=[32768])
     ap.add_argument("--no-decode-first", action="store_true",
                     help="skip the decode case run before each format's writes (see below)")
+    ap.add_argument("--ordered-slots", action="store_true",
+                    help="paged formats: tokens at slots 0, 1, 2, ... (a prefill into consecutive blocks) instead of "
+                    "bench.py's random permutation of the slots")
     args = ap.parse_args()
     bench.require_gpu(ap)
     configs = {c: parse(c) for c in args.configs}
@@ -69,7 +73,7 @@ def main() -> None:
                 else:
                     K.WRITE_OVERRIDE = configs[c]
                 try:
-                    fn, moved = bench.write_case(fmt, tokens, block)  # captured with this config
+                    fn, moved = bench.write_case(fmt, tokens, block, ordered_slots=args.ordered_slots)
                     t = bench.bench(fn)
                     del fn  # freed before the next config's case (write_case releases the pool: its docstring)
                     res.append(f"{t * 1e6:.0f} ({moved / t / copy * 100:.0f}%)")
