@@ -56,9 +56,9 @@ DOT = "auto"  # --dot-precision
 GRAPHS = False  # --cuda-graphs
 
 
-def graphed(fn):
-    """``fn`` captured in a CUDA graph (after warm-up calls, which compile): its replay is what an engine that
-    captures decode in graphs pays per step, without the host-side launch cost."""
+def capture(fn, debug: bool = False) -> "torch.cuda.CUDAGraph":
+    """``fn`` captured in a CUDA graph after warm-up calls on a side stream (which compile); ``debug``: with the
+    graph's debug mode on (its ``debug_dump`` then writes the nodes as DOT)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -66,9 +66,17 @@ def graphed(fn):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
+    if debug:
+        graph.enable_debug_mode()
     with torch.cuda.graph(graph):
         fn()
-    return graph.replay
+    return graph
+
+
+def graphed(fn):
+    """``fn`` captured in a CUDA graph (capture): its replay is what an engine that captures decode in graphs pays
+    per step, without the host-side launch cost."""
+    return capture(fn).replay
 
 
 def require_gpu(parser: argparse.ArgumentParser) -> None:

@@ -48,8 +48,7 @@ def back_to_back_us(fn, calls: int = 200) -> float:
 
 
 def graph_nodes(fn) -> tuple[dict, float]:
-    """Capture ``fn`` as bench.graphed does (warm-up on a side stream, then one call captured) with the graph's debug
-    mode on: (the node kinds and kernel names its DOT dump lists, with their counts; the replay's do_bench us)."""
+    """Capture ``fn`` as bench.graphed does, with the graph's debug mode on: (the node kinds and kernel names its DOT dump lists, with their counts; the replay's do_bench us)."""
     import collections
     import re
     import tempfile
@@ -57,16 +56,7 @@ def graph_nodes(fn) -> tuple[dict, float]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench
 
-    graph = torch.cuda.CUDAGraph()
-    graph.enable_debug_mode()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(graph):
-        fn()
+    graph = bench.capture(fn, debug=True)
     with tempfile.NamedTemporaryFile(suffix=".dot") as f:
         graph.debug_dump(f.name)
         text = Path(f.name).read_text()
