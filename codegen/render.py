@@ -66,6 +66,8 @@ class SideContext:
     rotate: bool
     nan_as_zero: bool  # integer and fp4 codes have no NaN: NaN inputs are stored as 0.0
     native_nan_zero: bool  # ... which compiled writes leave to encode_native (NaN -> code 0): sides without zero point
+    cast_input: bool  # the write's input cast to fp32 as is: unrotated fp64 divisions (ptxas fuses bf16 -> fp64)
+    widen_nan: bool  # ... else widen() may clear NaN as it widens (nan_as_zero, no encode_native or rotation to wait for)
     range_first: bool  # dynamic absmax: the write reduces every value first, the finite ones only where needed
     fast_div: str  # x / s through the group's reciprocal and one correction, compiled (FAST_DIV): fast_division
     fast_range: list  # [low, high] literals: a guarded side's scales take div_fast inside them (FAST_SCALE_RANGE)
@@ -404,6 +406,9 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
         dot = (dot[0], dot[1], "fixed")
     split = pow2_ratio_split(side, dot, codec.dot_factor) if dot[0] else None
     qdot = quantized_dot(codec, dot[2], asym)
+    nan_as_zero = info.kind in ("int", "uint") or side.element.value == "fp4_e2m1"
+    native_nan_zero = info.kind in ("int", "uint") and codec.native_encode and not asym
+    fp64 = fp64_quotient(side)
     sources = [render_codec(codec, f"{p}_", dot=bool(dot[0]), qdot=qdot)]
     if scodec is not None:
         sources.append(render_codec(scodec, f"{p}_scale_"))
@@ -427,13 +432,15 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
         scale_floor=_fp32_constant(max(sc.min, SCALE_TINY[sc.dtype])) if dynamic else "0.0",
         scale_max=_float_literal(SCALE_MAX[sc.dtype]) if dynamic and sc.dtype in SCALE_MAX else "",
         apply="none" if sc is None else sc.apply.value,
-        fp64=fp64_quotient(side),
+        fp64=fp64,
         rcp_overflow=rcp_can_overflow(side),
         sunit=scodec.unit if scodec else "tl.uint8", sunit_bytes=scodec.unit_bytes if scodec else 1,
         meta_ptr=f"{p}_meta_ptr" if dynamic and sc.placement == Placement.separate else f"{p}_cache_ptr",
         rotate=side.rotation is not None,
-        nan_as_zero=info.kind in ("int", "uint") or side.element.value == "fp4_e2m1",
-        native_nan_zero=info.kind in ("int", "uint") and codec.native_encode and not asym,
+        nan_as_zero=nan_as_zero,
+        native_nan_zero=native_nan_zero,
+        cast_input=fp64 and side.rotation is None,
+        widen_nan=nan_as_zero and not native_nan_zero and side.rotation is None and not fp64,
         range_first=dynamic and range_first(side),
         fast_div=fast_division(side) if dynamic else "",
         fast_range=[_float_literal(b) for b in FAST_SCALE_RANGE],
