@@ -156,10 +156,11 @@ def write_case(fmt, num_tokens: int, block_size: int, release_pool: bool = True,
     the default random permutation of the cache's slots (the case every figure here was measured on).
 
     ``release_pool``: hand the blocks torch's caching allocator holds back to the driver first. On the H200 a write
-    kernel first loaded while the pool held freed blocks ran slower for the rest of the process, up to 2.1x
-    (nvfp4 at 32768 tokens: 203 against 95 us after bench.py's copy measurement; back-to-back replays too, so the
-    kernel, not the timing), where the tensors' own placement made no difference (benchmarks/write_state.py;
-    RESULTS.md, twentieth session). Released, every write is timed in the state of a clean start."""
+    first loaded while the pool held freed blocks ran slower as CUDA-graph replays for the rest of the process, up
+    to 2.1x (nvfp4 at 32768 tokens: 198-203 against 91-95 us after bench.py's copy measurement, back-to-back replays
+    too), where the tensors' own placement made no difference; launched eagerly it ran at 91 us, and Nsight Compute
+    timed the slow graph's kernel node at 88 (benchmarks/write_state.py; RESULTS.md, twentieth and twenty-first
+    sessions). Released, every write is timed in the state of a clean start."""
     if release_pool:
         torch.cuda.empty_cache()
     torch.manual_seed(0)

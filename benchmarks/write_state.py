@@ -20,9 +20,10 @@ States (what runs before the first write case):
   load-copy   every format's write case built (its kernels compiled and loaded) and freed, then copy
 
 Each state times every format for two do_bench rounds and back-to-back replays (no L2 flush between them), then
-frees the case and times it again from a new allocation. What it found (benchmarks/RESULTS.md, twentieth session):
-a write kernel first loaded while the pool holds freed blocks runs slower for the rest of the process (nvfp4 203
-against 95 us after the copy), whatever the tensors' placement; loaded before the copy, it runs at 95 us.
+frees the case and times it again from a new allocation. What it found (benchmarks/RESULTS.md, twentieth and
+twenty-first sessions): a write first loaded while the pool holds freed blocks runs slower as graph replays for the
+rest of the process (nvfp4 198-203 against 91-95 us after the copy), whatever the tensors' placement; loaded before
+the copy, it runs at 95 us, and launched eagerly (``--eager``) at 91 us in the slow state too.
 """
 import argparse
 import json
@@ -48,7 +49,8 @@ def back_to_back_us(fn, calls: int = 200) -> float:
 
 
 def graph_nodes(fn) -> tuple[dict, float]:
-    """Capture ``fn`` as bench.graphed does, with the graph's debug mode on: (the node kinds and kernel names its DOT dump lists, with their counts; the replay's do_bench us)."""
+    """Capture ``fn`` as bench.graphed does, with the graph's debug mode on: (the node kinds and kernel names its DOT
+    dump lists, with their counts; the replay's do_bench us)."""
     import collections
     import re
     import tempfile
