@@ -308,7 +308,8 @@ class KernelSet:
         kwargs = dict(slot_mapping_ptr=slot_mapping, num_tokens=num_tokens, BLOCK_T=block_t,
                       NATIVE_CASTS=native_fp8(key.device), FAST_DIV=FAST_DIV and not interpreting(), **consts,
                       **options)
-        return WriteLaunch(((triton_cdiv(num_tokens, block_t), consts["NUM_KV_HEADS"]), "reshape_and_cache_kernel",
+        # one axis: a token tile's KV heads in consecutive programs (the kernel's pid = tile * NUM_KV_HEADS + head)
+        return WriteLaunch(((triton_cdiv(num_tokens, block_t) * consts["NUM_KV_HEADS"],), "reshape_and_cache_kernel",
                             kwargs),)
 
     def plan_write_streaming(self, key, query_start_loc, seq_lens, block_table, seq_ids, max_query_len,
