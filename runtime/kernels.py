@@ -52,6 +52,15 @@ def _choose_mode() -> None:
 #          of 4 x 2048 tokens 35-40% slower on the H200);
 #   head   the padded head size (HEAD_PAD); only bf16 / fp16 at 64 has a rule of its own (half the bytes per position:
 #          twice the positions per step pay, 295 -> 279 us at 64 x 8192, sixth session).
+#   wide   every side's code rows start at multiples of 16 bytes in the page (cell, base and page sizes), so the
+#          compiled kernel copies them 16 bytes at a time: fp8 per tensor and int8 with separate scales, not vLLM's
+#          inline-scale cells of 132 bytes a side.
+# prefetch_blocks: the kernel's PREFETCH_BLOCKS (block ids loaded one step ahead), which lets a third stage
+# double-buffer the K/V copies. H200, 2026-12-04 (benchmarks/RESULTS.md, twenty-second session; `python
+# benchmarks/tune_tiles.py fp8_e4m3 int8_per_token_head_separate --configs 128/4/2/168 128/4/3/168p
+# --programs-per-sm 4 8 --cuda-graphs`): fp8_e4m3 349 -> 330 us at 64 x 8192, 183 -> 175 at 4 x 65536, 200 -> 191 at
+# 256 x 1024 (split target 4 programs per SM; 8 gave 335 / 179 / 189), int8 separate 415 -> 404, 215 -> 211; the
+# inline-scale cells ran 1.4-1.5x slower with 3 stages (benchmarks/variant_ab.py), so they keep 2.
 # First matching rule wins (None matches anything). BLOCK_N: KV positions per step; maxnreg: a register cap (the
 # compiler otherwise takes 255 registers, two programs per SM); programs_per_sm: the split-KV target. The tuned rules
 # were measured on the H200 with benchmarks/tune_tiles.py in decode at 64 x 8192 and 4 x 65536 with bf16 queries
@@ -63,19 +72,21 @@ DECODE_ROWS = 16
 # fp32; "ieee" exact fp32 dots; "quantized" int8 dots on int8 codes; "fast" one 16-bit term per operand
 DOT_PRECISIONS = ("auto", "ieee", "quantized", "fast")
 ATTENTION_TILES = (
-    # bits, terms, block, split, rows, head -> tiles
-    ((16, 1, None, False, 16, 64), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # hs 64
-    ((16, 1, None, False, 16, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)),  # bf16
-    ((8, 1, False, False, 16, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # fp8
-    ((8, 1, True, None, 16, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # mxfp8
-    ((8, 2, True, None, 16, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # q8_0
-    ((4, 1, True, False, 16, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # nvfp4, mxfp4
-    ((4, 1, False, True, 16, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # int4 per token-head
-    ((None, 2, True, False, 16, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=8)),  # KIVI (q4_0 before per-block dots)
-    ((8, None, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # other 8-bit
-    ((None, None, None, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=4)),  # the rest
+    # bits, terms, block, split, rows, head, wide -> tiles
+    ((8, 1, False, False, 16, 128, True), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # fp8, int8 separate
+    ((16, 1, None, False, 16, 64, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # hs 64
+    ((16, 1, None, False, 16, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)),  # bf16
+    ((8, 1, False, False, 16, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # fp8
+    ((8, 1, True, None, 16, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # mxfp8
+    ((8, 2, True, None, 16, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # q8_0
+    ((4, 1, True, False, 16, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # nvfp4, mxfp4
+    ((4, 1, False, True, 16, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # int4 per token-head
+    ((None, 2, True, False, 16, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=8)),  # KIVI (q4_0 before per-block dots)
+    ((8, None, None, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # other 8-bit
+    ((None, None, None, None, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=4)),  # the rest
 )
-INTERPRETER_TILES = {"BLOCK_N": 128}
+# (block ids one step ahead there too, so the CPU suite runs the path that compiled fp8 decode takes)
+INTERPRETER_TILES = {"BLOCK_N": 128, "prefetch_blocks": True}
 # KV splits (flash decoding): a grid of (sequence, query tile, KV head) programs is split along the KV positions so
 # that it fills the GPU, at the cost of a reduction over the splits' partial results. The split targets the tile
 # rule's programs_per_sm, each split at least MIN_SPLIT positions; and, as a floor for few sequences, at least
@@ -146,10 +157,11 @@ def write_tiles(code_bits: dict, pow2_blocks: bool) -> dict:
 
 
 def attention_tiles(code_bits: dict, dots: dict, block_scaled: bool, block_m: int = DECODE_ROWS,
-                    head_pad: int = 128) -> dict:
+                    head_pad: int = 128, wide: bool = False) -> dict:
     """The launch configuration of a format's attention kernel for one call's dot constexprs ``dots`` and query rows
-    per program ``block_m`` and padded head size ``head_pad`` (a new dict: BLOCK_N, num_warps, num_stages, optional
-    maxnreg, programs_per_sm)."""
+    per program ``block_m`` and padded head size ``head_pad``; ``wide``: every side's code rows start at multiples of
+    16 bytes (``wide_rows``). A new dict: BLOCK_N, num_warps, num_stages, optional maxnreg and prefetch_blocks,
+    programs_per_sm."""
     if interpreting():
         return dict(INTERPRETER_TILES, programs_per_sm=4)
     if TILE_OVERRIDE is not None:
@@ -163,7 +175,7 @@ def attention_tiles(code_bits: dict, dots: dict, block_scaled: bool, block_m: in
         elif mode != 0:  # the call's terms: per-block dots (BLOCK_DOTS) take the codes alone, one term
             terms = max(terms, dots[f"{side}_TERMS"])
             split = split or dots[f"{x}_TERMS"] > 1
-    key = (bits, terms, block_scaled, split, DECODE_ROWS if block_m <= DECODE_ROWS else block_m, head_pad)
+    key = (bits, terms, block_scaled, split, DECODE_ROWS if block_m <= DECODE_ROWS else block_m, head_pad, wide)
     for rule, tiles in ATTENTION_TILES:
         if all(r is None or r == k for r, k in zip(rule, key)):
             tiles = dict(tiles)
@@ -171,6 +183,12 @@ def attention_tiles(code_bits: dict, dots: dict, block_scaled: bool, block_m: in
                 tiles["BLOCK_N"] = min(tiles["BLOCK_N"], NARROW_ROW_BLOCK_N)
             return tiles
     raise AssertionError("the last rule matches every kernel")
+
+
+def wide_rows(consts: dict) -> bool:
+    """Whether every side's code rows start at multiples of 16 bytes in the cache (the layout constants of a launch:
+    page, base and cell of each side's data), so that compiled kernels copy them 16 bytes at a time."""
+    return all(consts[f"{p}_DATA_{f}"] % 16 == 0 for p in "KV" for f in ("PAGE", "BASE", "CELL"))
 
 
 def fast_ratio_tiles(code_bits: dict, block_dots: dict) -> dict:
@@ -385,7 +403,8 @@ class KernelSet:
         # changes no load; the table's classes by terms would move KIVI and the rotated formats to another class)
         tile_dots = dots if dot_precision != "fast" else self._call_dots(query.dtype, "auto", rotated_keys,
                                                                          consts["HEAD_PAD"], block_m, query.device)
-        tiles = attention_tiles(self.module.CODE_BITS, tile_dots, self.block_scaled, block_m, consts["HEAD_PAD"])
+        tiles = attention_tiles(self.module.CODE_BITS, tile_dots, self.block_scaled, block_m, consts["HEAD_PAD"],
+                                wide_rows(consts))
         if tile_dots.get("BLOCK_DOTS") and not dots.get("BLOCK_DOTS"):  # fast's ratios where auto takes block dots
             tiles.update(fast_ratio_tiles(self.module.CODE_BITS, self.module.BLOCK_DOTS))
         block_n = tiles.pop("BLOCK_N")
@@ -393,6 +412,7 @@ class KernelSet:
         if group_n:  # KIVI keys: whole token groups per step (both powers of two)
             block_n = max(block_n, group_n)
         programs_per_sm = tiles.pop("programs_per_sm")
+        prefetch_blocks = int(tiles.pop("prefetch_blocks", False))
         num_q_tiles = triton_cdiv(max_query_len, block_q)
         num_seqs = seq_lens.shape[0]
         # an upper bound of the KV length without reading seq_lens back: what the block table can address
@@ -407,7 +427,8 @@ class KernelSet:
         static = dict(
             block_table_ptr=block_table, seq_lens_ptr=seq_lens, query_start_loc_ptr=query_start_loc,
             qk_scale=qk_scale * LOG2E, window=window, num_q_tiles=num_q_tiles, stride_bt=block_table.stride(0),
-            GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, OFFSETS_64=offsets_64, **dots, **consts,
+            GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, OFFSETS_64=offsets_64,
+            PREFETCH_BLOCKS=prefetch_blocks, **dots, **consts,
             **(extra or {}), **tiles,
         )
         if (ruled and WAVE_SPLITS and block_m <= DECODE_ROWS and not window and not interpreting() and query.is_cuda

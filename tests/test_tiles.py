@@ -57,10 +57,15 @@ def test_measured_choices(compiled):
         fmt = kvgen.load(name)
         ks = fmt._kernels
         dots = ks.dot_modes(dtype, precision, fmt.spec.key.rotation is not None, 128, None)
-        return K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled)
+        return K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled, wide=wide(name))
 
     assert tiles("bf16") == dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)
-    for name in ("fp8_e4m3", "int8_per_token_head", "int8_per_token_head_separate", "fp8_per_token_head"):
+    # twenty-second session: 16-byte code rows take block ids one step ahead and a third stage
+    for name in ("fp8_e4m3", "fp8_e5m2", "fp8_e4m3_per_head", "int8_per_token_head_separate"):
+        assert tiles(name) == dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4,
+                                   prefetch_blocks=True), name
+    # vLLM's inline-scale cells (132 bytes a side) ran 1.4-1.5x slower that way and keep two stages
+    for name in ("int8_per_token_head", "fp8_per_token_head"):
         assert tiles(name) == dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8), name
     assert tiles("mxfp8") == dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)
     # sixth session's sweeps (benchmarks/RESULTS.md): the block-scaled classes and int4 take 128 positions per step
@@ -78,13 +83,15 @@ def test_measured_choices(compiled):
         ks = fmt._kernels
         dots = ks.dot_modes(torch.bfloat16, "auto", fmt.spec.key.rotation is not None, head_pad, None)
         return K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled,
-                                 head_pad=head_pad)
+                                 head_pad=head_pad, wide=wide(name, head_pad))
 
     for name in ("bf16", "fp16"):
         assert tiles_at(name, 64) == dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)
         assert tiles_at(name, 128) == tiles("bf16")
-    for name in ("fp8_e4m3", "int8_per_token_head", "nvfp4"):
+    for name in ("int8_per_token_head", "nvfp4"):
         assert tiles_at(name, 64) == tiles(name), name
+    # the third stage was measured at head size 128 only
+    assert tiles_at("fp8_e4m3", 64) == dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)
     # measured before the table (run 1): the rotated-key format and exact dots keep the earlier choice
     assert tiles("int8_per_token_head_hadamard_k") == dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)
     # ... whose steps hold whole token groups of 32 (the runtime takes at least BLOCK_N_GROUP positions per step)
@@ -93,6 +100,62 @@ def test_measured_choices(compiled):
                                                                    programs_per_sm=4)
     # the quantized domain was measured under the 8-bit cap (benchmarks/decode_modes.py), rotated keys included
     assert tiles("int8_per_token_head_hadamard_k", precision="quantized")["maxnreg"] == 168
+
+
+def wide(name: str, head_size: int = 128) -> bool:
+    """kvgen.runtime.kernels.wide_rows of a format's cache at block size 16 (KIVI: its group), 8 KV heads."""
+    fmt = kvgen.load(name)
+    block = fmt.layout.RESIDUAL["group"] if fmt.spec.streaming else 16
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache = fmt.allocate(1, block, 8, head_size, **({"max_seqs": 1} if fmt.spec.streaming else {}))
+    return K.wide_rows(fmt._kernel_args(cache)[1])
+
+
+def test_wide_rows():
+    """16-byte code rows: cells of whole 16-byte multiples (fp8 per tensor, int8 with its scales in their own
+    tensors), not vLLM's inline-scale cells (int8 / fp8 per token-head: 132 bytes a side) nor q8_0's (136)."""
+    for name in ("bf16", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head_separate", "nvfp4_separate"):
+        assert wide(name), name
+    for name in ("int8_per_token_head", "fp8_per_token_head", "q8_0", "int8_asym_per_token_head", "mixed_k8_v4"):
+        assert not wide(name), name
+    assert not wide("fp8_e4m3", head_size=24)  # 24-byte rows
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "int8_per_token_head", "kivi_2bit"])
+def test_prefetched_block_ids_change_nothing(name, monkeypatch):
+    """PREFETCH_BLOCKS (the next step's block ids loaded one step ahead) gives the same output, bit for bit, as
+    loading them in the step: several whole tiles and a partial one, with and without splits, a shuffled table; in
+    the interpreter and compiled (two and three pipeline stages)."""
+    fmt = kvgen.load(name)
+    block = 32 if fmt.spec.streaming else 16
+    seqs, ctx = 2, 9 * 32 + 5
+    blocks = seqs * -(-ctx // block)
+    torch.manual_seed(0)
+    extra = {"max_seqs": seqs} if fmt.spec.streaming else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache = fmt.allocate(blocks, block, 2, 64, device=DEVICE, **extra)
+    table = torch.randperm(blocks, dtype=torch.int32).reshape(seqs, -1)
+    slots = (table.long()[:, :, None] * block + torch.arange(block)).reshape(seqs, -1)[:, :ctx].reshape(-1)
+    seq_lens = torch.full((seqs,), ctx, dtype=torch.int32)
+    qsl = torch.arange(seqs + 1, dtype=torch.int32)
+    table, slots, seq_lens, qsl = (t.to(DEVICE) for t in (table, slots, seq_lens, qsl))
+    k, v = torch.randn(2, seqs * ctx, 2, 64, device=DEVICE)
+    ids = {"seq_ids": torch.arange(seqs, dtype=torch.int32, device=DEVICE)} if fmt.spec.streaming else {}
+    meta = dict(ids, query_start_loc=qsl * ctx, seq_lens=seq_lens, block_table=table) if fmt.spec.streaming else {}
+    fmt.write(cache, k, v, slots, **meta)
+    q = torch.randn(seqs, 8, 64, dtype=torch.bfloat16, device=DEVICE)
+    for stages in ((2,) if DEVICE == "cpu" else (2, 3)):
+        outs = {}
+        for prefetch in (False, True):
+            tiles = {"BLOCK_N": 32, "prefetch_blocks": prefetch}
+            monkeypatch.setattr(K, "INTERPRETER_TILES", tiles)
+            monkeypatch.setattr(K, "TILE_OVERRIDE", dict(tiles, num_warps=4, num_stages=stages))
+            outs[prefetch] = [fmt.attend(q, cache, table, seq_lens, qsl, max_query_len=1, num_splits=s, **ids)
+                              for s in (1, 3)]
+        for a, b in zip(outs[False], outs[True]):
+            assert torch.equal(a, b), f"{name}, {stages} stages"
 
 
 def test_write_tiles_measured(compiled):
@@ -253,12 +316,15 @@ def test_plan_fills_the_last_wave(name):
         stride_ot=q.stride(0), stride_oh=q.stride(1), **fmt._kernel_args(cache)[0], **plan._launch.kwargs)
     resident = occupancy.resident_programs(binary.n_regs, binary.metadata.num_warps, binary.metadata.shared)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    old = ks._splits(seqs * heads, ctx, seqs, 4 * heads, 128, q.device, 8)
+    dots = ks.dot_modes(torch.bfloat16, "auto", False, 128, None)
+    pps = K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled, wide=wide(name))["programs_per_sm"]
+    old = ks._splits(seqs * heads, ctx, seqs, 4 * heads, 128, q.device, pps)
     steps = -(-ctx // plan._launch.kwargs["BLOCK_N"])
     assert plan._launch.grid[2] == occupancy.wave_splits(seqs * heads, old, steps, resident * sms,
                                                          ks._most_splits(ctx, seqs, 4 * heads, 128))
-    if sms == 132:  # the H200, with the tiles of 2026-12-02: fp8 at 3 programs per SM, bf16 at 4
-        assert (resident, plan._launch.grid[2]) == {"fp8_e4m3": (3, 37), "bf16": (4, 33)}[name]
+    if sms == 132:  # the H200, with the tiles of 2026-12-04: fp8 at 3 programs per SM (its split target 4 per SM:
+        # 17 splits by the rule, 24 by the waves), bf16 at 4 (target 8: 33)
+        assert (resident, plan._launch.grid[2]) == {"fp8_e4m3": (3, 24), "bf16": (4, 33)}[name]
     one = fmt.attend(q, cache, table, lens, qsl, max_query_len=1, num_splits=1).float()
     torch.testing.assert_close(plan.run(q, cache).float(), one, rtol=2e-2, atol=2e-3)
 

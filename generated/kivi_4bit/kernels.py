@@ -576,7 +576,7 @@ def paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_K: tl.constexpr, Q_TERMS: tl.constexpr, K_TERMS: tl.constexpr,
     DOT_V: tl.constexpr, P_TERMS: tl.constexpr, V_TERMS: tl.constexpr, NATIVE_CASTS: tl.constexpr,
-    OFFSETS_64: tl.constexpr,
+    OFFSETS_64: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr,
     BLOCK_DOTS: tl.constexpr,
     KEY_FOLD: tl.constexpr,
     TOKEN_GROUP: tl.constexpr, RESIDUAL: tl.constexpr, RING: tl.constexpr,
@@ -631,9 +631,17 @@ def paged_attention_kernel(
         paged_hi = tl.minimum(hi, quantized)
         # whole tiles first: every position valid, so their loads go without masks; then the partial last tile
         full_hi = lo + (tl.maximum(paged_hi - lo, 0) // BLOCK_N) * BLOCK_N
+        if PREFETCH_BLOCKS:  # the first whole tile's block ids (none past full_hi are read)
+            n_first = lo + tl.arange(0, BLOCK_N)
+            blk_next = tl.load(block_table_ptr + seq * stride_bt + n_first // BLOCK_SIZE, mask=n_first < full_hi, other=0)
         for start in range(lo, full_hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
-            blk = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE)
+            if PREFETCH_BLOCKS:  # this step's block ids were loaded one step ahead; load the next step's
+                blk = blk_next
+                blk_next = tl.load(block_table_ptr + seq * stride_bt + (n + BLOCK_N) // BLOCK_SIZE,
+                                   mask=n + BLOCK_N < full_hi, other=0)
+            else:
+                blk = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE)
             if OFFSETS_64:  # a cache tensor of 2 GiB or more: 64-bit byte offsets
                 blk = blk.to(tl.int64)
             off = n % BLOCK_SIZE
