@@ -138,6 +138,7 @@ def decode_case(fmt, num_seqs: int, ctx: int, block_size: int, head_size: int = 
         bytes_read = (num_seqs * (quantized // block_size) * fmt.page_bytes(block_size, HKV, head_size)
                       + num_seqs * (ctx - quantized) * HKV * head_size * 2 * cache.tensors["k_residual"].element_size())
     fn = lambda: fmt.attend(q, cache, table, seq_lens, qsl, **kwargs)  # noqa: E731
+    fn.inputs = (q, cache, table, seq_lens, qsl, kwargs)  # for scripts that run other kernels on the same case
     if planned:  # planned on a cache of the same geometry, run on this one: as an engine's later layers run
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -6,7 +6,7 @@ register cap), per format and shape. On a GPU:
     python benchmarks/tune_tiles.py int8_per_token_head --shapes 64x8192hs64   # head size 64
     python benchmarks/tune_tiles.py q8_0 --dot-precision fast             # another dot precision (default auto)
 
-A config is BLOCK_N/num_warps/num_stages[/maxnreg]; a register cap below the compiler's choice (255 for most
+A config is BLOCK_N/num_warps/num_stages[/maxnreg][p] (p: the next step's block ids loaded one step ahead); a register cap below the compiler's choice (255 for most
 generated kernels) lets more programs share an SM, at the price of spills (`python benchmarks/sass_count.py` counts
 both without a GPU). --programs-per-sm sets the split-KV target. The choice the runtime makes is
 kvgen.runtime.kernels.attention_tiles (rules in ATTENTION_TILES); this script overrides it (TILE_OVERRIDE) per run and prints one markdown
@@ -27,10 +27,13 @@ DEFAULT_CONFIGS = ["64/4/3", "128/4/3", "128/8/3", "64/4/4", "128/4/2", "32/4/4"
 
 
 def parse(config: str) -> dict:
-    parts = [int(x) for x in config.split("/")]
+    prefetch = config.endswith("p")  # a trailing "p": block ids one step ahead (the kernel's PREFETCH_BLOCKS)
+    parts = [int(x) for x in config.rstrip("p").split("/")]
     c = dict(BLOCK_N=parts[0], num_warps=parts[1], num_stages=parts[2])
     if len(parts) > 3:
         c["maxnreg"] = parts[3]
+    if prefetch:
+        c["prefetch_blocks"] = True
     return c
 
 
@@ -41,6 +44,10 @@ def main() -> None:
     ap.add_argument("--programs-per-sm", nargs="+", type=int, default=[4])
     ap.add_argument("--shapes", nargs="+", default=["64x8192", "4x65536"])
     ap.add_argument("--dot-precision", choices=K.DOT_PRECISIONS, default="auto")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="time CUDA-graph replays, each configuration captured on its own (eager calls pay the host's "
+                    "per-call work, which outlasts short kernels: 2026-12-04, fp8 at 4 x 65536 read 324 us eager "
+                    "where its graph replays took 174)")
     args = ap.parse_args()
     bench.DOT = args.dot_precision
     bench.require_gpu(ap)
@@ -59,12 +66,14 @@ def main() -> None:
         fmt = kvgen.load(name)
         for shape in args.shapes:
             seqs, ctx, head = shapes[shape]
-            fn, moved = bench.decode_case(fmt, seqs, ctx, 32 if fmt.spec.streaming else 16, head)
+            block = 32 if fmt.spec.streaming else 16
+            fn, moved = bench.decode_case(fmt, seqs, ctx, block, head, graphs=False)
             res = []
             for c, pps in cols:
                 K.TILE_OVERRIDE = dict(parse(c), programs_per_sm=pps)
                 try:
-                    t = bench.bench(fn)
+                    # a graph holds the launch it captured: one per configuration
+                    t = bench.bench(bench.graphed(fn) if args.cuda_graphs else fn)
                     res.append(f"{t * 1e6:.0f} ({moved / t / copy * 100:.0f}%)")
                 except Exception as e:  # a config the compiler rejects (shared memory, registers)
                     res.append(f"failed: {type(e).__name__}")
