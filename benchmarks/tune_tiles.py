@@ -6,8 +6,9 @@ register cap), per format and shape. On a GPU:
     python benchmarks/tune_tiles.py int8_per_token_head --shapes 64x8192hs64   # head size 64
     python benchmarks/tune_tiles.py q8_0 --dot-precision fast             # another dot precision (default auto)
 
-A config is BLOCK_N/num_warps/num_stages[/maxnreg][p] (p: the next step's block ids loaded one step ahead); a register cap below the compiler's choice (255 for most
-generated kernels) lets more programs share an SM, at the price of spills (`python benchmarks/sass_count.py` counts
+A config is BLOCK_N/num_warps/num_stages[/maxnreg][p] (p: the next step's block ids loaded one step ahead); a
+register cap below the compiler's choice (255 for most generated kernels) lets more programs share an SM, at the
+price of spills (`python benchmarks/sass_count.py` counts
 both without a GPU). --programs-per-sm sets the split-KV target. The choice the runtime makes is
 kvgen.runtime.kernels.attention_tiles (rules in ATTENTION_TILES); this script overrides it (TILE_OVERRIDE) per run and prints one markdown
 row per (format, shape) with time and fraction of copy bandwidth per config.

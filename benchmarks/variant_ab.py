@@ -3,11 +3,11 @@
     python benchmarks/variant_ab.py VARIANT_DIR fp8_e4m3 [--configs 128/4/2/168 ...] [--shapes 64x8192 4x65536]
 
 VARIANT_DIR holds generated format packages (a copy of ``generated/NAME`` with its kernels.py edited by hand, or the
-output of ``kvgen build -o`` from a changed template). For each format, shape and config (BLOCK_N/warps/stages[/maxnreg],
-as tune_tiles.py; "rt": the runtime's own choice), one cache is built as bench.py builds it; the shipped kernels and the
-variant's attend on it with the same query, and the script prints both medians (CUDA-graph replays, alternating
-rounds) and the largest difference between their outputs relative to the output's largest value (the variant must
-compute the same attention: a difference beyond rounding means it is wrong). Times are in us; the fraction is of the
+output of ``kvgen build -o`` from a changed template). For each format, shape and config (as tune_tiles.py's; "rt":
+the runtime's own choice), one cache is built as bench.py builds it and filled by the shipped write; the shipped
+kernels and the variant's attend on it with the same query, and the script prints both medians (CUDA-graph replays,
+alternating rounds) and the largest difference between their outputs relative to the output's largest value (the
+variant must compute the same attention: a difference beyond rounding means it is wrong). Times are in us; the fraction is of the
 copy bandwidth measured in the same run.
 """
 import argparse
@@ -35,7 +35,8 @@ def main() -> int:
     bench.require_gpu(ap)
     bw = bench.copy_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
-    print("| format | shape | config | shipped us | variant us | variant / shipped | shipped of copy bw | variant of copy bw | max diff / max |")
+    print("| format | shape | config | shipped us | variant us | variant / shipped | shipped of copy bw "
+          "| variant of copy bw | max diff / max |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name in args.formats:
         shipped = kvgen.load(name)

@@ -419,7 +419,8 @@ def paged_attention_kernel(
         full_hi = lo + (tl.maximum(paged_hi - lo, 0) // BLOCK_N) * BLOCK_N
         if PREFETCH_BLOCKS:  # the first whole tile's block ids (none past full_hi are read)
             n_first = lo + tl.arange(0, BLOCK_N)
-            blk_next = tl.load(block_table_ptr + seq * stride_bt + n_first // BLOCK_SIZE, mask=n_first < full_hi, other=0)
+            blk_next = tl.load(block_table_ptr + seq * stride_bt + n_first // BLOCK_SIZE, mask=n_first < full_hi,
+                               other=0)
         for start in range(lo, full_hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             if PREFETCH_BLOCKS:  # this step's block ids were loaded one step ahead; load the next step's
