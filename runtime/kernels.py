@@ -130,6 +130,25 @@ NARROW_ROW_BYTES = 32
 NARROW_ROW_BLOCK_N = 64
 # experiments and tests: tiles used for every format instead of the rules above (None: the rules)
 TILE_OVERRIDE: dict | None = None
+# Value operands in decode: a P x V dot reduces over the step's positions, which are the cache tile's rows, so the
+# compiler rearranges the value tile through shared memory. Left alone, Triton moves a code's conversion to the dot
+# type after that rearrangement (it moves fewer bytes), and Hopper has no transposing shared-memory load for 8-bit
+# elements: each thread then gathers its codes one byte at a time (LDS.U8: one per position and warp for an 8-bit
+# side, with the moves that pack them). V_CONVERT_FIRST keeps the conversion in the layout the codes were loaded in
+# (the kernel's keep_layout), so 16-bit values are stored and read back transposed by ldmatrix. Static counts
+# (benchmarks/sass_count.py, sm_90, decode at 64 x 8192): fp8_e4m3 8.2 -> 5.9 instructions per position, int8
+# separate 11.3 -> 8.7, mxfp8 16.0 -> 12.2 (and 255 -> 165 registers), the 4-bit formats 6-11% fewer; the staging
+# buffer costs 32 KiB of shared memory at 128 positions of head size 128. H200, decode at 64 x 8192 as graph
+# replays (benchmarks/RESULTS.md, twenty-third session, run 3: `python benchmarks/tune_tiles.py FORMAT --configs rtn
+# rtc --cuda-graphs`): mxfp8 640 -> 463 us, nvfp4 568 -> 451, mxfp4 567 -> 446, int4 per token-head 829 -> 677,
+# mixed_k8_v4 752 -> 631, q4_0 777 -> 702, int8 separate 405 -> 389, KIVI 1496 -> 1413, fp8 332 -> 330 (2 programs
+# per SM instead of 3: the staging buffer); the same at 4 x 65536 and 256 x 1024. vLLM's inline-scale cells (8-bit
+# codes in 4-byte aligned rows) ran 1.26-1.53x slower with it (run 2; the Hadamard format 544 -> 751 us in run 3),
+# so 8-bit value codes take it only in rows of 16-byte multiples (q8_0's 34-byte blocks, 1044 -> 1012 with it, are
+# left out with them). Decode only: prefill was not timed.
+# CONVERT_FIRST_OVERRIDE (experiments: tune_tiles.py's "c" / "n" configs) sets it for every call whose values can
+# take it.
+CONVERT_FIRST_OVERRIDE: bool | None = None
 # reshape_and_cache, compiled: tokens per program and warps (the interpreter takes 64 tokens per program), by the
 # widest stored code in bits and whether block scales are e8m0 (powers of two: the write multiplies by their exact
 # reciprocal); first matching rule wins. One warp holds each head's row, so per token-head reductions stay in the
@@ -185,10 +204,21 @@ def attention_tiles(code_bits: dict, dots: dict, block_scaled: bool, block_m: in
     raise AssertionError("the last rule matches every kernel")
 
 
-def wide_rows(consts: dict) -> bool:
-    """Whether every side's code rows start at multiples of 16 bytes in the cache (the layout constants of a launch:
-    page, base and cell of each side's data), so that compiled kernels copy them 16 bytes at a time."""
-    return all(consts[f"{p}_DATA_{f}"] % 16 == 0 for p in "KV" for f in ("PAGE", "BASE", "CELL"))
+def wide_rows(consts: dict, sides: str = "KV") -> bool:
+    """Whether every side's code rows (of ``sides``, by default both) start at multiples of 16 bytes in the cache (the
+    layout constants of a launch: page, base and cell of each side's data), so that compiled kernels copy them 16
+    bytes at a time."""
+    return all(consts[f"{p}_DATA_{f}"] % 16 == 0 for p in sides for f in ("PAGE", "BASE", "CELL"))
+
+
+def convert_values_first(code_bits: dict, dots: dict, block_m: int, wide_values: bool) -> bool:
+    """The kernel's V_CONVERT_FIRST for one call: whether the value codes are converted to the dot type in the
+    layout they were loaded in, before the compiler rearranges them into the dot's operand layout (CONVERT_FIRST)."""
+    if interpreting() or dots["DOT_V"] not in (1, 2) or code_bits["v"] >= 16:
+        return False
+    if CONVERT_FIRST_OVERRIDE is not None:
+        return CONVERT_FIRST_OVERRIDE
+    return block_m <= DECODE_ROWS and (code_bits["v"] < 8 or wide_values)
 
 
 def fast_ratio_tiles(code_bits: dict, block_dots: dict) -> dict:
@@ -413,6 +443,7 @@ class KernelSet:
             block_n = max(block_n, group_n)
         programs_per_sm = tiles.pop("programs_per_sm")
         prefetch_blocks = int(tiles.pop("prefetch_blocks", False))
+        convert_first = int(convert_values_first(self.module.CODE_BITS, dots, block_m, wide_rows(consts, "V")))
         num_q_tiles = triton_cdiv(max_query_len, block_q)
         num_seqs = seq_lens.shape[0]
         # an upper bound of the KV length without reading seq_lens back: what the block table can address
@@ -428,7 +459,7 @@ class KernelSet:
             block_table_ptr=block_table, seq_lens_ptr=seq_lens, query_start_loc_ptr=query_start_loc,
             qk_scale=qk_scale * LOG2E, window=window, num_q_tiles=num_q_tiles, stride_bt=block_table.stride(0),
             GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, OFFSETS_64=offsets_64,
-            PREFETCH_BLOCKS=prefetch_blocks, **dots, **consts,
+            PREFETCH_BLOCKS=prefetch_blocks, V_CONVERT_FIRST=convert_first, **dots, **consts,
             **(extra or {}), **tiles,
         )
         if (ruled and WAVE_SPLITS and block_m <= DECODE_ROWS and not window and not interpreting() and query.is_cuda

@@ -382,6 +382,18 @@ def pow2_inv(x):
     return ((254 - tl.minimum(e, 253)) << 23).to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def keep_layout(x):
+    # x itself, through a register move the compiler may not move or remove (inline PTX with side effects): the
+    # elementwise work that made x (a narrow code's conversion to the dot type) stays in the layout x's codes were
+    # loaded in, instead of following the rearrangement into a dot's operand layout. There, a value tile's 16-bit
+    # elements are stored to shared memory and read back transposed by ldmatrix, where 8-bit codes would be gathered
+    # one byte at a time (Hopper has no transposing 8-bit shared-memory load). Compiled code only.
+    if x.dtype.primitive_bitwidth == 16:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2)
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=1)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # paged_attention: one program per (sequence, tile of BLOCK_Q query tokens, KV head, split). Its BLOCK_M rows are
 # (query token, query head) pairs: row r is query token tile * BLOCK_Q + r // GROUP and query head
@@ -414,7 +426,7 @@ def paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_K: tl.constexpr, Q_TERMS: tl.constexpr, K_TERMS: tl.constexpr,
     DOT_V: tl.constexpr, P_TERMS: tl.constexpr, V_TERMS: tl.constexpr, NATIVE_CASTS: tl.constexpr,
-    OFFSETS_64: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr,
+    OFFSETS_64: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr, V_CONVERT_FIRST: tl.constexpr,
 ):
     seq = tl.program_id(0) // num_q_tiles
     tile = tl.program_id(0) % num_q_tiles
@@ -519,6 +531,8 @@ def paged_attention_kernel(
             v_tile = v_tile - v_zcode.to(v_tile.dtype)[:, None]
             v_op = v_tile
             v_tok = v_scale_decode(v_scode)
+            if V_CONVERT_FIRST:  # the values' conversion stays in their load's layout (keep_layout)
+                v_op = keep_layout(v_op)
             # the per-position value factors enter the probabilities, relative to each query row's largest weight
             # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
             pw = p * v_tok[None, :]
@@ -582,6 +596,8 @@ def paged_attention_kernel(
             v_tile = v_tile - v_zcode.to(v_tile.dtype)[:, None]
             v_op = v_tile
             v_tok = v_scale_decode(v_scode)
+            if V_CONVERT_FIRST:  # the values' conversion stays in their load's layout (keep_layout)
+                v_op = keep_layout(v_op)
             # the per-position value factors enter the probabilities, relative to each query row's largest weight
             # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
             pw = p * tl.where(n_mask, v_tok, 0.0)[None, :]

@@ -339,6 +339,18 @@ def pow2_inv(x):
 
 
 @triton.jit
+def keep_layout(x):
+    # x itself, through a register move the compiler may not move or remove (inline PTX with side effects): the
+    # elementwise work that made x (a narrow code's conversion to the dot type) stays in the layout x's codes were
+    # loaded in, instead of following the rearrangement into a dot's operand layout. There, a value tile's 16-bit
+    # elements are stored to shared memory and read back transposed by ldmatrix, where 8-bit codes would be gathered
+    # one byte at a time (Hopper has no transposing 8-bit shared-memory load). Compiled code only.
+    if x.dtype.primitive_bitwidth == 16:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2)
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=1)
+
+
+@triton.jit
 def halves(x):
     # x [R, C] -> its columns [0, C / 2) and [C / 2, C)
     R: tl.constexpr = x.shape[0]
@@ -409,7 +421,7 @@ def paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_K: tl.constexpr, Q_TERMS: tl.constexpr, K_TERMS: tl.constexpr,
     DOT_V: tl.constexpr, P_TERMS: tl.constexpr, V_TERMS: tl.constexpr, NATIVE_CASTS: tl.constexpr,
-    OFFSETS_64: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr,
+    OFFSETS_64: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr, V_CONVERT_FIRST: tl.constexpr,
     BLOCK_DOTS: tl.constexpr,
 ):
     seq = tl.program_id(0) // num_q_tiles
@@ -532,6 +544,8 @@ def paged_attention_kernel(
                     v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio.to(v_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
                 else:  # two terms (hi + lo: exact products) or exact fp32 dots
                     v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+            if V_CONVERT_FIRST:  # the values' conversion stays in their load's layout (keep_layout)
+                v_op = keep_layout(v_op)
             if BLOCK_DOTS:
                 # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
                 # relative to each query row's largest of them in the block (block_pv)
@@ -617,6 +631,8 @@ def paged_attention_kernel(
                     v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio.to(v_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
                 else:  # two terms (hi + lo: exact products) or exact fp32 dots
                     v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+            if V_CONVERT_FIRST:  # the values' conversion stays in their load's layout (keep_layout)
+                v_op = keep_layout(v_op)
             if BLOCK_DOTS:
                 # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
                 # relative to each query row's largest of them in the block (block_pv)
