@@ -301,11 +301,11 @@ def main() -> int:
     if args[:1] == ["--write"]:  # the reshape-and-cache kernel instead
         return main_write(args[1:] or kvgen.shipped_names())
     precision = "auto"
-    if args[:1] == ["--tiles"]:  # BLOCK_N/num_warps/num_stages[/maxnreg] for every kernel, as tune_tiles.py sets it
-        from tune_tiles import parse
-        from kvgen.runtime import kernels
+    if args[:1] == ["--tiles"]:  # BLOCK_N/num_warps/num_stages[/maxnreg][p][c|n] for every kernel, as tune_tiles.py
+        from tune_tiles import apply
 
-        kernels.TILE_OVERRIDE, args = parse(args[1]), args[2:]
+        apply(args[1])
+        args = args[2:]
     if args[:1] == ["--quantized"]:  # the quantized compute domain, for the formats that offer it
         precision, args = "quantized", args[1:]
     elif args[:1] == ["--fast"]:  # dot_precision="fast": one 16-bit term per operand

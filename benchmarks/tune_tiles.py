@@ -6,7 +6,8 @@ register cap), per format and shape. On a GPU:
     python benchmarks/tune_tiles.py int8_per_token_head --shapes 64x8192hs64   # head size 64
     python benchmarks/tune_tiles.py q8_0 --dot-precision fast             # another dot precision (default auto)
 
-A config is BLOCK_N/num_warps/num_stages[/maxnreg][p] (p: the next step's block ids loaded one step ahead); a
+A config is BLOCK_N/num_warps/num_stages[/maxnreg][p][c|n] (p: the next step's block ids loaded one step ahead; c / n:
+the value codes converted in their load's layout or not, V_CONVERT_FIRST, by default the runtime's rule); a
 register cap below the compiler's choice (255 for most generated kernels) lets more programs share an SM, at the
 price of spills (`python benchmarks/sass_count.py` counts
 both without a GPU). --programs-per-sm sets the split-KV target. The choice the runtime makes is
@@ -28,14 +29,33 @@ DEFAULT_CONFIGS = ["64/4/3", "128/4/3", "128/8/3", "64/4/4", "128/4/2", "32/4/4"
 
 
 def parse(config: str) -> dict:
-    prefetch = config.endswith("p")  # a trailing "p": block ids one step ahead (the kernel's PREFETCH_BLOCKS)
-    parts = [int(x) for x in config.rstrip("p").split("/")]
+    """A config's tiles: BLOCK_N/num_warps/num_stages[/maxnreg] and letters after the numbers: "p" block ids one
+    step ahead (PREFETCH_BLOCKS), "c" / "n" the values converted in their load's layout or not (V_CONVERT_FIRST,
+    "convert_first" in the dict; without either the runtime's rule decides)."""
+    m = re.fullmatch(r"([\d/]+)([pcn]*)", config)
+    if m is None:
+        raise ValueError(f"config {config!r}: BLOCK_N/num_warps/num_stages[/maxnreg] and letters p, c or n")
+    parts = [int(x) for x in m[1].split("/")]
     c = dict(BLOCK_N=parts[0], num_warps=parts[1], num_stages=parts[2])
     if len(parts) > 3:
         c["maxnreg"] = parts[3]
-    if prefetch:
+    if "p" in m[2]:
         c["prefetch_blocks"] = True
+    if "c" in m[2] or "n" in m[2]:
+        c["convert_first"] = "c" in m[2]
     return c
+
+
+def apply(config: str | None, programs_per_sm: int | None = None) -> None:
+    """Make the runtime launch every attention call with ``config`` (None or "rt": its own rules; "rtc" / "rtn": its
+    own tiles, the values converted in their load's layout or not)."""
+    if config is None or config.startswith("rt"):
+        K.TILE_OVERRIDE = None
+        K.CONVERT_FIRST_OVERRIDE = {"c": True, "n": False}.get((config or "rt")[2:])
+        return
+    tiles = parse(config)
+    K.CONVERT_FIRST_OVERRIDE = tiles.pop("convert_first", None)
+    K.TILE_OVERRIDE = tiles if programs_per_sm is None else dict(tiles, programs_per_sm=programs_per_sm)
 
 
 def main() -> None:
@@ -71,7 +91,7 @@ def main() -> None:
             fn, moved = bench.decode_case(fmt, seqs, ctx, block, head, graphs=False)
             res = []
             for c, pps in cols:
-                K.TILE_OVERRIDE = dict(parse(c), programs_per_sm=pps)
+                apply(c, pps)
                 try:
                     # a graph holds the launch it captured: one per configuration
                     t = bench.bench(bench.graphed(fn) if args.cuda_graphs else fn)

@@ -21,7 +21,7 @@ from kvgen.runtime import kernels as K
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
-from tune_tiles import parse  # noqa: E402
+from tune_tiles import apply  # noqa: E402
 
 
 def main() -> int:
@@ -44,8 +44,9 @@ def main() -> int:
         for shape in args.shapes:
             seqs, ctx = (int(x) for x in shape.split("x"))
             for config in args.configs:
-                K.TILE_OVERRIDE = None if config == "rt" else parse(config)
-                fn_a, nbytes = bench.decode_case(shipped, seqs, ctx, 16, graphs=False)
+                apply(config)
+                block = 32 if shipped.spec.streaming else 16  # KIVI: pages of whole key groups
+                fn_a, nbytes = bench.decode_case(shipped, seqs, ctx, block, graphs=False)
                 q, cache, table, seq_lens, qsl, kw = fn_a.inputs  # the same case through the variant
                 if not shipped.spec.streaming:  # real codes (bench.py's random bytes hold NaN codes and scales)
                     slots = cache.num_blocks * cache.block_size
