@@ -41,6 +41,8 @@ def parse(config: str) -> dict:
         c["maxnreg"] = parts[3]
     if "p" in m[2]:
         c["prefetch_blocks"] = True
+    if "c" in m[2] and "n" in m[2]:
+        raise ValueError(f"config {config!r}: 'c' and 'n' exclude each other")
     if "c" in m[2] or "n" in m[2]:
         c["convert_first"] = "c" in m[2]
     return c
@@ -49,7 +51,7 @@ def parse(config: str) -> dict:
 def apply(config: str | None, programs_per_sm: int | None = None) -> None:
     """Make the runtime launch every attention call with ``config`` (None or "rt": its own rules; "rtc" / "rtn": its
     own tiles, the values converted in their load's layout or not)."""
-    if config is None or config.startswith("rt"):
+    if config in (None, "rt", "rtc", "rtn"):
         K.TILE_OVERRIDE = None
         K.CONVERT_FIRST_OVERRIDE = {"c": True, "n": False}.get((config or "rt")[2:])
         return
@@ -79,9 +81,16 @@ def main() -> None:
             ap.error(f"--shapes: {shape!r} is not SEQSxCONTEXT or SEQSxCONTEXThsHEAD (e.g. 64x8192hs64)")
         shapes[shape] = int(m[1]), int(m[2]), int(m[3] or bench.D)
     copy = bench.copy_bandwidth()
-    cols = [(c, pps) for pps in args.programs_per_sm for c in args.configs]
+    # the runtime's own tiles ("rt...") take its own split target: one column each
+    cols = [(c, None) for c in args.configs if c.startswith("rt")]
+    cols += [(c, pps) for pps in args.programs_per_sm for c in args.configs if not c.startswith("rt")]
+    for c, _ in cols:
+        try:
+            apply(c)
+        except ValueError as e:
+            ap.error(f"--configs: {e}")
     print(f"copy bandwidth {copy / 1e9:.0f} GB/s; dot precision {args.dot_precision}")
-    print("| format | shape | " + " | ".join(f"{c} pps {pps}" for c, pps in cols) + " |")
+    print("| format | shape | " + " | ".join(c if pps is None else f"{c} pps {pps}" for c, pps in cols) + " |")
     print("|---|---|" + "---|" * len(cols))
     for name in args.formats:
         fmt = kvgen.load(name)

@@ -138,17 +138,23 @@ TILE_OVERRIDE: dict | None = None
 # (the kernel's keep_layout), so 16-bit values are stored and read back transposed by ldmatrix. Static counts
 # (benchmarks/sass_count.py, sm_90, decode at 64 x 8192): fp8_e4m3 8.2 -> 5.9 instructions per position, int8
 # separate 11.3 -> 8.7, mxfp8 16.0 -> 12.2 (and 255 -> 165 registers), the 4-bit formats 6-11% fewer; the staging
-# buffer costs 32 KiB of shared memory at 128 positions of head size 128. H200, decode at 64 x 8192 as graph
-# replays (benchmarks/RESULTS.md, twenty-third session, run 3: `python benchmarks/tune_tiles.py FORMAT --configs rtn
-# rtc --cuda-graphs`): mxfp8 640 -> 463 us, nvfp4 568 -> 451, mxfp4 567 -> 446, int4 per token-head 829 -> 677,
-# mixed_k8_v4 752 -> 631, q4_0 777 -> 702, int8 separate 405 -> 389, KIVI 1496 -> 1413, fp8 332 -> 330 (2 programs
-# per SM instead of 3: the staging buffer); the same at 4 x 65536 and 256 x 1024. vLLM's inline-scale cells (8-bit
-# codes in 4-byte aligned rows) ran 1.26-1.53x slower with it (run 2; the Hadamard format 544 -> 751 us in run 3),
-# so 8-bit value codes take it only in rows of 16-byte multiples (q8_0's 34-byte blocks, 1044 -> 1012 with it, are
-# left out with them). Decode only: prefill was not timed.
+# staging buffer of an 8-bit side takes 32 KiB of shared memory at 128 positions of head size 128 (mxfp8 16 KiB more;
+# the 4-bit formats' and KIVI's tiles went through shared memory before, and take no more). H200, decode at 64 x 8192
+# as graph replays (benchmarks/RESULTS.md, twenty-third session, run 3: `python benchmarks/tune_tiles.py FORMAT
+# --configs rtn rtc --cuda-graphs`; fp8 and int8 separate with their rule's tiles, 128/4/3/168pn / pc): mxfp8 640 ->
+# 463 us, nvfp4 568 -> 451, mxfp4 567 -> 446, int4 per token-head 829 -> 677, mixed_k8_v4 752 -> 631, q4_0 777 ->
+# 702, int8 separate 405 -> 389, KIVI 1496 -> 1413, fp8 332 -> 330 (2 programs per SM instead of 3: the staging
+# buffer); alike at 4 x 65536 and, but for fp8 and int8 separate (not timed there), at 256 x 1024. vLLM's
+# inline-scale cells (8-bit codes in 4-byte aligned rows) ran 1.22-1.53x slower with it (run 2; the Hadamard format
+# 544 -> 751 us in run 3), so 8-bit value codes take it only in rows of 16-byte multiples (q8_0's 34-byte blocks, 1044
+# -> 1012 us with it, are left out with them). Decode only (prefill was not timed), and heads of at most
+# CONVERT_FIRST_MAX_HEAD: at 256 the staging buffer leaves fp8, int8 separate and mxfp8 1 program per SM (static
+# counts; not timed). Head size 64 was not timed either; there the static counts fall as at 128 and no format loses
+# programs per SM.
 # CONVERT_FIRST_OVERRIDE (experiments: tune_tiles.py's "c" / "n" configs) sets it for every call whose values can
 # take it.
 CONVERT_FIRST_OVERRIDE: bool | None = None
+CONVERT_FIRST_MAX_HEAD = 128
 # reshape_and_cache, compiled: tokens per program and warps (the interpreter takes 64 tokens per program), by the
 # widest stored code in bits and whether block scales are e8m0 (powers of two: the write multiplies by their exact
 # reciprocal); first matching rule wins. One warp holds each head's row, so per token-head reductions stay in the
@@ -211,14 +217,15 @@ def wide_rows(consts: dict, sides: str = "KV") -> bool:
     return all(consts[f"{p}_DATA_{f}"] % 16 == 0 for p in sides for f in ("PAGE", "BASE", "CELL"))
 
 
-def convert_values_first(code_bits: dict, dots: dict, block_m: int, wide_values: bool) -> bool:
+def convert_values_first(code_bits: dict, dots: dict, block_m: int, head_pad: int, wide_values: bool) -> bool:
     """The kernel's V_CONVERT_FIRST for one call: whether the value codes are converted to the dot type in the
     layout they were loaded in, before the compiler rearranges them into the dot's operand layout (CONVERT_FIRST)."""
     if interpreting() or dots["DOT_V"] not in (1, 2) or code_bits["v"] >= 16:
         return False
     if CONVERT_FIRST_OVERRIDE is not None:
         return CONVERT_FIRST_OVERRIDE
-    return block_m <= DECODE_ROWS and (code_bits["v"] < 8 or wide_values)
+    return (block_m <= DECODE_ROWS and head_pad <= CONVERT_FIRST_MAX_HEAD
+            and (code_bits["v"] < 8 or wide_values))
 
 
 def fast_ratio_tiles(code_bits: dict, block_dots: dict) -> dict:
@@ -443,7 +450,8 @@ class KernelSet:
             block_n = max(block_n, group_n)
         programs_per_sm = tiles.pop("programs_per_sm")
         prefetch_blocks = int(tiles.pop("prefetch_blocks", False))
-        convert_first = int(convert_values_first(self.module.CODE_BITS, dots, block_m, wide_rows(consts, "V")))
+        convert_first = int(convert_values_first(self.module.CODE_BITS, dots, block_m, consts["HEAD_PAD"],
+                                                 wide_rows(consts, "V")))
         num_q_tiles = triton_cdiv(max_query_len, block_q)
         num_seqs = seq_lens.shape[0]
         # an upper bound of the KV length without reading seq_lens back: what the block table can address

@@ -169,12 +169,12 @@ def test_values_converted_first_where_measured(compiled):
     """V_CONVERT_FIRST (the value codes converted in their load's layout) in decode with tensor-core dots, for the
     formats whose value codes are narrower than the dot type: every one but vLLM's inline-scale cells, whose 8-bit
     value rows are 4-byte aligned (measured slower with it, benchmarks/RESULTS.md, twenty-third session); never
-    for 16-bit values, exact fp32 dots, int8 dots or prefill, nor in the interpreter (inline PTX)."""
-    def convert(name, precision="auto", block_m=16):
+    for 16-bit values, exact fp32 dots, int8 dots, prefill or heads over 128, nor in the interpreter (inline PTX)."""
+    def convert(name, precision="auto", block_m=16, head_pad=128):
         fmt = kvgen.load(name)
         ks = fmt._kernels
-        dots = ks.dot_modes(torch.bfloat16, precision, fmt.spec.key.rotation is not None, 128, None)
-        return K.convert_values_first(ks.module.CODE_BITS, dots, block_m, wide(name, sides="V"))
+        dots = ks.dot_modes(torch.bfloat16, precision, fmt.spec.key.rotation is not None, head_pad, None)
+        return K.convert_values_first(ks.module.CODE_BITS, dots, block_m, head_pad, wide(name, sides="V"))
 
     inline_8bit = {"int8_per_token_head", "fp8_per_token_head", "int8_asym_per_token_head",
                    "int8_per_token_head_hadamard_k", "q8_0"}
@@ -183,6 +183,7 @@ def test_values_converted_first_where_measured(compiled):
         assert convert(name) == (narrow and name not in inline_8bit), name
         assert not convert(name, "ieee"), name
         assert not convert(name, block_m=64), name
+        assert not convert(name, head_pad=256), name  # its staging buffer: 1 program per SM for the 8-bit formats
     assert not convert("int8_per_token_head_separate", "quantized")  # int8 dots: the codes are the operand
     K.interpreting = lambda: True  # (the fixture restores it)
     assert not convert("fp8_e4m3")

@@ -407,7 +407,7 @@ def paged_attention_kernel(
             else:
                 v_tile = v_decode(v_code)
             v_op = v_tile
-            if V_CONVERT_FIRST:  # the values' conversion stays in their load's layout (keep_layout)
+            if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
                 v_op = keep_layout(v_op)
             pv = mma(p, v_op, DOT_V, P_TERMS, V_TERMS)
             acc = acc * alpha[:, None] + pv
@@ -442,7 +442,7 @@ def paged_attention_kernel(
             else:
                 v_tile = v_decode(v_code)
             v_op = v_tile
-            if V_CONVERT_FIRST:  # the values' conversion stays in their load's layout (keep_layout)
+            if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
                 v_op = keep_layout(v_op)
             pv = mma(p, v_op, DOT_V, P_TERMS, V_TERMS)
             acc = acc * alpha[:, None] + pv

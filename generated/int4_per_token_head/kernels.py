@@ -519,7 +519,7 @@ def paged_attention_kernel(
             v_scode = v_scode & 0xfffffff0
             v_op = v_tile
             v_tok = v_scale_decode(v_scode)
-            if V_CONVERT_FIRST:  # the values' conversion stays in their load's layout (keep_layout)
+            if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
                 v_op = keep_layout(v_op)
             # the per-position value factors enter the probabilities, relative to each query row's largest weight
             # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
@@ -592,7 +592,7 @@ def paged_attention_kernel(
             v_scode = v_scode & 0xfffffff0
             v_op = v_tile
             v_tok = v_scale_decode(v_scode)
-            if V_CONVERT_FIRST:  # the values' conversion stays in their load's layout (keep_layout)
+            if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
                 v_op = keep_layout(v_op)
             # the per-position value factors enter the probabilities, relative to each query row's largest weight
             # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)

@@ -485,7 +485,7 @@ def paged_attention_kernel(
             v_scode = tl.load(v_srow.to(tl.pointer_type(tl.uint32)))
             v_op = v_tile
             v_tok = v_scale_decode(v_scode)
-            if V_CONVERT_FIRST:  # the values' conversion stays in their load's layout (keep_layout)
+            if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
                 v_op = keep_layout(v_op)
             if DOT_V >= 3:
                 # quantized domain: the probabilities times the per-position value scales in int8, per query row
@@ -548,7 +548,7 @@ def paged_attention_kernel(
             v_scode = tl.load(v_srow.to(tl.pointer_type(tl.uint32)), mask=n_mask, other=0)
             v_op = v_tile
             v_tok = v_scale_decode(v_scode)
-            if V_CONVERT_FIRST:  # the values' conversion stays in their load's layout (keep_layout)
+            if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
                 v_op = keep_layout(v_op)
             if DOT_V >= 3:
                 # quantized domain: the probabilities times the per-position value scales in int8, per query row

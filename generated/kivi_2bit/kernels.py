@@ -770,7 +770,7 @@ def paged_attention_kernel(
                     v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio.to(v_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
                 else:  # two terms (hi + lo: exact products) or exact fp32 dots
                     v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
-            if V_CONVERT_FIRST:  # the values' conversion stays in their load's layout (keep_layout)
+            if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
                 v_op = keep_layout(v_op)
             if BLOCK_DOTS:
                 # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
@@ -902,7 +902,7 @@ def paged_attention_kernel(
                     v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio.to(v_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
                 else:  # two terms (hi + lo: exact products) or exact fp32 dots
                     v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
-            if V_CONVERT_FIRST:  # the values' conversion stays in their load's layout (keep_layout)
+            if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
                 v_op = keep_layout(v_op)
             if BLOCK_DOTS:
                 # one dot per block of 32 elements on the codes: the probabilities times the block's scales,

@@ -556,7 +556,7 @@ def paged_attention_kernel(
                 v_op = tl.reshape(tl.reshape(v_tile, [BLOCK_N, HEAD_PAD // 32, 32]) * v_r1.to(tl.float16)[:, :, None] * v_r2.to(tl.float16)[:, :, None], [BLOCK_N, HEAD_PAD])
             else:  # exact fp32 dots; prefill (RATIO_PAIRS off): one fp32 product per code
                 v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
-            if V_CONVERT_FIRST:  # the values' conversion stays in their load's layout (keep_layout)
+            if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
                 v_op = keep_layout(v_op)
             # the per-position value factors enter the probabilities, relative to each query row's largest weight
             # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
@@ -633,7 +633,7 @@ def paged_attention_kernel(
                 v_op = tl.reshape(tl.reshape(v_tile, [BLOCK_N, HEAD_PAD // 32, 32]) * v_r1.to(tl.float16)[:, :, None] * v_r2.to(tl.float16)[:, :, None], [BLOCK_N, HEAD_PAD])
             else:  # exact fp32 dots; prefill (RATIO_PAIRS off): one fp32 product per code
                 v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
-            if V_CONVERT_FIRST:  # the values' conversion stays in their load's layout (keep_layout)
+            if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
                 v_op = keep_layout(v_op)
             # the per-position value factors enter the probabilities, relative to each query row's largest weight
             # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)

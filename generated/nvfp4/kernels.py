@@ -630,7 +630,7 @@ def paged_attention_kernel(
             # one dot term, fp8_e4m3 scales: every ratio is an fp16 value; the multiply runs in the tile's
             # type (two elements per instruction), rounding the exact product once as converting an fp32 one would
             v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio.to(v_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 16, 16]), [BLOCK_N, HEAD_PAD])
-            if V_CONVERT_FIRST:  # the values' conversion stays in their load's layout (keep_layout)
+            if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
                 v_op = keep_layout(v_op)
             pv = mma(p, v_op, DOT_V, P_TERMS, V_TERMS)
             acc = acc * alpha[:, None] + pv
@@ -715,7 +715,7 @@ def paged_attention_kernel(
             # one dot term, fp8_e4m3 scales: every ratio is an fp16 value; the multiply runs in the tile's
             # type (two elements per instruction), rounding the exact product once as converting an fp32 one would
             v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio.to(v_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 16, 16]), [BLOCK_N, HEAD_PAD])
-            if V_CONVERT_FIRST:  # the values' conversion stays in their load's layout (keep_layout)
+            if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
                 v_op = keep_layout(v_op)
             pv = mma(p, v_op, DOT_V, P_TERMS, V_TERMS)
             acc = acc * alpha[:, None] + pv
