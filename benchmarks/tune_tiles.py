@@ -35,7 +35,9 @@ def parse(config: str) -> dict:
     m = re.fullmatch(r"([\d/]+)([pcn]*)", config)
     if m is None:
         raise ValueError(f"config {config!r}: BLOCK_N/num_warps/num_stages[/maxnreg] and letters p, c or n")
-    parts = [int(x) for x in m[1].split("/")]
+    parts = [int(x) for x in m[1].split("/") if x]
+    if len(parts) not in (3, 4):
+        raise ValueError(f"config {config!r}: BLOCK_N/num_warps/num_stages[/maxnreg], 3 or 4 numbers")
     c = dict(BLOCK_N=parts[0], num_warps=parts[1], num_stages=parts[2])
     if len(parts) > 3:
         c["maxnreg"] = parts[3]

@@ -63,3 +63,27 @@ def test_profile_summary_bytes_from_the_rate_when_no_count(rate, unit):
            "units": {"gpu__time_duration.sum": "usecond", "dram__bytes.sum.per_second": unit}}
     cells = [c.strip() for c in prof.summary("bf16", row, 1, 32768).split("|")[1:-1]]
     assert cells[1] == "67" and cells[3] == "247"  # 3.682e12 B/s x 67e-6 s = 246.7 MB
+
+
+def test_tile_configs_parse_and_apply(monkeypatch):
+    """tune_tiles.py's configs (also variant_ab.py's and sass_count.py --tiles'): numbers, then letters p (block ids
+    one step ahead), c / n (values converted first or not); "rt", "rtc", "rtn" the runtime's own tiles. A config
+    outside that syntax is refused with its text, not half-read."""
+    from kvgen.runtime import kernels as K
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    tiles = load_script("tune_tiles")
+    monkeypatch.setattr(K, "TILE_OVERRIDE", None)
+    monkeypatch.setattr(K, "CONVERT_FIRST_OVERRIDE", None)
+    assert tiles.parse("64/4/2") == dict(BLOCK_N=64, num_warps=4, num_stages=2)
+    assert tiles.parse("128/4/3/168pc") == dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168,
+                                                prefetch_blocks=True, convert_first=True)
+    tiles.apply("128/4/2/168n", 8)
+    assert K.TILE_OVERRIDE == dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)
+    assert K.CONVERT_FIRST_OVERRIDE is False
+    for config, convert in (("rtc", True), ("rtn", False), ("rt", None)):
+        tiles.apply(config)
+        assert K.TILE_OVERRIDE is None and K.CONVERT_FIRST_OVERRIDE is convert, config
+    for bad in ("rtp", "128/4/3cn", "128/4", "fast"):
+        with pytest.raises(ValueError, match=bad):
+            tiles.apply(bad)
