@@ -82,15 +82,15 @@ def main() -> None:
         if m is None:
             ap.error(f"--shapes: {shape!r} is not SEQSxCONTEXT or SEQSxCONTEXThsHEAD (e.g. 64x8192hs64)")
         shapes[shape] = int(m[1]), int(m[2]), int(m[3] or bench.D)
-    copy = bench.copy_bandwidth()
     # the runtime's own tiles ("rt...") take its own split target: one column each
     cols = [(c, None) for c in args.configs if c.startswith("rt")]
     cols += [(c, pps) for pps in args.programs_per_sm for c in args.configs if not c.startswith("rt")]
-    for c, _ in cols:
+    for c, _ in cols:  # every config checked before anything is timed
         try:
             apply(c)
         except ValueError as e:
             ap.error(f"--configs: {e}")
+    copy = bench.copy_bandwidth()
     print(f"copy bandwidth {copy / 1e9:.0f} GB/s; dot precision {args.dot_precision}")
     print("| format | shape | " + " | ".join(c if pps is None else f"{c} pps {pps}" for c, pps in cols) + " |")
     print("|---|---|" + "---|" * len(cols))

@@ -137,7 +137,7 @@ TILE_OVERRIDE: dict | None = None
 # side, with the moves that pack them). V_CONVERT_FIRST keeps the conversion in the layout the codes were loaded in
 # (the kernel's keep_layout), so 16-bit values are stored and read back transposed by ldmatrix. Static counts
 # (benchmarks/sass_count.py, sm_90, decode at 64 x 8192): fp8_e4m3 8.2 -> 5.9 instructions per position, int8
-# separate 11.3 -> 8.7, mxfp8 16.0 -> 12.2 (and 255 -> 165 registers), the 4-bit formats 6-11% fewer; the staging
+# separate 11.3 -> 8.7, mxfp8 16.0 -> 12.2 (and 255 -> 165 registers), the 4-bit formats 6-11% fewer. The
 # staging buffer of an 8-bit side takes 32 KiB of shared memory at 128 positions of head size 128 (mxfp8 16 KiB more;
 # the 4-bit formats' and KIVI's tiles went through shared memory before, and take no more). H200, decode at 64 x 8192
 # as graph replays (benchmarks/RESULTS.md, twenty-third session, run 3: `python benchmarks/tune_tiles.py FORMAT
