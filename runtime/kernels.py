@@ -55,6 +55,8 @@ def _choose_mode() -> None:
 #   wide   every side's code rows start at multiples of 16 bytes in the page (cell, base and page sizes), so the
 #          compiled kernel copies them 16 bytes at a time: fp8 per tensor and int8 with separate scales, not vLLM's
 #          inline-scale cells of 132 bytes a side.
+#   e8m0   block scales are powers of two (MX formats): the codes' ratios cost less arithmetic than nvfp4's e4m3
+#          scales, and more copies in flight pay where nvfp4 stays issue-bound.
 # prefetch_blocks: the kernel's PREFETCH_BLOCKS (block ids loaded one step ahead), which lets a third stage
 # double-buffer the K/V copies. H200, 2026-12-04 (benchmarks/RESULTS.md, twenty-second session; `python
 # benchmarks/tune_tiles.py fp8_e4m3 int8_per_token_head_separate --configs 128/4/2/168 128/4/3/168p
@@ -72,18 +74,19 @@ DECODE_ROWS = 16
 # fp32; "ieee" exact fp32 dots; "quantized" int8 dots on int8 codes; "fast" one 16-bit term per operand
 DOT_PRECISIONS = ("auto", "ieee", "quantized", "fast")
 ATTENTION_TILES = (
-    # bits, terms, block, split, rows, head, wide -> tiles
-    ((8, 1, False, False, 16, 128, True), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # fp8, int8 separate
-    ((16, 1, None, False, 16, 64, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # hs 64
-    ((16, 1, None, False, 16, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)),  # bf16
-    ((8, 1, False, False, 16, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # fp8
-    ((8, 1, True, None, 16, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # mxfp8
-    ((8, 2, True, None, 16, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # q8_0
-    ((4, 1, True, False, 16, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # nvfp4, mxfp4
-    ((4, 1, False, True, 16, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # int4 per token-head
-    ((None, 2, True, False, 16, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=8)),  # KIVI (q4_0 before per-block dots)
-    ((8, None, None, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # other 8-bit
-    ((None, None, None, None, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=4)),  # the rest
+    # bits, terms, block, split, rows, head, wide, e8m0 -> tiles
+    ((8, 1, False, False, 16, 128, True, None), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # fp8, int8 separate
+    ((16, 1, None, False, 16, 64, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # hs 64
+    ((16, 1, None, False, 16, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)),  # bf16
+    ((8, 1, False, False, 16, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # fp8
+    ((8, 1, True, None, 16, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # mxfp8
+    ((8, 2, True, None, 16, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # q8_0
+    ((4, 1, True, False, 16, None, None, True), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # mxfp4
+    ((4, 1, True, False, 16, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # nvfp4
+    ((4, 1, False, True, 16, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # int4 per token-head
+    ((None, 2, True, False, 16, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=8)),  # KIVI (q4_0 before per-block dots)
+    ((8, None, None, None, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # other 8-bit
+    ((None, None, None, None, None, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=4)),  # the rest
 )
 # (block ids one step ahead there too, so the CPU suite runs the path that compiled fp8 decode takes)
 INTERPRETER_TILES = {"BLOCK_N": 128, "prefetch_blocks": True}
@@ -182,11 +185,11 @@ def write_tiles(code_bits: dict, pow2_blocks: bool) -> dict:
 
 
 def attention_tiles(code_bits: dict, dots: dict, block_scaled: bool, block_m: int = DECODE_ROWS,
-                    head_pad: int = 128, wide: bool = False) -> dict:
+                    head_pad: int = 128, wide: bool = False, pow2_blocks: bool = False) -> dict:
     """The launch configuration of a format's attention kernel for one call's dot constexprs ``dots`` and query rows
     per program ``block_m`` and padded head size ``head_pad``; ``wide``: every side's code rows start at multiples of
-    16 bytes (``wide_rows``). A new dict: BLOCK_N, num_warps, num_stages, optional maxnreg and prefetch_blocks,
-    programs_per_sm."""
+    16 bytes (``wide_rows``); ``pow2_blocks``: some side's block scales are e8m0. A new dict: BLOCK_N, num_warps,
+    num_stages, optional maxnreg and prefetch_blocks, programs_per_sm."""
     if interpreting():
         return dict(INTERPRETER_TILES, programs_per_sm=4)
     if TILE_OVERRIDE is not None:
@@ -200,7 +203,8 @@ def attention_tiles(code_bits: dict, dots: dict, block_scaled: bool, block_m: in
         elif mode != 0:  # the call's terms: per-block dots (BLOCK_DOTS) take the codes alone, one term
             terms = max(terms, dots[f"{side}_TERMS"])
             split = split or dots[f"{x}_TERMS"] > 1
-    key = (bits, terms, block_scaled, split, DECODE_ROWS if block_m <= DECODE_ROWS else block_m, head_pad, wide)
+    key = (bits, terms, block_scaled, split, DECODE_ROWS if block_m <= DECODE_ROWS else block_m, head_pad, wide,
+           pow2_blocks)
     for rule, tiles in ATTENTION_TILES:
         if all(r is None or r == k for r, k in zip(rule, key)):
             tiles = dict(tiles)
@@ -303,7 +307,7 @@ class KernelSet:
     def __init__(self, package: types.ModuleType, block_scaled: bool = False, pow2_blocks: bool = False):
         self.package = package
         self.block_scaled = block_scaled  # a side's scale covers blocks of elements: enters the tile choice
-        self.pow2_blocks = pow2_blocks  # ... in e8m0: enters the write's tile choice
+        self.pow2_blocks = pow2_blocks  # ... in e8m0: enters the write's and attention's tile choices
         self._module = None
         self._dot_modes: dict = {}  # (query dtype, precision, rotated keys, head pad, device) -> constexprs
         self._launchers: dict = {}  # kernel name -> FastLaunch
@@ -441,7 +445,7 @@ class KernelSet:
         tile_dots = dots if dot_precision != "fast" else self._call_dots(query.dtype, "auto", rotated_keys,
                                                                          consts["HEAD_PAD"], block_m, query.device)
         tiles = attention_tiles(self.module.CODE_BITS, tile_dots, self.block_scaled, block_m, consts["HEAD_PAD"],
-                                wide_rows(consts))
+                                wide_rows(consts), self.pow2_blocks)
         if tile_dots.get("BLOCK_DOTS") and not dots.get("BLOCK_DOTS"):  # fast's ratios where auto takes block dots
             tiles.update(fast_ratio_tiles(self.module.CODE_BITS, self.module.BLOCK_DOTS))
         block_n = tiles.pop("BLOCK_N")

@@ -42,11 +42,14 @@ def compiled(monkeypatch):
 
 def test_register_caps_only_where_measured(compiled):
     for name, precision, dtype, dots, ks in choices():
-        tiles = K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled)
+        tiles = K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled, pow2_blocks=ks.pow2_blocks)
         two_term_query = any(dots[f"DOT_{s}"] in (1, 2) and dots[f"{x}_TERMS"] > 1 for s, x in (("K", "Q"), ("V", "P")))
         exact_only = dots["DOT_K"] == 0 and dots["DOT_V"] == 0
         where = f"{name} {precision} {dtype}"
-        if exact_only or two_term_query:
+        # two-term queries keep the compiler's registers but for int4 per token-head's class (4-bit codes, rotated
+        # query in two terms, no block scales), measured faster capped (twenty-fourth session; 0.1 spills a position)
+        int4_class = max(ks.module.CODE_BITS.values()) == 4 and not ks.block_scaled
+        if exact_only or (two_term_query and not int4_class):
             assert "maxnreg" not in tiles, where
         assert tiles["BLOCK_N"] in (64, 128) and tiles["programs_per_sm"] in (4, 8), where
 
@@ -57,7 +60,8 @@ def test_measured_choices(compiled):
         fmt = kvgen.load(name)
         ks = fmt._kernels
         dots = ks.dot_modes(dtype, precision, fmt.spec.key.rotation is not None, 128, None)
-        return K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled, wide=wide(name))
+        return K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled, wide=wide(name),
+                                 pow2_blocks=ks.pow2_blocks)
 
     assert tiles("bf16") == dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)
     # twenty-second session: 16-byte code rows take block ids one step ahead and a third stage
@@ -69,9 +73,14 @@ def test_measured_choices(compiled):
         assert tiles(name) == dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8), name
     assert tiles("mxfp8") == dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)
     # sixth session's sweeps (benchmarks/RESULTS.md): the block-scaled classes and int4 take 128 positions per step
-    for name in ("q8_0", "nvfp4", "nvfp4_separate", "mxfp4"):
+    for name in ("q8_0", "nvfp4", "nvfp4_separate"):
         assert tiles(name) == dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8), name
-    assert tiles("int4_per_token_head") == dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)
+    # twenty-fourth session (values converted first): mxfp4 gained 7% at every decode shape with 3 stages, block ids
+    # one step ahead and 168 registers, where nvfp4 and mxfp8 lost 3-6%; int4 per token-head 7-10% with the cap
+    assert tiles("mxfp4") == dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4,
+                                  prefetch_blocks=True)
+    assert tiles("int4_per_token_head") == dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168,
+                                                programs_per_sm=4, prefetch_blocks=True)
     # KIVI, and q4_0 where it keeps two terms (decode without per-block dots: GQA groups above 16, or the exact
     # dots of these tests' fp32 queries), split for 8 programs per SM
     for name in ("q4_0", "kivi_2bit", "kivi_4bit"):
@@ -375,10 +384,12 @@ def test_plan_fills_the_last_wave(name):
         # which the waves keep; 3 programs and 24 splits before), bf16 at 4 (target 8: 33)
         assert (resident, plan._launch.grid[2]) == {"fp8_e4m3": (2, 17), "bf16": (4, 33)}[name]
     one = fmt.attend(q, cache, table, lens, qsl, max_query_len=1, num_splits=1).float()
-    # splits round each probability to the dot type against their own running maximum, and sum in another order:
-    # differences of a few units in the 11th bit of the largest terms, which random fp8 codes (up to 448) make far
-    # larger than a cancelled output element (17 splits against 1: 0.0049 at an element of 0.11, H200 2026-12-04)
-    torch.testing.assert_close(plan.run(q, cache).float(), one, rtol=2e-2, atol=2**-11 * one.abs().max().item())
+    # splits round each probability to the dot type (bf16 here: unit roundoff 2**-8) against their own running
+    # maximum, and sum in another order: an output element moves by a few roundoffs of the typical output, far more
+    # than a cancelled element's own size (H200 2026-12-04: fp8, 17 splits against 1, 0.0049 at an element of 0.11;
+    # bf16, 33 against 1, 6.9e-5 where the largest output was 0.036, 2**-9 of it). A split combined wrongly moves
+    # elements by the output's own size.
+    torch.testing.assert_close(plan.run(q, cache).float(), one, rtol=2e-2, atol=2**-7 * one.abs().max().item())
 
 
 def decode_and_prefill_plans(fmt):
