@@ -62,7 +62,13 @@ def _choose_mode() -> None:
 # benchmarks/tune_tiles.py fp8_e4m3 int8_per_token_head_separate --configs 128/4/2/168 128/4/3/168p
 # --programs-per-sm 4 8 --cuda-graphs`): fp8_e4m3 349 -> 330 us at 64 x 8192, 183 -> 175 at 4 x 65536, 200 -> 191 at
 # 256 x 1024 (split target 4 programs per SM; 8 gave 335 / 179 / 189), int8 separate 415 -> 404, 215 -> 211; the
-# inline-scale cells ran 1.4-1.5x slower with 3 stages (benchmarks/variant_ab.py), so they keep 2.
+# inline-scale cells ran 1.4-1.5x slower with 3 stages (benchmarks/variant_ab.py), so they keep 2. With the values
+# converted first (V_CONVERT_FIRST; twenty-fourth session, runs 4-6: `python benchmarks/tune_tiles.py mxfp4
+# int4_per_token_head --configs rtc 128/4/3/168pc 128/4/2/168pc ... --shapes 64x8192 4x65536 256x1024
+# --cuda-graphs`): mxfp4 with 3 stages, block ids ahead and 168 registers 443 -> 413 us at 64 x 8192, 228 -> 212 at
+# 4 x 65536, 238 -> 221 at 256 x 1024 (nvfp4 and mxfp8 lost 3-6% with the same tiles: the e8m0 key); int4 per
+# token-head with 168 registers and block ids ahead 672 -> 632, 344 -> 312, 393 -> 373 (a 128-register cap spills:
+# 1.06-1.28x slower).
 # First matching rule wins (None matches anything). BLOCK_N: KV positions per step; maxnreg: a register cap (the
 # compiler otherwise takes 255 registers, two programs per SM); programs_per_sm: the split-KV target. The tuned rules
 # were measured on the H200 with benchmarks/tune_tiles.py in decode at 64 x 8192 and 4 x 65536 with bf16 queries
