@@ -68,7 +68,10 @@ def _choose_mode() -> None:
 # --cuda-graphs`): mxfp4 with 3 stages, block ids ahead and 168 registers 443 -> 413 us at 64 x 8192, 228 -> 212 at
 # 4 x 65536, 238 -> 221 at 256 x 1024 (nvfp4 and mxfp8 lost 3-6% with the same tiles: the e8m0 key); int4 per
 # token-head with 168 registers and block ids ahead 672 -> 632, 344 -> 312, 393 -> 373 (a 128-register cap spills:
-# 1.06-1.28x slower).
+# 1.06-1.28x slower). Head size 64 (runs 7-8, `--shapes 64x8192hs64`): the 8-bit formats with per-tensor or
+# per-token scales and nvfp4 with 3 stages, block ids ahead and 168 registers (fp8 215 -> 189 us, int8 separate 284
+# -> 249, int8 / fp8 per token-head 333 / 327 -> 308 / 305, nvfp4 281 -> 252), mxfp4 and int4 per token-head with 2
+# stages and 128 registers (336 -> 284, 361 -> 307; no spills at head size 64); mxfp8 lost with either.
 # First matching rule wins (None matches anything). BLOCK_N: KV positions per step; maxnreg: a register cap (the
 # compiler otherwise takes 255 registers, two programs per SM); programs_per_sm: the split-KV target. The tuned rules
 # were measured on the H200 with benchmarks/tune_tiles.py in decode at 64 x 8192 and 4 x 65536 with bf16 queries
@@ -83,6 +86,10 @@ ATTENTION_TILES = (
     # bits, terms, block, split, rows, head, wide, e8m0 -> tiles
     ((8, 1, False, False, 16, 128, True, None), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # fp8, int8 separate
     ((16, 1, None, False, 16, 64, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # hs 64
+    ((8, 1, False, False, 16, 64, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # 8-bit, hs 64
+    ((4, 1, True, False, 16, 64, None, True), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4)),  # mxfp4, hs 64
+    ((4, 1, True, False, 16, 64, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # nvfp4, hs 64
+    ((4, 1, False, True, 16, 64, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4)),  # int4 per token-head, hs 64
     ((16, 1, None, False, 16, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)),  # bf16
     ((8, 1, False, False, 16, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # fp8
     ((8, 1, True, None, 16, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # mxfp8
