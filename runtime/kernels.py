@@ -50,13 +50,15 @@ def _choose_mode() -> None:
 #   rows   the query rows a program holds (BLOCK_M): 16 in decode (one query token, or up to 16 / GROUP of them);
 #          prefill holds 64 and needs the registers a cap would take (the decode caps made the chunked prefill
 #          of 4 x 2048 tokens 35-40% slower on the H200);
-#   head   the padded head size (HEAD_PAD); only bf16 / fp16 at 64 has a rule of its own (half the bytes per position:
-#          twice the positions per step pay, 295 -> 279 us at 64 x 8192, sixth session).
+#   head   the padded head size (HEAD_PAD): bf16 / fp16 at 64 has a rule of its own since the sixth session (half the
+#          bytes per position: twice the positions per step pay, 295 -> 279 us at 64 x 8192), the measured classes
+#          below at 64 and 128 since the twenty-fourth; other head sizes take a class's rule for any head.
 #   wide   every side's code rows start at multiples of 16 bytes in the page (cell, base and page sizes), so the
 #          compiled kernel copies them 16 bytes at a time: fp8 per tensor and int8 with separate scales, not vLLM's
 #          inline-scale cells of 132 bytes a side.
 #   e8m0   block scales are powers of two (MX formats): the codes' ratios cost less arithmetic than nvfp4's e4m3
-#          scales, and more copies in flight pay where nvfp4 stays issue-bound.
+#          scales, and more copies in flight pay where nvfp4 stays issue-bound;
+#   block dots  the call takes one dot per scale block (BLOCK_DOTS: q8_0 and q4_0 in decode, 249-254 registers).
 # prefetch_blocks: the kernel's PREFETCH_BLOCKS (block ids loaded one step ahead), which lets a third stage
 # double-buffer the K/V copies. H200, 2026-12-04 (benchmarks/RESULTS.md, twenty-second session; `python
 # benchmarks/tune_tiles.py fp8_e4m3 int8_per_token_head_separate --configs 128/4/2/168 128/4/3/168p
@@ -66,12 +68,16 @@ def _choose_mode() -> None:
 # converted first (V_CONVERT_FIRST; twenty-fourth session, runs 4-6: `python benchmarks/tune_tiles.py mxfp4
 # int4_per_token_head --configs rtc 128/4/3/168pc 128/4/2/168pc ... --shapes 64x8192 4x65536 256x1024
 # --cuda-graphs`): mxfp4 with 3 stages, block ids ahead and 168 registers 443 -> 413 us at 64 x 8192, 228 -> 212 at
-# 4 x 65536, 238 -> 221 at 256 x 1024 (nvfp4 and mxfp8 lost 3-6% with the same tiles: the e8m0 key); int4 per
+# 4 x 65536, 238 -> 221 at 256 x 1024 (nvfp4 lost 6% with the same tiles, mxfp8 1-3%: the e8m0 key); int4 per
 # token-head with 168 registers and block ids ahead 672 -> 632, 344 -> 312, 393 -> 373 (a 128-register cap spills:
-# 1.06-1.28x slower). Head size 64 (runs 7-8, `--shapes 64x8192hs64`): the 8-bit formats with per-tensor or
-# per-token scales and nvfp4 with 3 stages, block ids ahead and 168 registers (fp8 215 -> 189 us, int8 separate 284
-# -> 249, int8 / fp8 per token-head 333 / 327 -> 308 / 305, nvfp4 281 -> 252), mxfp4 and int4 per token-head with 2
-# stages and 128 registers (336 -> 284, 361 -> 307; no spills at head size 64); mxfp8 lost with either.
+# 1.06-1.28x slower). Both at head size 128 only (measured there; at 256 the values are not converted first). Head
+# size 64 (runs 7-8, `--shapes 64x8192hs64`): the 8-bit formats with per-tensor or per-token scales and nvfp4 with 3
+# stages, block ids ahead and 168 registers (fp8 215 -> 189 us, int8 separate 284 -> 249, int8 / fp8 per token-head
+# 333 / 327 -> 308 / 305, nvfp4 281 -> 252), mxfp4 and int4 per token-head with 2 stages and 128 registers (336 ->
+# 284, 361 -> 307; no spills at head size 64); mxfp8 level with 2 stages and 128 registers (306 against 307 us),
+# slower with 3 stages (354), keeps its rule. q4_0's per-block dots, 7-10% slower at head size 128 with nvfp4's new
+# tiles there, keep their rule (the block dots key). Not timed at head size 64, following their class's rule:
+# mixed_k8_v4, int8 asym, the "quantized" domain's int8 dots, nvfp4_separate, fp8 per head / e5m2.
 # First matching rule wins (None matches anything). BLOCK_N: KV positions per step; maxnreg: a register cap (the
 # compiler otherwise takes 255 registers, two programs per SM); programs_per_sm: the split-KV target. The tuned rules
 # were measured on the H200 with benchmarks/tune_tiles.py in decode at 64 x 8192 and 4 x 65536 with bf16 queries
@@ -83,23 +89,24 @@ DECODE_ROWS = 16
 # fp32; "ieee" exact fp32 dots; "quantized" int8 dots on int8 codes; "fast" one 16-bit term per operand
 DOT_PRECISIONS = ("auto", "ieee", "quantized", "fast")
 ATTENTION_TILES = (
-    # bits, terms, block, split, rows, head, wide, e8m0 -> tiles
-    ((8, 1, False, False, 16, 128, True, None), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # fp8, int8 separate
-    ((16, 1, None, False, 16, 64, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # hs 64
-    ((8, 1, False, False, 16, 64, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # 8-bit, hs 64
-    ((4, 1, True, False, 16, 64, None, True), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4)),  # mxfp4, hs 64
-    ((4, 1, True, False, 16, 64, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # nvfp4, hs 64
-    ((4, 1, False, True, 16, 64, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4)),  # int4 per token-head, hs 64
-    ((16, 1, None, False, 16, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)),  # bf16
-    ((8, 1, False, False, 16, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # fp8
-    ((8, 1, True, None, 16, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # mxfp8
-    ((8, 2, True, None, 16, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # q8_0
-    ((4, 1, True, False, 16, None, None, True), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # mxfp4
-    ((4, 1, True, False, 16, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # nvfp4
-    ((4, 1, False, True, 16, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # int4 per token-head
-    ((None, 2, True, False, 16, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=8)),  # KIVI (q4_0 before per-block dots)
-    ((8, None, None, None, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # other 8-bit
-    ((None, None, None, None, None, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=4)),  # the rest
+    # bits, terms, block, split, rows, head, wide, e8m0, block dots -> tiles
+    ((8, 1, False, False, 16, 128, True, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # fp8, int8 separate
+    ((16, 1, None, False, 16, 64, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # bf16, hs 64
+    ((8, 1, False, False, 16, 64, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # fp8, int8 separate, int8 / fp8 per token-head, hs 64
+    ((4, 1, True, False, 16, 64, None, True, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4)),  # mxfp4, hs 64
+    ((4, 1, True, False, 16, 64, None, None, False), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # nvfp4 (not q4_0's block dots), hs 64
+    ((4, 1, False, True, 16, 64, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4)),  # int4 per token-head, hs 64
+    ((16, 1, None, False, 16, None, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)),  # bf16
+    ((8, 1, False, False, 16, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # fp8
+    ((8, 1, True, None, 16, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # mxfp8
+    ((8, 2, True, None, 16, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # q8_0
+    ((4, 1, True, False, 16, 128, None, True, None), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # mxfp4, hs 128
+    ((4, 1, True, False, 16, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # nvfp4, mxfp4
+    ((4, 1, False, True, 16, 128, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # int4 per token-head, hs 128
+    ((4, 1, False, True, 16, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # int4 per token-head
+    ((None, 2, True, False, 16, None, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=8)),  # KIVI (q4_0 before per-block dots)
+    ((8, None, None, None, None, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # other 8-bit
+    ((None, None, None, None, None, None, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=4)),  # the rest
 )
 # (block ids one step ahead there too, so the CPU suite runs the path that compiled fp8 decode takes)
 INTERPRETER_TILES = {"BLOCK_N": 128, "prefetch_blocks": True}
@@ -217,7 +224,7 @@ def attention_tiles(code_bits: dict, dots: dict, block_scaled: bool, block_m: in
             terms = max(terms, dots[f"{side}_TERMS"])
             split = split or dots[f"{x}_TERMS"] > 1
     key = (bits, terms, block_scaled, split, DECODE_ROWS if block_m <= DECODE_ROWS else block_m, head_pad, wide,
-           pow2_blocks)
+           pow2_blocks, bool(dots.get("BLOCK_DOTS")))
     for rule, tiles in ATTENTION_TILES:
         if all(r is None or r == k for r, k in zip(rule, key)):
             tiles = dict(tiles)
