@@ -31,7 +31,10 @@ def main() -> int:
     ap.add_argument("--configs", nargs="+", default=["rt"])
     ap.add_argument("--shapes", nargs="+", default=["64x8192", "4x65536", "256x1024"])
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dot-precision", choices=K.DOT_PRECISIONS, default="auto",
+                    help="both kernels' dot precision (where the format offers it, as bench.py runs it)")
     args = ap.parse_args()
+    bench.DOT = args.dot_precision
     bench.require_gpu(ap)
     bw = bench.copy_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
