@@ -170,10 +170,11 @@ TILE_OVERRIDE: dict | None = None
 # buffer); alike at 4 x 65536 and, but for fp8 and int8 separate (not timed there), at 256 x 1024. vLLM's
 # inline-scale cells (8-bit codes in 4-byte aligned rows) ran 1.22-1.53x slower with it (run 2; the Hadamard format
 # 544 -> 751 us in run 3), so 8-bit value codes take it only in rows of 16-byte multiples (q8_0's 34-byte blocks, 1044
-# -> 1012 us with it, are left out with them). Decode only (prefill was not timed), and heads of at most
-# CONVERT_FIRST_MAX_HEAD: at 256 the staging buffer leaves fp8, int8 separate and mxfp8 1 program per SM (static
-# counts; not timed). Head size 64 was not timed either; there the static counts fall as at 128 and no format loses
-# programs per SM.
+# -> 1012 us with it, are left out with them). Decode only: chunked prefill gained nothing with it (twenty-fourth
+# session, run 7: its warpgroup dots already read converted values from shared memory; the inline-scale cells 15%
+# slower); and heads of at most CONVERT_FIRST_MAX_HEAD: at 256 the staging buffer leaves fp8, int8 separate and
+# mxfp8 1 program per SM (static counts; not timed). Head size 64 was timed with it in the twenty-fourth session's
+# full run (every format it applies to faster than before: benchmarks/RESULTS.md).
 # CONVERT_FIRST_OVERRIDE (experiments: tune_tiles.py's "c" / "n" configs) sets it for every call whose values can
 # take it.
 CONVERT_FIRST_OVERRIDE: bool | None = None
