@@ -76,8 +76,15 @@ def _choose_mode() -> None:
 # 333 / 327 -> 308 / 305, nvfp4 281 -> 252), mxfp4 and int4 per token-head with 2 stages and 128 registers (336 ->
 # 284, 361 -> 307; no spills at head size 64); mxfp8 level with 2 stages and 128 registers (306 against 307 us),
 # slower with 3 stages (354), keeps its rule. q4_0's per-block dots, 7-10% slower at head size 128 with nvfp4's new
-# tiles there, keep their rule (the block dots key). Not timed at head size 64, following their class's rule:
-# mixed_k8_v4, int8 asym, the "quantized" domain's int8 dots, nvfp4_separate, fp8 per head / e5m2.
+# tiles there, keep their rule (the block dots key). Twenty-fifth session, run 5 (`python benchmarks/tune_tiles.py
+# FORMATS --configs rt 128/4/3/168p ... --shapes 64x8192hs64 --cuda-graphs`): at head size 64 the rotated-key format
+# takes the 3-stage tiles too (402 -> 322 us; its second query term spilled under the cap at head size 128 only), and
+# so do the per-block dots of q4_0 (353 -> 328) and q8_0 (487 -> 473); mixed_k8_v4, int8 asym, nvfp4_separate, mxfp8,
+# int8 / fp8 per token-head, mxfp4 and int4 per token-head gained nothing from 2-3 stages, 64 positions per step or 8
+# warps (within 2% or slower). KIVI at head size 64 (run 6; no key fold there) with 2 stages: kivi_2bit 1074 -> 720
+# us at 64 positions per step and 128 registers, kivi_4bit 1098 -> 723 at 128 positions; at head size 128 (key fold)
+# 2 stages were level or slower (run 7). Not timed at head size 64, following their class's rule: the "quantized"
+# domain's int8 dots, fp8 per head / e5m2.
 # First matching rule wins (None matches anything). BLOCK_N: KV positions per step; maxnreg: a register cap (the
 # compiler otherwise takes 255 registers, two programs per SM); programs_per_sm: the split-KV target. The tuned rules
 # were measured on the H200 with benchmarks/tune_tiles.py in decode at 64 x 8192 and 4 x 65536 with bf16 queries
@@ -96,6 +103,10 @@ ATTENTION_TILES = (
     ((4, 1, True, False, 16, 64, None, True, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4)),  # mxfp4, hs 64
     ((4, 1, True, False, 16, 64, None, None, False), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # nvfp4 (not q4_0's block dots), hs 64
     ((4, 1, False, True, 16, 64, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4)),  # int4 per token-head, hs 64
+    ((8, 1, False, True, 16, 64, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # rotated keys (Hadamard), hs 64
+    ((None, 1, True, False, 16, 64, None, False, True), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # q4_0, q8_0 (block dots), hs 64
+    ((2, 2, True, False, 16, 64, None, None, True), dict(BLOCK_N=64, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4)),  # kivi_2bit, hs 64
+    ((4, 2, True, False, 16, 64, None, None, True), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # kivi_4bit, hs 64
     ((16, 1, None, False, 16, None, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)),  # bf16
     ((8, 1, False, False, 16, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # fp8
     ((8, 1, True, None, 16, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # mxfp8

@@ -79,12 +79,14 @@ def test_long_context(name):
 
 @pytest.mark.parametrize("name, head_size", [(n, 128) for n in ("bf16", "fp8_e4m3", "int8_per_token_head",
                                                                   "int8_asym_per_token_head", "nvfp4")]
-                         + [(n, 64) for n in ("int8_per_token_head_separate", "mxfp4", "int4_per_token_head")])
+                         + [(n, 64) for n in ("int8_per_token_head_separate", "mxfp4", "int4_per_token_head",
+                                              "int8_per_token_head_hadamard_k", "q4_0")])
 def test_long_decode_many_tiles(name, head_size):
     """Decode over 2100 and 1500 tokens: 12 to 33 whole tiles per program at the GPU's 64-128 positions per step, so
     the compiled loop's software pipeline (copies of later steps in flight, shared buffers reused) runs many
     iterations; then with 3 splits and a sliding window. Head size 64 takes tiles of its own on the H200 (three
-    stages for int8 separate, two stages and 128 registers for mxfp4 and int4 per token-head)."""
+    stages for int8 separate, the rotated keys and q4_0's per-block dots, two stages and 128 registers for mxfp4 and
+    int4 per token-head)."""
     fmt = kvgen.load(name)
     case = Case(head_size=head_size, block_size=16, num_kv_heads=2, group=4, seq_lens=[2100, 1500], q_lens=[1, 1],
                 dtype=torch.bfloat16, window=None, holes=2, seed=11, k_scale=0.5, v_scale=2.0, magnitude=1.0)

@@ -107,11 +107,31 @@ def test_measured_choices(compiled):
     for name in ("mxfp4", "int4_per_token_head"):
         assert tiles_at(name, 64) == dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4), name
     assert tiles_at("mxfp8", 64) == tiles("mxfp8")
+    # twenty-fifth session, run 5: the rotated-key format (a second query term, spilled under the cap at head size
+    # 128) and q4_0 / q8_0's per-block dots (decode's own dots, hence the call's) take the 3-stage tiles at 64
+    assert tiles_at("int8_per_token_head_hadamard_k", 64) == three
+    for name in ("q4_0", "q8_0"):
+        ks = kvgen.load(name)._kernels
+        dots = ks._call_dots(torch.bfloat16, "auto", False, 64, K.DECODE_ROWS, None)
+        assert dots["BLOCK_DOTS"], name
+        assert K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled, K.DECODE_ROWS, 64,
+                                 wide(name, 64), ks.pow2_blocks) == three, name
+        dots = ks._call_dots(torch.bfloat16, "auto", False, 128, K.DECODE_ROWS, None)
+        assert "maxnreg" not in K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled, K.DECODE_ROWS, 128,
+                                                  wide(name, 128), ks.pow2_blocks), name
     for name, old in (("mxfp4", dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),
                       ("int4_per_token_head", dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4))):
         assert tiles_at(name, 256) == old, name
     # measured before the table (run 1): the rotated-key format and exact dots keep the earlier choice
     assert tiles("int8_per_token_head_hadamard_k") == dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)
+    # KIVI at head size 64 (twenty-fifth session, run 6: 1.5x faster with 2 stages; no key fold there)
+    for name, tiles64 in (("kivi_2bit", dict(BLOCK_N=64, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4)),
+                          ("kivi_4bit", dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4))):
+        ks = kvgen.load(name)._kernels
+        for head_pad, want in ((64, tiles64), (128, tiles(name))):
+            dots = ks._call_dots(torch.bfloat16, "auto", False, head_pad, K.DECODE_ROWS, None)
+            assert K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled, K.DECODE_ROWS, head_pad,
+                                     wide(name, head_pad), ks.pow2_blocks) == want, (name, head_pad)
     # ... whose steps hold whole token groups of 32 (the runtime takes at least BLOCK_N_GROUP positions per step)
     assert kvgen.load("kivi_4bit")._kernels.module.BLOCK_N_GROUP == 32
     assert tiles("int8_per_token_head", precision="ieee") == dict(BLOCK_N=128, num_warps=4, num_stages=2,
@@ -437,13 +457,18 @@ def test_block_dots_in_decode_only(name, monkeypatch):
     ks = fmt._kernels
     dots = {k: decode[k] for k in ("DOT_K", "DOT_V", "Q_TERMS", "K_TERMS", "P_TERMS", "V_TERMS", "BLOCK_DOTS")}
     monkeypatch.setattr(K, "interpreting", lambda: False)  # the tiles a GPU would take for these dots
-    for head_pad in (128, 64):
-        tiles = K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled, head_pad=head_pad,
-                                  pow2_blocks=ks.pow2_blocks)
-        # one term: the classes measured for mxfp8 (8-bit) and nvfp4 (4-bit); not q4_0's two-term class (64/4/3).
-        # At head size 64 too: nvfp4's rule there (3 stages) is not the block dots' (q4_0 lost 7-10% with those
-        # tiles at head size 128)
-        assert tiles == dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8), (head_pad, tiles)
+    tiles = K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled, head_pad=128, pow2_blocks=ks.pow2_blocks)
+    # one term: the classes measured for mxfp8 (8-bit) and nvfp4 (4-bit); not q4_0's two-term class (64/4/3), and
+    # not the 3-stage tiles (q4_0 lost 7-10% with them at head size 128)
+    assert tiles == dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8), tiles
+    # head size 64: the block dots' own rule (twenty-fifth session, run 5: 3 stages faster there), which prefill's
+    # two-term class does not take
+    tiles = K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled, head_pad=64, pow2_blocks=ks.pow2_blocks)
+    assert tiles["num_stages"] == 3 and tiles["prefetch_blocks"], tiles
+    prefill_dots = {k: prefill[k] for k in dots}
+    tiles = K.attention_tiles(ks.module.CODE_BITS, prefill_dots, ks.block_scaled, head_pad=64,
+                              pow2_blocks=ks.pow2_blocks)
+    assert "prefetch_blocks" not in tiles, tiles
 
 
 @pytest.mark.parametrize("name, pairs", [("mxfp8", True), ("mxfp4", False), ("q8_0", False)])
