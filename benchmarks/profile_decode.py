@@ -6,6 +6,8 @@
     python benchmarks/profile_decode.py --formats q8_0 --dot-precision fast  # another dot precision (default auto)
     python benchmarks/profile_decode.py --write --formats nvfp4 --after copy  # the write loaded after the copy
     python benchmarks/profile_decode.py --write --formats nvfp4 --after copy --graphs  # as CUDA-graph replays
+    python benchmarks/profile_decode.py --formats int8_per_token_head --tiles 128/4/3/168pc  # other tiles (tune_tiles.py's)
+    python benchmarks/profile_decode.py --formats mxfp8 --shape 64x8192hs64     # head size 64
 
 For each format, runs ``ncu`` on a child process that sets up benchmarks/bench.py's decode case (32 query heads,
 8 KV heads, head size 128, block size 16; KIVI block 32) and launches attention a few times; the third launch of
@@ -21,6 +23,10 @@ counted per (token, KV head).
 leaves it (bench.write_case's ``release_pool=False``): the process state in which a write kernel, first loaded then,
 runs up to 2.1x slower as CUDA-graph replays (benchmarks/write_state.py; RESULTS.md, twentieth and twenty-first
 sessions). ``--graphs`` launches the case as bench.py's graph replays (ncu profiles the kernel node).
+
+``--tiles CFG`` launches attention with a configuration in benchmarks/tune_tiles.py's notation instead of the
+runtime's rule (BLOCK_N/num_warps/num_stages[/maxnreg], "p" block ids ahead, "c" / "n" the values converted first or
+not; "rtc" / "rtn": the rule's tiles, converted first or not), so two variants of one format profile side by side.
 
 ncu runs with ``--clock-control none`` (the clocks stay as the driver sets them), so its kernel time is comparable
 with bench.py's medians.
@@ -56,7 +62,7 @@ def find_ncu() -> str:
 
 
 def child(name: str, seqs: int, ctx: int, write: bool, dot_precision: str = "auto", after: str = "nothing",
-          graphs: bool = False) -> None:
+          graphs: bool = False, tiles: str | None = None, head_size: int | None = None) -> None:
     """Set up one decode case (or write case of ctx tokens) and launch it 4 times (ncu picks one launch)."""
     import torch
 
@@ -64,6 +70,9 @@ def child(name: str, seqs: int, ctx: int, write: bool, dot_precision: str = "aut
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench
+    import tune_tiles
+
+    tune_tiles.apply(tiles)
 
     bench.DOT = dot_precision
     bench.GRAPHS = graphs
@@ -72,7 +81,7 @@ def child(name: str, seqs: int, ctx: int, write: bool, dot_precision: str = "aut
     if after == "copy":
         bench.copy_bandwidth()  # 4 GiB allocated and freed to the pool, which keeps them
     fn, _ = (bench.write_case(fmt, ctx, block, release_pool=after != "copy") if write
-             else bench.decode_case(fmt, seqs, ctx, block))
+             else bench.decode_case(fmt, seqs, ctx, block, head_size or bench.D))
     for _ in range(4):
         fn()
     torch.cuda.synchronize()
@@ -87,7 +96,8 @@ def number(row: dict, key: str) -> float | None:
 
 
 def profile(ncu: str, name: str, seqs: int, ctx: int, out: Path, write: bool = False,
-            dot_precision: str = "auto", after: str = "nothing", graphs: bool = False) -> dict:
+            dot_precision: str = "auto", after: str = "nothing", graphs: bool = False, tiles: str | None = None,
+            head_size: int | None = None) -> dict:
     kernel = "regex:reshape_and_cache|kivi_flush" if write else "regex:paged_attention"
     skip = "4" if graphs else "2"  # graphs: 3 warm-up launches, then the replays (ncu profiles a replay's node)
     cmd = [ncu, "--clock-control", "none", "--kernel-name", kernel, "--launch-skip", skip,
@@ -95,12 +105,13 @@ def profile(ncu: str, name: str, seqs: int, ctx: int, out: Path, write: bool = F
     for section in SECTIONS:
         cmd += ["--section", section]
     cmd += [sys.executable, str(Path(__file__).resolve()), "--child", name, "--shape",
-            str(ctx) if write else f"{seqs}x{ctx}"]
+            str(ctx) if write else f"{seqs}x{ctx}" + (f"hs{head_size}" if head_size else "")]
+    cmd += ["--tiles", tiles] if tiles else []
     cmd += ["--write"] if write else ["--dot-precision", dot_precision]
     cmd += ["--after", after] + (["--graphs"] if graphs else [])
     run = subprocess.run(cmd, capture_output=True, text=True)
     with open(out / "ncu_raw.csv", "a") as raw:  # one file for all formats (fewer files to carry back)
-        raw.write(f"# {name}\n{run.stdout}\n")
+        raw.write(f"# {name}{' ' + tiles if tiles else ''}\n{run.stdout}\n")
     lines = run.stdout.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
     if run.returncode != 0 or start is None:
@@ -165,8 +176,8 @@ def summary(name: str, row: dict, seqs: int, ctx: int) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--formats", nargs="+", default=DEFAULT_FORMATS)
-    ap.add_argument("--shape", default=None, help="sequences x context (default 64x8192); with --write, tokens "
-                    "(default 32768)")
+    ap.add_argument("--shape", default=None, help="sequences x context (default 64x8192; 64x8192hs64: head size "
+                    "64); with --write, tokens (default 32768)")
     ap.add_argument("--write", action="store_true", help="profile reshape-and-cache (KIVI: its flush) instead")
     ap.add_argument("--out", default="profile_out")
     from kvgen.runtime.kernels import DOT_PRECISIONS
@@ -177,28 +188,50 @@ def main() -> int:
                     help="what the child runs before setting up its case (copy: bench.py's copy measurement, the "
                     "allocator pool kept)")
     ap.add_argument("--graphs", action="store_true", help="launch the case as CUDA-graph replays (bench.py's)")
+    ap.add_argument("--tiles", default=None, help="attention's launch in tune_tiles.py's notation (e.g. "
+                    "128/4/3/168pc, rtn) instead of the runtime's rule")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     shape = args.shape or ("32768" if args.write else "64x8192")
-    try:
-        seqs, ctx = (1, int(shape)) if args.write else (int(x) for x in shape.split("x"))
-    except ValueError:
-        ap.error(f"--shape {shape!r}: expected " + ("a token count" if args.write else "SEQUENCESxCONTEXT"))
+    head_size = None
+    if args.write:
+        m = re.fullmatch(r"(\d+)", shape)
+        seqs, ctx = (1, int(m[1])) if m else (0, 0)
+    else:
+        m = re.fullmatch(r"(\d+)x(\d+)(?:hs(\d+))?", shape)
+        if m:
+            seqs, ctx, head_size = int(m[1]), int(m[2]), int(m[3]) if m[3] else None
+    if m is None:
+        ap.error(f"--shape {shape!r}: expected " + ("a token count" if args.write
+                                                     else "SEQUENCESxCONTEXT or SEQUENCESxCONTEXThsHEAD"))
+    if args.tiles and args.write:
+        ap.error("--tiles: attention's launch; writes take benchmarks/tune_writes.py")
+    if args.tiles:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import tune_tiles
+
+        try:
+            tune_tiles.apply(args.tiles)
+        except ValueError as e:
+            ap.error(f"--tiles: {e}")
+        tune_tiles.apply(None)
     if args.child:
-        child(args.child, seqs, ctx, args.write, args.dot_precision, args.after, args.graphs)
+        child(args.child, seqs, ctx, args.write, args.dot_precision, args.after, args.graphs, args.tiles, head_size)
         return 0
     ncu = find_ncu()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     what = (f"reshape-and-cache of {ctx} tokens" if args.write
-            else f"decode {seqs} x {ctx}, bf16 queries, dot precision {args.dot_precision}")
+            else f"decode {seqs} x {ctx}{f' at head size {head_size}' if head_size else ''}, bf16 queries, dot "
+            f"precision {args.dot_precision}{f', tiles {args.tiles}' if args.tiles else ''}")
     print(f"ncu: {ncu}; {what}; one launch per format", flush=True)
     print(f"| format | kernel us | DRAM of peak | DRAM MB moved | registers | achieved occupancy "
           f"| issue slots busy | warp instr / {'token' if args.write else 'KV position'} and KV head | cycles per "
           "issue | largest stalls (cycles per issued instruction) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.formats:
-        row = profile(ncu, name, seqs, ctx, out, args.write, args.dot_precision, args.after, args.graphs)
+        row = profile(ncu, name, seqs, ctx, out, args.write, args.dot_precision, args.after, args.graphs,
+                      args.tiles, head_size)
         if row:
             print(summary(name, row, seqs, ctx), flush=True)
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,26 @@ def test_profile_summary_bytes_from_the_rate_when_no_count(rate, unit):
            "units": {"gpu__time_duration.sum": "usecond", "dram__bytes.sum.per_second": unit}}
     cells = [c.strip() for c in prof.summary("bf16", row, 1, 32768).split("|")[1:-1]]
     assert cells[1] == "67" and cells[3] == "247"  # 3.682e12 B/s x 67e-6 s = 246.7 MB
+
+
+def test_profile_passes_tiles_and_head_size_to_its_child(monkeypatch, tmp_path):
+    """profile_decode.py --tiles / --shape ...hsN: the child process that ncu profiles is told the tiles and head
+    size (a profile of the runtime's rule under another name would compare nothing), and bad values are refused."""
+    prof = load_script("profile_decode")
+    seen = []
+    fake_run = lambda cmd, **kw: seen.append(cmd) or subprocess.CompletedProcess(cmd, 1, "", "no ncu here")  # noqa: E731
+    monkeypatch.setattr(prof, "subprocess", types.SimpleNamespace(run=fake_run))
+    assert prof.profile("ncu", "mxfp8", 64, 8192, tmp_path, tiles="128/4/3/168pc", head_size=64) == {}
+    child = seen[0][seen[0].index("--child"):]
+    assert child[:4] == ["--child", "mxfp8", "--shape", "64x8192hs64"]
+    assert child[child.index("--tiles") + 1] == "128/4/3/168pc"
+    prof.profile("ncu", "bf16", 4, 65536, tmp_path)
+    assert "--tiles" not in seen[1] and "4x65536" in seen[1]
+    for args, says in ((["--tiles", "128/4"], "--tiles"), (["--shape", "64x8192hs"], "--shape"),
+                       (["--write", "--tiles", "rt"], "tune_writes.py")):
+        res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_decode.py"), *args],
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 2 and says in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
 
 
 def test_tile_configs_parse_and_apply(monkeypatch):
