@@ -4,15 +4,15 @@
 # `source benchmarks/device_env.sh`; outputs go to $OUT (the device tool's folder), each step's also to stdout.
 #
 #   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~250 s)
-#   bash benchmarks/pending/next_session.sh layout     # the position-minor value patch against the shipped kernels
-#   bash benchmarks/pending/next_session.sh fp8tiles   # fp8 / int8 separate tiles with more warps per SM
-#   bash benchmarks/pending/next_session.sh hs64       # head size 64: the formats not swept there, then bench.py
+#   bash benchmarks/pending/next_session.sh cells      # profiles: the inline-scale cells converted first / 3 stages
+#   bash benchmarks/pending/next_session.sh hs64prof   # profiles at head size 64 (mxfp8, int8 per token-head, bf16)
+#   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs, KIVI's flush profile
 #
 # Steps in priority order; each prints how long it took.
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: tests, layout, fp8tiles or hs64"}
+step=${1:?"a step: tests, cells, hs64prof or writes"}
 start=$(date +%s)
 case "$step" in
   tests)
@@ -21,33 +21,25 @@ case "$step" in
       tests/test_random_specs.py tests/test_kivi.py tests/test_kivi_reference.py tests/test_dot_operand.py \
       tests/test_alignment.py "tests/test_conformance.py::test_long_decode_many_tiles" 2>&1 | tee "$out/tests.txt" | tail -15
     ;;
-  layout)
-    # values stored position-minor (hand-edited kernels: their outputs are not the formats', only their times count)
-    rm -rf .ab/layout && mkdir -p .ab/layout/generated
-    cp -r generated/fp8_e4m3 generated/int8_per_token_head_separate .ab/layout/generated/
-    (cd .ab/layout && { git apply ../../benchmarks/pending/value-position-minor-static.patch 2>/dev/null \
-      || patch -p1 < ../../benchmarks/pending/value-position-minor-static.patch; }) || exit 1
-    timeout 280 python3 benchmarks/variant_ab.py .ab/layout/generated fp8_e4m3 int8_per_token_head_separate \
-      --configs rt 128/4/3/168pn 128/4/3/128pn --shapes 64x8192 4x65536 2>&1 | tee "$out/layout.txt" | grep "^|"
-    timeout 150 python3 benchmarks/variant_ab.py .ab/layout/generated int8_per_token_head_separate \
-      --dot-precision quantized --configs rt 128/4/3/168pn --shapes 64x8192 4x65536 2>&1 \
-      | tee "$out/layout_quantized.txt" | grep "^|"
+  cells)
+    # vLLM's inline-scale cells: the rule's tiles, the values converted first, 3 stages with block ids ahead
+    for t in rtn rtc 128/4/3/168pn; do
+      timeout 180 python3 benchmarks/profile_decode.py --formats int8_per_token_head --tiles "$t" --out "$out/cells" \
+        2>&1 | tee -a "$out/cells.txt" | grep "^| int8"
+    done
     ;;
-  fp8tiles)
-    timeout 400 python3 benchmarks/tune_tiles.py fp8_e4m3 int8_per_token_head_separate --configs rt 64/4/3/168pc \
-      64/4/4/168pc 128/8/3/128pc 128/8/2/128pc --shapes 64x8192 4x65536 256x1024 --cuda-graphs 2>&1 \
-      | tee "$out/fp8tiles.txt" | grep "^|"
+  hs64prof)
+    timeout 400 python3 benchmarks/profile_decode.py --formats bf16 mxfp8 int8_per_token_head fp8_e4m3 \
+      --shape 64x8192hs64 --out "$out/hs64prof" 2>&1 | tee "$out/hs64prof.txt" | grep "^|"
     ;;
-  hs64)
-    timeout 250 python3 benchmarks/tune_tiles.py mixed_k8_v4 int8_asym_per_token_head q4_0 q8_0 \
-      int8_per_token_head_hadamard_k nvfp4_separate --configs rt 128/4/3/168p 128/4/2/128 --shapes 64x8192hs64 \
-      --cuda-graphs 2>&1 | tee "$out/hs64_tiles.txt" | grep "^|"
-    timeout 300 python3 benchmarks/bench.py --cuda-graphs --no-sweep --kinds decode --out "$out/bench_decode" \
-      --formats bf16 fp8_e4m3 int8_per_token_head int8_per_token_head_separate fp8_per_token_head nvfp4 mxfp4 \
-      int4_per_token_head mxfp8 2>&1 | grep "hs64"
+  writes)
+    timeout 250 python3 benchmarks/write_state.py nvfp4 kivi_2bit fp8_e4m3 --states nothing copy --graph-nodes 2>&1 \
+      | tee "$out/write_graph_nodes.txt" | tail -30
+    timeout 200 python3 benchmarks/profile_decode.py --write --formats kivi_2bit nvfp4 --out "$out/writes" 2>&1 \
+      | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': tests, layout, fp8tiles or hs64" >&2
+    echo "unknown step '$step': tests, cells, hs64prof or writes" >&2
     exit 2
     ;;
 esac
