@@ -1,6 +1,7 @@
 """A/B of a variant of generated attention kernels against the shipped ones (issue 5), on a GPU:
 
     python benchmarks/variant_ab.py VARIANT_DIR fp8_e4m3 [--configs 128/4/2/168 ...] [--shapes 64x8192 4x65536]
+    python benchmarks/variant_ab.py VARIANT_DIR mxfp8 --shapes 64x8192hs64      # head size 64
 
 VARIANT_DIR holds generated format packages (a copy of ``generated/NAME`` with its kernels.py edited by hand, or the
 output of ``kvgen build -o`` from a changed template). For each format, shape and config (as tune_tiles.py's; "rt":
@@ -11,6 +12,7 @@ variant must compute the same attention: a difference beyond rounding means it i
 copy bandwidth measured in the same run.
 """
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -29,11 +31,18 @@ def main() -> int:
     ap.add_argument("variant_dir")
     ap.add_argument("formats", nargs="+")
     ap.add_argument("--configs", nargs="+", default=["rt"])
-    ap.add_argument("--shapes", nargs="+", default=["64x8192", "4x65536", "256x1024"])
+    ap.add_argument("--shapes", nargs="+", default=["64x8192", "4x65536", "256x1024"],
+                    help="SEQSxCONTEXT or SEQSxCONTEXThsHEAD (head size; default 128)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dot-precision", choices=K.DOT_PRECISIONS, default="auto",
                     help="both kernels' dot precision (where the format offers it, as bench.py runs it)")
     args = ap.parse_args()
+    shapes = {}
+    for shape in args.shapes:
+        m = re.fullmatch(r"(\d+)x(\d+)(?:hs(\d+))?", shape)
+        if m is None:
+            ap.error(f"--shapes: {shape!r} is not SEQSxCONTEXT or SEQSxCONTEXThsHEAD (e.g. 64x8192hs64)")
+        shapes[shape] = int(m[1]), int(m[2]), int(m[3] or bench.D)
     bench.DOT = args.dot_precision
     bench.require_gpu(ap)
     bw = bench.copy_bandwidth()
@@ -44,12 +53,11 @@ def main() -> int:
     for name in args.formats:
         shipped = kvgen.load(name)
         variant = kvgen.load(str(Path(args.variant_dir) / name))
-        for shape in args.shapes:
-            seqs, ctx = (int(x) for x in shape.split("x"))
+        for shape, (seqs, ctx, head_size) in shapes.items():
             for config in args.configs:
                 apply(config)
                 block = 32 if shipped.spec.streaming else 16  # KIVI: pages of whole key groups
-                fn_a, nbytes = bench.decode_case(shipped, seqs, ctx, block, graphs=False)
+                fn_a, nbytes = bench.decode_case(shipped, seqs, ctx, block, head_size, graphs=False)
                 q, cache, table, seq_lens, qsl, kw = fn_a.inputs  # the same case through the variant
                 if not shipped.spec.streaming:  # real codes (bench.py's random bytes hold NaN codes and scales)
                     slots = cache.num_blocks * cache.block_size

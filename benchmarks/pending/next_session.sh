@@ -4,6 +4,7 @@
 # `source benchmarks/device_env.sh`; outputs go to $OUT (the device tool's folder), each step's also to stdout.
 #
 #   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~250 s)
+#   bash benchmarks/pending/next_session.sh scalewords # scale-words.patch: its GPU tests, then its A/B at head size 64
 #   bash benchmarks/pending/next_session.sh cells      # profiles: the inline-scale cells converted first / 3 stages
 #   bash benchmarks/pending/next_session.sh hs64prof   # profiles at head size 64 (mxfp8, int8 per token-head, bf16)
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs, KIVI's flush profile
@@ -12,7 +13,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: tests, cells, hs64prof or writes"}
+step=${1:?"a step: tests, scalewords, cells, hs64prof or writes"}
 start=$(date +%s)
 case "$step" in
   tests)
@@ -20,6 +21,21 @@ case "$step" in
       tests/test_launch.py tests/test_quantized_domain.py tests/test_fast_dots.py tests/test_golden.py \
       tests/test_random_specs.py tests/test_kivi.py tests/test_kivi_reference.py tests/test_dot_operand.py \
       tests/test_alignment.py "tests/test_conformance.py::test_long_decode_many_tiles" 2>&1 | tee "$out/tests.txt" | tail -15
+    ;;
+  scalewords)
+    # block scale rows under 4 bytes read as aligned words (mxfp8 / mxfp4 at head size 64): a copy of this tree with
+    # the patch, its GPU tests there, then its kernels against the shipped ones
+    rm -rf .ab/sw && mkdir -p .ab/sw && tar --exclude=./.ab --exclude=./.git -cf - . | tar -x -C .ab/sw
+    # (from the root: `git apply` inside a repository's subfolder skips paths outside it without a word)
+    git apply --directory=.ab/sw benchmarks/pending/scale-words.patch \
+      || patch -d .ab/sw -p1 -s < benchmarks/pending/scale-words.patch || exit 1
+    grep -q "_sword = " .ab/sw/generated/mxfp8/kernels.py || { echo "scale-words.patch did not apply" >&2; exit 1; }
+    mkdir -p /tmp/kvroot_sw && ln -sfn "$PWD/.ab/sw" /tmp/kvroot_sw/kvgen
+    (cd .ab/sw && PYTHONPATH=/tmp/site:/tmp/kvroot_sw timeout 300 python3 -m pytest -q -n 16 -p no:cacheprovider \
+      tests/test_scale_words.py tests/test_golden.py tests/test_conformance.py tests/test_random_specs.py \
+      -k "mxfp or nvfp4 or q8_0 or q4_0 or narrow or random" 2>&1 | tail -4) | tee "$out/scalewords_tests.txt"
+    timeout 250 python3 benchmarks/variant_ab.py .ab/sw/generated mxfp8 mxfp4 --configs rt 128/4/3/168p \
+      --shapes 64x8192hs64 4x65536hs64 2>&1 | tee "$out/scalewords_ab.txt" | grep "^|"
     ;;
   cells)
     # vLLM's inline-scale cells: the rule's tiles, the values converted first, 3 stages with block ids ahead
@@ -39,7 +55,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': tests, cells, hs64prof or writes" >&2
+    echo "unknown step '$step': tests, scalewords, cells, hs64prof or writes" >&2
     exit 2
     ;;
 esac
