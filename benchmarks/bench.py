@@ -36,6 +36,7 @@ import datetime
 import json
 import math
 import platform
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -77,6 +78,18 @@ def graphed(fn):
     """``fn`` captured in a CUDA graph (capture): its replay is what an engine that captures decode in graphs pays
     per step, without the host-side launch cost."""
     return capture(fn).replay
+
+
+def decode_shapes(parser: argparse.ArgumentParser, shapes: list, option: str = "--shapes") -> dict:
+    """Decode shapes as the tuning scripts take them, SEQSxCONTEXT or SEQSxCONTEXThsHEAD (head size; else D): each
+    text -> (sequences, context, head size). A shape outside that syntax ends the script with its text."""
+    parsed = {}
+    for shape in shapes:
+        m = re.fullmatch(r"(\d+)x(\d+)(?:hs(\d+))?", shape)
+        if m is None:
+            parser.error(f"{option}: {shape!r} is not SEQSxCONTEXT or SEQSxCONTEXThsHEAD (e.g. 64x8192hs64)")
+        parsed[shape] = int(m[1]), int(m[2]), int(m[3] or D)
+    return parsed
 
 
 def require_gpu(parser: argparse.ArgumentParser) -> None:

@@ -76,12 +76,7 @@ def main() -> None:
     args = ap.parse_args()
     bench.DOT = args.dot_precision
     bench.require_gpu(ap)
-    shapes = {}
-    for shape in args.shapes:
-        m = re.fullmatch(r"(\d+)x(\d+)(?:hs(\d+))?", shape)
-        if m is None:
-            ap.error(f"--shapes: {shape!r} is not SEQSxCONTEXT or SEQSxCONTEXThsHEAD (e.g. 64x8192hs64)")
-        shapes[shape] = int(m[1]), int(m[2]), int(m[3] or bench.D)
+    shapes = bench.decode_shapes(ap, args.shapes)
     # the runtime's own tiles ("rt...") take its own split target: one column each
     cols = [(c, None) for c in args.configs if c.startswith("rt")]
     cols += [(c, pps) for pps in args.programs_per_sm for c in args.configs if not c.startswith("rt")]

@@ -12,7 +12,6 @@ variant must compute the same attention: a difference beyond rounding means it i
 copy bandwidth measured in the same run.
 """
 import argparse
-import re
 import sys
 from pathlib import Path
 
@@ -37,12 +36,7 @@ def main() -> int:
     ap.add_argument("--dot-precision", choices=K.DOT_PRECISIONS, default="auto",
                     help="both kernels' dot precision (where the format offers it, as bench.py runs it)")
     args = ap.parse_args()
-    shapes = {}
-    for shape in args.shapes:
-        m = re.fullmatch(r"(\d+)x(\d+)(?:hs(\d+))?", shape)
-        if m is None:
-            ap.error(f"--shapes: {shape!r} is not SEQSxCONTEXT or SEQSxCONTEXThsHEAD (e.g. 64x8192hs64)")
-        shapes[shape] = int(m[1]), int(m[2]), int(m[3] or bench.D)
+    shapes = bench.decode_shapes(ap, args.shapes)
     bench.DOT = args.dot_precision
     bench.require_gpu(ap)
     bw = bench.copy_bandwidth()
