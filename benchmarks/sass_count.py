@@ -15,8 +15,10 @@ argument specialisation (aligned pointers, integers divisible by 16) are the rea
 session) the kernels were compiled without that specialisation, which hid the asynchronous copies of the compiled
 kernels and overstated their instructions. Finds the main loop in the SASS (the first backward branch spanning
 more than 200 instructions) and prints its instructions per KV position (per KV head), the bytes per position, the
-instruction mix and local-memory traffic (register spills). A proxy for issue 5's "what limits the kernel" when no
-GPU is at hand: a memory-bound kernel issues few instructions per byte.
+instruction mix, local-memory traffic (register spills) and the loop's global loads by opcode (LDGSTS: the
+software pipeline's asynchronous copies; LDG: plain loads each step waits for, e.g. rows narrower than the 4 bytes
+an asynchronous copy takes). A proxy for issue 5's "what limits the kernel" when no GPU is at hand: a memory-bound
+kernel issues few instructions per byte, and waits on no plain load but its block ids.
 """
 
 from __future__ import annotations
@@ -188,11 +190,14 @@ def count(name: str, dot_precision: str = "auto", seqs: int = 64, ctx: int = 819
     warps = tiles.get("num_warps", 4)
     occupancy = resident_programs(regs, warps, smem)  # programs per SM on sm_90, as the runtime counts them
     ops = collections.Counter(opcode(line) for line in loop)
+    # the loop's global loads by full opcode: LDGSTS are asynchronous copies into shared memory (the software
+    # pipeline's), LDG plain loads that the step waits for (one LDG.E: the step's block ids)
+    loads = collections.Counter(m[1] for m in (re.search(r"\b(LDGSTS[.\w]*|LDG[.\w]*)", line) for line in loop) if m)
     bytes_per_position = fmt.page_bytes(block, 8, head_size) / block / 8
     return dict(format=name, block_n=block_n, per_position=len(loop) / block_n, bytes=bytes_per_position,
                 per_byte=len(loop) / block_n / bytes_per_position, regs=regs, smem=smem, occupancy=occupancy,
                 spills=(ops["STL"] + ops["LDL"]) / block_n,
-                mix=ops.most_common(8))
+                mix=ops.most_common(8), loads=dict(sorted(loads.items())))
 
 
 def count_write(name: str, tokens: int = 4096) -> dict:
@@ -319,13 +324,14 @@ def main() -> int:
     if precision == "quantized":
         names = [n for n in names if any(kvgen.load(n).quantized_dot.values())]
     print("| format | instructions / position | bytes / position | instructions / byte | registers | shared KiB | "
-          "programs / SM | spill ld+st / position | most frequent |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "programs / SM | spill ld+st / position | most frequent | global loads a step (LDGSTS async, LDG waited) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
         r = count(name, dot_precision=precision, **shape)
         mix = ", ".join(f"{op} {n / r['block_n']:.1f}" for op, n in r["mix"])
+        loads = ", ".join(f"{op} {n}" for op, n in r["loads"].items() if op != "LDGDEPBAR")
         print(f"| {name} | {r['per_position']:.1f} | {r['bytes']:.0f} | {r['per_byte']:.3f} | {r['regs']} | "
-              f"{r['smem'] / 1024:.0f} | {r['occupancy']} | {r['spills']:.1f} | {mix} |",
+              f"{r['smem'] / 1024:.0f} | {r['occupancy']} | {r['spills']:.1f} | {mix} | {loads} |",
               flush=True)
     return 0
 

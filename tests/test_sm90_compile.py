@@ -83,3 +83,18 @@ def test_prefill_with_narrow_packed_rows_compiles_for_sm90(tmp_path):
     out = sass_count("--prefill", "--head-size", "48", str(spec), cache=tmp_path / "cache")
     rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "---" not in line]
     assert rows[1:] == [str(spec)], out
+
+
+def test_byte_aligned_codes_load_asynchronously_for_sm90(tmp_path):
+    """The software pipeline's asynchronous copies carry every byte the decode loop of the 16-byte-row formats reads:
+    codes 16 bytes at a time, per-token scales in words, and no plain global load but the step's block ids (a plain
+    load stalls each step for the memory's latency: mxfp8's 2-byte scale rows at head size 64 load that way)."""
+    names = ["bf16", "fp8_e4m3", "int8_per_token_head_separate", "mxfp8"]
+    out = sass_count(*names, cache=tmp_path / "cache")
+    rows = {cells[1].strip(): cells[-2].strip() for cells in (line.split("|") for line in out.splitlines()
+                                                              if line.startswith("| ") and "---" not in line)}
+    for name in names:
+        loads = dict(item.rsplit(" ", 1) for item in rows[name].split(", "))
+        plain = {op: int(n) for op, n in loads.items() if not op.startswith("LDGSTS")}
+        assert sum(plain.values()) <= 1 and set(plain) <= {"LDG.E"}, (name, loads)  # the block ids, if any
+        assert "LDGSTS.E.BYPASS.128" in loads, (name, loads)
