@@ -86,8 +86,8 @@ def test_measured_choices(compiled):
     # dots of these tests' fp32 queries), split for 8 programs per SM
     for name in ("q4_0", "kivi_2bit", "kivi_4bit"):
         assert tiles(name) == dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=8), name
-    # head size 64: bf16 and fp16 take 128 positions per step under the 8-bit cap; the 8-bit formats keep theirs
-    # (no choice swept there beat it)
+    # head size 64: bf16 and fp16 take 128 positions per step under the 8-bit cap (the quantized formats' own rules
+    # there follow)
     def tiles_at(name, head_pad):
         fmt = kvgen.load(name)
         ks = fmt._kernels
