@@ -8,12 +8,13 @@
 #   bash benchmarks/pending/next_session.sh cells      # profiles: the inline-scale cells converted first / 3 stages
 #   bash benchmarks/pending/next_session.sh hs64prof   # profiles at head size 64 (mxfp8, int8 per token-head, bf16)
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs, KIVI's flush profile
+#   bash benchmarks/pending/next_session.sh hs256      # head size 256 (never swept): tiles without spills
 #
 # Steps in priority order; each prints how long it took.
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: tests, scalewords, cells, hs64prof or writes"}
+step=${1:?"a step: tests, scalewords, cells, hs64prof, writes or hs256"}
 start=$(date +%s)
 case "$step" in
   tests)
@@ -54,8 +55,15 @@ case "$step" in
     timeout 200 python3 benchmarks/profile_decode.py --write --formats kivi_2bit nvfp4 --out "$out/writes" 2>&1 \
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
+  hs256)
+    # head size 256 takes the head-128 rules untimed; statically fp8 / int8 spill under the 168-register cap there
+    # and mxfp8 spills at 255 registers with one operand loaded plainly (pending/README.md)
+    timeout 500 python3 benchmarks/tune_tiles.py bf16 fp8_e4m3 int8_per_token_head_separate int8_per_token_head \
+      mxfp8 nvfp4 mxfp4 int4_per_token_head --configs rt 64/4/3p 64/4/2p 128/8/2p 64/8/2p --shapes 16x8192hs256 \
+      --cuda-graphs 2>&1 | tee "$out/hs256_tiles.txt" | grep "^|"
+    ;;
   *)
-    echo "unknown step '$step': tests, scalewords, cells, hs64prof or writes" >&2
+    echo "unknown step '$step': tests, scalewords, cells, hs64prof, writes or hs256" >&2
     exit 2
     ;;
 esac
