@@ -81,14 +81,17 @@ def graphed(fn):
 
 
 def decode_shapes(parser: argparse.ArgumentParser, shapes: list, option: str = "--shapes") -> dict:
-    """Decode shapes as the tuning scripts take them, SEQSxCONTEXT or SEQSxCONTEXThsHEAD (head size; else D): each
-    text -> (sequences, context, head size). A shape outside that syntax ends the script with its text."""
+    """Attention shapes as the tuning scripts take them: SEQSxCONTEXT, then optionally qN (N new query tokens per
+    sequence, the last N of its context: a chunked prefill; else 1, decode) and hsN (head size; else D), e.g.
+    64x8192, 64x8192hs64, 4x8192q2048. Each text -> (sequences, context, head size, new tokens). A shape outside
+    that syntax ends the script with its text."""
     parsed = {}
     for shape in shapes:
-        m = re.fullmatch(r"(\d+)x(\d+)(?:hs(\d+))?", shape)
-        if m is None:
-            parser.error(f"{option}: {shape!r} is not SEQSxCONTEXT or SEQSxCONTEXThsHEAD (e.g. 64x8192hs64)")
-        parsed[shape] = int(m[1]), int(m[2]), int(m[3] or D)
+        m = re.fullmatch(r"(\d+)x(\d+)(?:q(\d+))?(?:hs(\d+))?", shape)
+        if m is None or int(m[3] or 1) > int(m[2]):
+            parser.error(f"{option}: {shape!r} is not SEQSxCONTEXT[qNEW][hsHEAD] with NEW <= CONTEXT (e.g. 64x8192, "
+                         "64x8192hs64, 4x8192q2048)")
+        parsed[shape] = int(m[1]), int(m[2]), int(m[4] or D), int(m[3] or 1)
     return parsed
 
 

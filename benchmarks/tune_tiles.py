@@ -1,9 +1,10 @@
-"""Tile experiment (issue 5): decode time for each tile choice (KV positions per step / warps / pipeline stages /
-register cap), per format and shape. On a GPU:
+"""Tile experiment (issue 5): attention time (decode, or a chunked prefill) for each tile choice (KV positions per
+step / warps / pipeline stages / register cap), per format and shape. On a GPU:
 
     python benchmarks/tune_tiles.py bf16 fp8_e4m3 int8_per_token_head
     python benchmarks/tune_tiles.py fp8_e4m3 --configs 128/4/2 128/4/2/128 --programs-per-sm 4 8
     python benchmarks/tune_tiles.py int8_per_token_head --shapes 64x8192hs64   # head size 64
+    python benchmarks/tune_tiles.py int8_per_token_head_separate --shapes 4x8192q2048   # bench.py's chunked prefill
     python benchmarks/tune_tiles.py q8_0 --dot-precision fast             # another dot precision (default auto)
 
 A config is BLOCK_N/num_warps/num_stages[/maxnreg][p][c|n] (p: the next step's block ids loaded one step ahead; c / n:
@@ -92,9 +93,9 @@ def main() -> None:
     for name in args.formats:
         fmt = kvgen.load(name)
         for shape in args.shapes:
-            seqs, ctx, head = shapes[shape]
+            seqs, ctx, head, q_len = shapes[shape]
             block = 32 if fmt.spec.streaming else 16
-            fn, moved = bench.decode_case(fmt, seqs, ctx, block, head, graphs=False)
+            fn, moved = bench.decode_case(fmt, seqs, ctx, block, head, q_len, graphs=False)
             res = []
             for c, pps in cols:
                 apply(c, pps)

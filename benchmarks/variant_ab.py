@@ -47,11 +47,11 @@ def main() -> int:
     for name in args.formats:
         shipped = kvgen.load(name)
         variant = kvgen.load(str(Path(args.variant_dir) / name))
-        for shape, (seqs, ctx, head_size) in shapes.items():
+        for shape, (seqs, ctx, head_size, q_len) in shapes.items():
             for config in args.configs:
                 apply(config)
                 block = 32 if shipped.spec.streaming else 16  # KIVI: pages of whole key groups
-                fn_a, nbytes = bench.decode_case(shipped, seqs, ctx, block, head_size, graphs=False)
+                fn_a, nbytes = bench.decode_case(shipped, seqs, ctx, block, head_size, q_len, graphs=False)
                 q, cache, table, seq_lens, qsl, kw = fn_a.inputs  # the same case through the variant
                 if not shipped.spec.streaming:  # real codes (bench.py's random bytes hold NaN codes and scales)
                     slots = cache.num_blocks * cache.block_size

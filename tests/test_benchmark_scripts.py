@@ -86,6 +86,21 @@ def test_profile_passes_tiles_and_head_size_to_its_child(monkeypatch, tmp_path):
         assert res.returncode == 2 and says in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
 
 
+def test_attention_shapes_parse():
+    """The tuning scripts' shapes: SEQSxCONTEXT, optionally qNEW (a chunked prefill's new tokens per sequence) and
+    hsHEAD; anything else (or more new tokens than context) ends the script naming the shape."""
+    import argparse
+
+    bench = load_script("bench")
+    ap = argparse.ArgumentParser(prog="tune")
+    got = bench.decode_shapes(ap, ["64x8192", "64x8192hs64", "4x8192q2048", "4x8192q2048hs256"])
+    assert got == {"64x8192": (64, 8192, bench.D, 1), "64x8192hs64": (64, 8192, 64, 1),
+                   "4x8192q2048": (4, 8192, bench.D, 2048), "4x8192q2048hs256": (4, 8192, 256, 2048)}
+    for bad in ("64x", "4x100q200", "64x8192hs", "4x8192hs64q16"):
+        with pytest.raises(SystemExit):
+            bench.decode_shapes(ap, [bad])
+
+
 def test_tile_configs_parse_and_apply(monkeypatch):
     """tune_tiles.py's configs (also variant_ab.py's and sass_count.py --tiles'): numbers, then letters p (block ids
     one step ahead), c / n (values converted first or not); "rt", "rtc", "rtn" the runtime's own tiles. A config

@@ -9,12 +9,13 @@
 #   bash benchmarks/pending/next_session.sh hs64prof   # profiles at head size 64 (mxfp8, int8 per token-head, bf16)
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs, KIVI's flush profile
 #   bash benchmarks/pending/next_session.sh hs256      # head size 256 (never swept): tiles without spills
+#   bash benchmarks/pending/next_session.sh prefill    # chunked prefill's tiles (never swept per format)
 #
 # Steps in priority order; each prints how long it took.
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: tests, scalewords, cells, hs64prof, writes or hs256"}
+step=${1:?"a step: tests, scalewords, cells, hs64prof, writes, hs256 or prefill"}
 start=$(date +%s)
 case "$step" in
   tests)
@@ -62,8 +63,14 @@ case "$step" in
       mxfp8 nvfp4 mxfp4 int4_per_token_head --configs rt 64/4/3p 64/4/2p 128/8/2p 64/8/2p --shapes 16x8192hs256 \
       --cuda-graphs 2>&1 | tee "$out/hs256_tiles.txt" | grep "^|"
     ;;
+  prefill)
+    # bench.py's chunked prefill (4 x 2048 new on 8192) with other tiles: the formats slower than bf16 there
+    timeout 550 python3 benchmarks/tune_tiles.py bf16 int8_per_token_head_separate nvfp4 fp8_per_token_head \
+      int8_per_token_head mxfp8 mxfp4 --configs rt 64/4/3 128/4/3 64/4/2 128/4/2 --shapes 4x8192q2048 \
+      --cuda-graphs 2>&1 | tee "$out/prefill_tiles.txt" | grep "^|"
+    ;;
   *)
-    echo "unknown step '$step': tests, scalewords, cells, hs64prof, writes or hs256" >&2
+    echo "unknown step '$step': tests, scalewords, cells, hs64prof, writes, hs256 or prefill" >&2
     exit 2
     ;;
 esac
