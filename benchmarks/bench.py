@@ -87,7 +87,7 @@ def decode_shapes(parser: argparse.ArgumentParser, shapes: list, option: str = "
     that syntax ends the script with its text."""
     parsed = {}
     for shape in shapes:
-        m = re.fullmatch(r"(\d+)x(\d+)(?:q(\d+))?(?:hs(\d+))?", shape)
+        m = re.fullmatch(r"([1-9]\d*)x([1-9]\d*)(?:q([1-9]\d*))?(?:hs([1-9]\d*))?", shape)
         if m is None or int(m[3] or 1) > int(m[2]):
             parser.error(f"{option}: {shape!r} is not SEQSxCONTEXT[qNEW][hsHEAD] with NEW <= CONTEXT (e.g. 64x8192, "
                          "64x8192hs64, 4x8192q2048)")

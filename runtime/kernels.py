@@ -45,8 +45,10 @@ def _choose_mode() -> None:
 #          dot_precision="ieee"; 1 also for int8 dots and for per-block dots on the codes (q8_0 / q4_0 in decode,
 #          BLOCK_DOTS); 2: hi + lo, e.g. q8_0's codes times block ratios in prefill);
 #   block  whether block scales enter the operand;
-#   split  whether the query or the probabilities take two terms (fp32 or rotated queries): a second dot, more
-#          registers;
+#   split  which of the tensor-core dots' other operands take two terms (a second dot, more registers): 0 none;
+#          1 the query (rotated queries from bf16 / fp16 input: the Hadamard format, int4 per token-head); 2 the
+#          probabilities; 3 both (fp32 queries). False / True in a rule match 0 / 1 (Python's equality); a tuple
+#          in a rule matches any of its values;
 #   rows   the query rows a program holds (BLOCK_M): 16 in decode (one query token, or up to 16 / GROUP of them);
 #          prefill holds 64 and needs the registers a cap would take (the decode caps made the chunked prefill
 #          of 4 x 2048 tokens 35-40% slower on the H200);
@@ -80,11 +82,15 @@ def _choose_mode() -> None:
 # FORMATS --configs rt 128/4/3/168p ... --shapes 64x8192hs64 --cuda-graphs`): at head size 64 the rotated-key format
 # takes the 3-stage tiles too (402 -> 322 us; its second query term spilled under the cap at head size 128 only), and
 # so do the per-block dots of q4_0 (353 -> 328) and q8_0 (487 -> 473); mixed_k8_v4, int8 asym, nvfp4_separate, mxfp8,
-# int8 / fp8 per token-head, mxfp4 and int4 per token-head gained nothing from 2-3 stages, 64 positions per step or 8
-# warps (within 2% or slower). KIVI at head size 64 (run 6; no key fold there) with 2 stages: kivi_2bit 1074 -> 720
-# us at 64 positions per step and 128 registers, kivi_4bit 1098 -> 723 at 128 positions; at head size 128 (key fold)
-# 2 stages were level or slower (run 7). Not timed at head size 64, following their class's rule: the "quantized"
-# domain's int8 dots, fp8 per head / e5m2.
+# int8 / fp8 per token-head, mxfp4 and int4 per token-head gained at most 3% from 2-3 stages, 64 positions per step
+# or 8 warps (mxfp4 2.8% with block ids ahead, 285 -> 277 us, mixed_k8_v4 2% with 128/4/2/128: one run each, kept as
+# they were; the rest level or slower). KIVI at head size 64 (run 6; no key fold there) with 2 stages: kivi_2bit 1074 ->
+# 720 us at 64 positions per step and 128 registers, kivi_4bit 1098 -> 723 at 128 positions; at head size 128 (key
+# fold) 2 stages at 64 positions were mixed (run 7: 0-5% faster at 64 x 8192 and 4 x 65536, kivi_4bit 3% slower at
+# 256 x 1024) and stay out. The rotated-key rule is for a query alone in two terms (bf16 / fp16 queries: split 1);
+# fp32 queries keep the class rule of before. Not timed at head size 64, following their class's rule: the
+# "quantized" domain's int8 dots, fp8 per head / e5m2, and "fast" on q4_0 / q8_0 (the block-dots rule with fast's
+# entries over it).
 # First matching rule wins (None matches anything). BLOCK_N: KV positions per step; maxnreg: a register cap (the
 # compiler otherwise takes 255 registers, two programs per SM); programs_per_sm: the split-KV target. The tuned rules
 # were measured on the H200 with benchmarks/tune_tiles.py in decode at 64 x 8192 and 4 x 65536 with bf16 queries
@@ -102,9 +108,9 @@ ATTENTION_TILES = (
     ((8, 1, False, False, 16, 64, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # fp8, int8 separate, int8 / fp8 per token-head, hs 64
     ((4, 1, True, False, 16, 64, None, True, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4)),  # mxfp4, hs 64
     ((4, 1, True, False, 16, 64, None, None, False), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # nvfp4 (not q4_0's block dots), hs 64
-    ((4, 1, False, True, 16, 64, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4)),  # int4 per token-head, hs 64
-    ((8, 1, False, True, 16, 64, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # rotated keys (Hadamard), hs 64
-    ((None, 1, True, False, 16, 64, None, False, True), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # q4_0, q8_0 (block dots), hs 64
+    ((4, 1, False, (1, 2, 3), 16, 64, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4)),  # int4 per token-head, hs 64
+    ((8, 1, False, 1, 16, 64, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # rotated keys (Hadamard, bf16 / fp16 queries), hs 64
+    (((4, 8), 1, True, False, 16, 64, None, False, True), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # q4_0, q8_0 (block dots), hs 64
     ((2, 2, True, False, 16, 64, None, None, True), dict(BLOCK_N=64, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4)),  # kivi_2bit, hs 64
     ((4, 2, True, False, 16, 64, None, None, True), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # kivi_4bit, hs 64
     ((16, 1, None, False, 16, None, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)),  # bf16
@@ -113,8 +119,8 @@ ATTENTION_TILES = (
     ((8, 2, True, None, 16, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # q8_0
     ((4, 1, True, False, 16, 128, None, True, None), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # mxfp4, hs 128
     ((4, 1, True, False, 16, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # nvfp4, mxfp4
-    ((4, 1, False, True, 16, 128, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # int4 per token-head, hs 128
-    ((4, 1, False, True, 16, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # int4 per token-head
+    ((4, 1, False, (1, 2, 3), 16, 128, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # int4 per token-head, hs 128
+    ((4, 1, False, (1, 2, 3), 16, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # int4 per token-head
     ((None, 2, True, False, 16, None, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=8)),  # KIVI (q4_0 before per-block dots)
     ((8, None, None, None, None, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # other 8-bit
     ((None, None, None, None, None, None, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=4)),  # the rest
@@ -211,7 +217,7 @@ def write_tiles(code_bits: dict, pow2_blocks: bool) -> dict:
         return dict(WRITE_OVERRIDE)
     key = (max(code_bits.values()), pow2_blocks)
     for rule, tiles in WRITE_TILES:
-        if all(r is None or r == k for r, k in zip(rule, key)):
+        if all(r is None or (k in r if isinstance(r, tuple) else r == k) for r, k in zip(rule, key)):
             return dict(tiles)
     raise AssertionError("the last rule matches every format")
 
@@ -227,18 +233,18 @@ def attention_tiles(code_bits: dict, dots: dict, block_scaled: bool, block_m: in
     if TILE_OVERRIDE is not None:
         return dict({"programs_per_sm": 4}, **TILE_OVERRIDE)
     bits = max(code_bits.values())
-    terms, split = 0, False
+    terms, split = 0, 0
     for side, x in (("K", "Q"), ("V", "P")):
         mode = dots[f"DOT_{side}"]
         if mode == 3:  # int8 dots on the codes
             terms = max(terms, 1)
         elif mode != 0:  # the call's terms: per-block dots (BLOCK_DOTS) take the codes alone, one term
             terms = max(terms, dots[f"{side}_TERMS"])
-            split = split or dots[f"{x}_TERMS"] > 1
+            split |= (dots[f"{x}_TERMS"] > 1) << (x == "P")  # bit 0 the query's, bit 1 the probabilities'
     key = (bits, terms, block_scaled, split, DECODE_ROWS if block_m <= DECODE_ROWS else block_m, head_pad, wide,
            pow2_blocks, bool(dots.get("BLOCK_DOTS")))
     for rule, tiles in ATTENTION_TILES:
-        if all(r is None or r == k for r, k in zip(rule, key)):
+        if all(r is None or (k in r if isinstance(r, tuple) else r == k) for r, k in zip(rule, key)):
             tiles = dict(tiles)
             if block_m >= WGMMA_ROWS and head_pad * min(code_bits.values()) // 8 < NARROW_ROW_BYTES:
                 tiles["BLOCK_N"] = min(tiles["BLOCK_N"], NARROW_ROW_BLOCK_N)

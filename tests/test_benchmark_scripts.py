@@ -96,7 +96,7 @@ def test_attention_shapes_parse():
     got = bench.decode_shapes(ap, ["64x8192", "64x8192hs64", "4x8192q2048", "4x8192q2048hs256"])
     assert got == {"64x8192": (64, 8192, bench.D, 1), "64x8192hs64": (64, 8192, 64, 1),
                    "4x8192q2048": (4, 8192, bench.D, 2048), "4x8192q2048hs256": (4, 8192, 256, 2048)}
-    for bad in ("64x", "4x100q200", "64x8192hs", "4x8192hs64q16"):
+    for bad in ("64x", "4x100q200", "64x8192hs", "4x8192hs64q16", "0x8192", "4x8192q0"):
         with pytest.raises(SystemExit):
             bench.decode_shapes(ap, [bad])
 

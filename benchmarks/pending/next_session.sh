@@ -35,13 +35,17 @@ case "$step" in
     mkdir -p /tmp/kvroot_sw && ln -sfn "$PWD/.ab/sw" /tmp/kvroot_sw/kvgen
     (cd .ab/sw && PYTHONPATH=/tmp/site:/tmp/kvroot_sw timeout 300 python3 -m pytest -q -n 16 -p no:cacheprovider \
       tests/test_scale_words.py tests/test_golden.py tests/test_conformance.py tests/test_random_specs.py \
-      -k "mxfp or nvfp4 or q8_0 or q4_0 or narrow or random" 2>&1 | tail -4) | tee "$out/scalewords_tests.txt"
+      -k "mxfp or nvfp4 or q8_0 or q4_0 or narrow or random" > "$out/scalewords_tests.txt" 2>&1)
+    rc=$?
+    tail -4 "$out/scalewords_tests.txt"
+    [ "$rc" -eq 0 ] || { echo "scale-words.patch: GPU tests failed (rc $rc); no A/B" >&2; exit 1; }
     timeout 250 python3 benchmarks/variant_ab.py .ab/sw/generated mxfp8 mxfp4 --configs rt 128/4/3/168p \
       --shapes 64x8192hs64 4x65536hs64 2>&1 | tee "$out/scalewords_ab.txt" | grep "^|"
     ;;
   cells)
     # vLLM's inline-scale cells: the rule's tiles, the values converted first, 3 stages with block ids ahead
     for t in rtn rtc 128/4/3/168pn; do
+      echo "tiles $t" | tee -a "$out/cells.txt"
       timeout 180 python3 benchmarks/profile_decode.py --formats int8_per_token_head --tiles "$t" --out "$out/cells" \
         2>&1 | tee -a "$out/cells.txt" | grep "^| int8"
     done
