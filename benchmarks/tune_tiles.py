@@ -5,6 +5,8 @@ step / warps / pipeline stages / register cap), per format and shape. On a GPU:
     python benchmarks/tune_tiles.py fp8_e4m3 --configs 128/4/2 128/4/2/128 --programs-per-sm 4 8
     python benchmarks/tune_tiles.py int8_per_token_head --shapes 64x8192hs64   # head size 64
     python benchmarks/tune_tiles.py int8_per_token_head_separate --shapes 4x8192q2048   # bench.py's chunked prefill
+    (each cell: median us and, in parentheses, the cache bytes read over that time as a fraction of the copy
+    bandwidth; a prefill is bound by its dots, so there only the times compare)
     python benchmarks/tune_tiles.py q8_0 --dot-precision fast             # another dot precision (default auto)
 
 A config is BLOCK_N/num_warps/num_stages[/maxnreg][p][c|n] (p: the next step's block ids loaded one step ahead; c / n:
