@@ -193,21 +193,21 @@ def main() -> int:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     shape = args.shape or ("32768" if args.write else "64x8192")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     head_size = None
     if args.write:
-        m = re.fullmatch(r"(\d+)", shape)
-        seqs, ctx = (1, int(m[1])) if m else (0, 0)
+        if not shape.isdigit():
+            ap.error(f"--shape {shape!r}: expected a token count")
+        seqs, ctx = 1, int(shape)
     else:
-        m = re.fullmatch(r"(\d+)x(\d+)(?:hs(\d+))?", shape)
-        if m:
-            seqs, ctx, head_size = int(m[1]), int(m[2]), int(m[3]) if m[3] else None
-    if m is None:
-        ap.error(f"--shape {shape!r}: expected " + ("a token count" if args.write
-                                                     else "SEQUENCESxCONTEXT or SEQUENCESxCONTEXThsHEAD"))
+        import bench
+
+        seqs, ctx, head_size, q_len = bench.decode_shapes(ap, [shape], "--shape")[shape]
+        if q_len != 1:
+            ap.error(f"--shape {shape!r}: decode only (one new token per sequence)")
     if args.tiles and args.write:
         ap.error("--tiles: attention's launch; writes take benchmarks/tune_writes.py")
     if args.tiles:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         import tune_tiles
 
         try:

@@ -211,13 +211,19 @@ WRITE_TILES = (
 WRITE_OVERRIDE: dict | None = None
 
 
+def rule_matches(rule: tuple, key: tuple) -> bool:
+    """Whether a tile rule's fields all admit the launch's key: None admits anything, a tuple any of its values,
+    anything else its own value (False / True also admit 0 / 1)."""
+    return all(r is None or (k in r if isinstance(r, tuple) else r == k) for r, k in zip(rule, key))
+
+
 def write_tiles(code_bits: dict, pow2_blocks: bool) -> dict:
     """The reshape-and-cache launch of a compiled format (a new dict: BLOCK_T, num_warps, optional maxnreg)."""
     if WRITE_OVERRIDE is not None:
         return dict(WRITE_OVERRIDE)
     key = (max(code_bits.values()), pow2_blocks)
     for rule, tiles in WRITE_TILES:
-        if all(r is None or (k in r if isinstance(r, tuple) else r == k) for r, k in zip(rule, key)):
+        if rule_matches(rule, key):
             return dict(tiles)
     raise AssertionError("the last rule matches every format")
 
@@ -244,7 +250,7 @@ def attention_tiles(code_bits: dict, dots: dict, block_scaled: bool, block_m: in
     key = (bits, terms, block_scaled, split, DECODE_ROWS if block_m <= DECODE_ROWS else block_m, head_pad, wide,
            pow2_blocks, bool(dots.get("BLOCK_DOTS")))
     for rule, tiles in ATTENTION_TILES:
-        if all(r is None or (k in r if isinstance(r, tuple) else r == k) for r, k in zip(rule, key)):
+        if rule_matches(rule, key):
             tiles = dict(tiles)
             if block_m >= WGMMA_ROWS and head_pad * min(code_bits.values()) // 8 < NARROW_ROW_BYTES:
                 tiles["BLOCK_N"] = min(tiles["BLOCK_N"], NARROW_ROW_BLOCK_N)

@@ -116,15 +116,19 @@ def test_measured_choices(compiled):
     # twenty-fifth session, run 5: the rotated-key format (a second query term, spilled under the cap at head size
     # 128) and q4_0 / q8_0's per-block dots (decode's own dots, hence the call's) take the 3-stage tiles at 64
     assert tiles_at("int8_per_token_head_hadamard_k", 64) == three
-    for name in ("q4_0", "q8_0"):
+
+    def decode_tiles(name, head_pad):
+        """A decode call's tiles from the call's own dots (with decode's choices: per-block dots, key fold)."""
         ks = kvgen.load(name)._kernels
-        dots = ks._call_dots(torch.bfloat16, "auto", False, 64, K.DECODE_ROWS, None)
+        dots = ks._call_dots(torch.bfloat16, "auto", False, head_pad, K.DECODE_ROWS, None)
+        return dots, K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled, K.DECODE_ROWS, head_pad,
+                                       wide(name, head_pad), ks.pow2_blocks)
+
+    for name in ("q4_0", "q8_0"):
+        dots, got = decode_tiles(name, 64)
         assert dots["BLOCK_DOTS"], name
-        assert K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled, K.DECODE_ROWS, 64,
-                                 wide(name, 64), ks.pow2_blocks) == three, name
-        dots = ks._call_dots(torch.bfloat16, "auto", False, 128, K.DECODE_ROWS, None)
-        assert "maxnreg" not in K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled, K.DECODE_ROWS, 128,
-                                                  wide(name, 128), ks.pow2_blocks), name
+        assert got == three, name
+        assert "maxnreg" not in decode_tiles(name, 128)[1], name
     for name, old in (("mxfp4", dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),
                       ("int4_per_token_head", dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4))):
         assert tiles_at(name, 256) == old, name
@@ -133,11 +137,8 @@ def test_measured_choices(compiled):
     # KIVI at head size 64 (twenty-fifth session, run 6: 1.5x faster with 2 stages; no key fold there)
     for name, tiles64 in (("kivi_2bit", dict(BLOCK_N=64, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4)),
                           ("kivi_4bit", dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4))):
-        ks = kvgen.load(name)._kernels
         for head_pad, want in ((64, tiles64), (128, tiles(name))):
-            dots = ks._call_dots(torch.bfloat16, "auto", False, head_pad, K.DECODE_ROWS, None)
-            assert K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled, K.DECODE_ROWS, head_pad,
-                                     wide(name, head_pad), ks.pow2_blocks) == want, (name, head_pad)
+            assert decode_tiles(name, head_pad)[1] == want, (name, head_pad)
     # ... whose steps hold whole token groups of 32 (the runtime takes at least BLOCK_N_GROUP positions per step)
     assert kvgen.load("kivi_4bit")._kernels.module.BLOCK_N_GROUP == 32
     assert tiles("int8_per_token_head", precision="ieee") == dict(BLOCK_N=128, num_warps=4, num_stages=2,
