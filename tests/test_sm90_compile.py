@@ -101,3 +101,15 @@ def test_byte_aligned_codes_load_asynchronously_for_sm90(tmp_path):
         assert "LDGSTS.E.BYPASS.128" in loads, (name, loads)
         if name in ("int8_per_token_head_separate", "mxfp8"):  # per-token / per-block scales: 4-byte copies
             assert "LDGSTS.E" in loads, (name, loads)
+
+
+def test_narrow_scale_rows_load_asynchronously_for_sm90(tmp_path):
+    """mxfp8's and mxfp4's e8m0 scale rows at head size 64 (2 bytes) are read as the words that hold them
+    (side.jinja's block_scale_codes): asynchronous copies, no plain load but the block ids."""
+    out = sass_count("--head-size", "64", "mxfp8", "mxfp4", cache=tmp_path / "cache")
+    rows = {cells[1].strip(): cells[-2].strip() for cells in (line.split("|") for line in out.splitlines()
+                                                              if line.startswith("| ") and "---" not in line)}
+    for name in ("mxfp8", "mxfp4"):
+        loads = dict(item.rsplit(" ", 1) for item in rows[name].split(", "))
+        plain = {op: int(n) for op, n in loads.items() if not op.startswith("LDGSTS")}
+        assert sum(plain.values()) <= 1 and set(plain) <= {"LDG.E"}, (name, loads)

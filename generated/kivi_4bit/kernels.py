@@ -734,7 +734,15 @@ def paged_attention_kernel(
             # one scale per 32 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
             v_gi = tl.arange(0, HEAD_PAD // 32)
             v_gmask = (v_gi < HEAD_SIZE // 32)[None, :]
-            v_scode = tl.load(v_srow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], mask=v_gmask, other=0)
+
+            if ((HEAD_PAD // 32 * 2) < 4) & (V_SCALE_PAGE % 4 == 0) & (V_SCALE_BASE % (HEAD_PAD // 32 * 2) == 0) & (V_SCALE_CELL % (HEAD_PAD // 32 * 2) == 0) & ((NUM_KV_HEADS * V_SCALE_CELL) % 4 == 0):
+                # the row's place in its word is the head's alone (whole words per position): one shift per scale, no
+                # per-row offsets; every scale loads its row's word (the tile keeps the layout of a load of the scales)
+                v_sword = tl.load(v_cache_ptr.to(tl.pointer_type(tl.uint32)) + ((blk * V_SCALE_PAGE + (V_SCALE_BASE - V_SCALE_BASE % 4) + off * NUM_KV_HEADS * V_SCALE_CELL + (head * V_SCALE_CELL + V_SCALE_BASE % 4) // 4 * 4) // 4)[:, None] + 0 * v_gi[None, :], mask=v_gmask, other=0)
+                v_sshift = 8 * ((head * V_SCALE_CELL + V_SCALE_BASE) % 4) + 16 * v_gi
+                v_scode = ((v_sword >> v_sshift.to(tl.uint32)[None, :]) & 65535).to(tl.uint16)  # little-endian
+            else:
+                v_scode = tl.load(v_srow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], mask=v_gmask, other=0)
             # the minimum of each group, added after the dot as p @ minima ({p}_min: [BLOCK_N, HEAD_PAD], exact in fp16)
             v_zrow = v_cache_ptr + blk * V_ZP_PAGE + V_ZP_BASE + (off * NUM_KV_HEADS + head) * V_ZP_CELL
             v_gmin = v_zp_decode(tl.load(v_zrow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], mask=v_gmask, other=0))
@@ -862,7 +870,15 @@ def paged_attention_kernel(
             # one scale per 32 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
             v_gi = tl.arange(0, HEAD_PAD // 32)
             v_gmask = n_mask[:, None] & (v_gi < HEAD_SIZE // 32)[None, :]
-            v_scode = tl.load(v_srow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], mask=v_gmask, other=0)
+
+            if ((HEAD_PAD // 32 * 2) < 4) & (V_SCALE_PAGE % 4 == 0) & (V_SCALE_BASE % (HEAD_PAD // 32 * 2) == 0) & (V_SCALE_CELL % (HEAD_PAD // 32 * 2) == 0) & ((NUM_KV_HEADS * V_SCALE_CELL) % 4 == 0):
+                # the row's place in its word is the head's alone (whole words per position): one shift per scale, no
+                # per-row offsets; every scale loads its row's word (the tile keeps the layout of a load of the scales)
+                v_sword = tl.load(v_cache_ptr.to(tl.pointer_type(tl.uint32)) + ((blk * V_SCALE_PAGE + (V_SCALE_BASE - V_SCALE_BASE % 4) + off * NUM_KV_HEADS * V_SCALE_CELL + (head * V_SCALE_CELL + V_SCALE_BASE % 4) // 4 * 4) // 4)[:, None] + 0 * v_gi[None, :], mask=v_gmask, other=0)
+                v_sshift = 8 * ((head * V_SCALE_CELL + V_SCALE_BASE) % 4) + 16 * v_gi
+                v_scode = ((v_sword >> v_sshift.to(tl.uint32)[None, :]) & 65535).to(tl.uint16)  # little-endian
+            else:
+                v_scode = tl.load(v_srow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], mask=v_gmask, other=0)
             # the minimum of each group, added after the dot as p @ minima ({p}_min: [BLOCK_N, HEAD_PAD], exact in fp16)
             v_zrow = v_cache_ptr + blk * V_ZP_PAGE + V_ZP_BASE + (off * NUM_KV_HEADS + head) * V_ZP_CELL
             v_gmin = v_zp_decode(tl.load(v_zrow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], mask=v_gmask, other=0))

@@ -578,7 +578,15 @@ def paged_attention_kernel(
             # one scale per 16 elements: the operand keeps scale * 0.0078125 (exact), the same power of two everywhere
             k_gi = tl.arange(0, HEAD_PAD // 16)
             k_gmask = (k_gi < HEAD_SIZE // 16)[None, :]
-            k_scode = tl.load(k_srow[:, None] + k_gi[None, :], mask=k_gmask, other=0)
+
+            if ((HEAD_PAD // 16 * 1) < 4) & (K_SCALE_PAGE % 4 == 0) & (K_SCALE_BASE % (HEAD_PAD // 16 * 1) == 0) & (K_SCALE_CELL % (HEAD_PAD // 16 * 1) == 0) & ((NUM_KV_HEADS * K_SCALE_CELL) % 4 == 0):
+                # the row's place in its word is the head's alone (whole words per position): one shift per scale, no
+                # per-row offsets; every scale loads its row's word (the tile keeps the layout of a load of the scales)
+                k_sword = tl.load(k_meta_ptr.to(tl.pointer_type(tl.uint32)) + ((blk * K_SCALE_PAGE + (K_SCALE_BASE - K_SCALE_BASE % 4) + off * NUM_KV_HEADS * K_SCALE_CELL + (head * K_SCALE_CELL + K_SCALE_BASE % 4) // 4 * 4) // 4)[:, None] + 0 * k_gi[None, :], mask=k_gmask, other=0)
+                k_sshift = 8 * ((head * K_SCALE_CELL + K_SCALE_BASE) % 4) + 8 * k_gi
+                k_scode = ((k_sword >> k_sshift.to(tl.uint32)[None, :]) & 255).to(tl.uint8)  # little-endian
+            else:
+                k_scode = tl.load(k_srow[:, None] + k_gi[None, :], mask=k_gmask, other=0)
             k_bs = k_scale_decode(k_scode)
             # every fp8_e4m3 scale times 0.0078125 and its products with the codes are fp16 values: no power of two
             # per position; the dot's result takes 128.0 back (k_fix)
@@ -618,7 +626,15 @@ def paged_attention_kernel(
             # one scale per 16 elements: the operand keeps scale * 0.0078125 (exact), the same power of two everywhere
             v_gi = tl.arange(0, HEAD_PAD // 16)
             v_gmask = (v_gi < HEAD_SIZE // 16)[None, :]
-            v_scode = tl.load(v_srow[:, None] + v_gi[None, :], mask=v_gmask, other=0)
+
+            if ((HEAD_PAD // 16 * 1) < 4) & (V_SCALE_PAGE % 4 == 0) & (V_SCALE_BASE % (HEAD_PAD // 16 * 1) == 0) & (V_SCALE_CELL % (HEAD_PAD // 16 * 1) == 0) & ((NUM_KV_HEADS * V_SCALE_CELL) % 4 == 0):
+                # the row's place in its word is the head's alone (whole words per position): one shift per scale, no
+                # per-row offsets; every scale loads its row's word (the tile keeps the layout of a load of the scales)
+                v_sword = tl.load(v_meta_ptr.to(tl.pointer_type(tl.uint32)) + ((blk * V_SCALE_PAGE + (V_SCALE_BASE - V_SCALE_BASE % 4) + off * NUM_KV_HEADS * V_SCALE_CELL + (head * V_SCALE_CELL + V_SCALE_BASE % 4) // 4 * 4) // 4)[:, None] + 0 * v_gi[None, :], mask=v_gmask, other=0)
+                v_sshift = 8 * ((head * V_SCALE_CELL + V_SCALE_BASE) % 4) + 8 * v_gi
+                v_scode = ((v_sword >> v_sshift.to(tl.uint32)[None, :]) & 255).to(tl.uint8)  # little-endian
+            else:
+                v_scode = tl.load(v_srow[:, None] + v_gi[None, :], mask=v_gmask, other=0)
             v_bs = v_scale_decode(v_scode)
             # every fp8_e4m3 scale times 0.0078125 and its products with the codes are fp16 values: no power of two
             # per position; the dot's result takes 128.0 back (v_fix)
@@ -663,7 +679,15 @@ def paged_attention_kernel(
             # one scale per 16 elements: the operand keeps scale * 0.0078125 (exact), the same power of two everywhere
             k_gi = tl.arange(0, HEAD_PAD // 16)
             k_gmask = n_mask[:, None] & (k_gi < HEAD_SIZE // 16)[None, :]
-            k_scode = tl.load(k_srow[:, None] + k_gi[None, :], mask=k_gmask, other=0)
+
+            if ((HEAD_PAD // 16 * 1) < 4) & (K_SCALE_PAGE % 4 == 0) & (K_SCALE_BASE % (HEAD_PAD // 16 * 1) == 0) & (K_SCALE_CELL % (HEAD_PAD // 16 * 1) == 0) & ((NUM_KV_HEADS * K_SCALE_CELL) % 4 == 0):
+                # the row's place in its word is the head's alone (whole words per position): one shift per scale, no
+                # per-row offsets; every scale loads its row's word (the tile keeps the layout of a load of the scales)
+                k_sword = tl.load(k_meta_ptr.to(tl.pointer_type(tl.uint32)) + ((blk * K_SCALE_PAGE + (K_SCALE_BASE - K_SCALE_BASE % 4) + off * NUM_KV_HEADS * K_SCALE_CELL + (head * K_SCALE_CELL + K_SCALE_BASE % 4) // 4 * 4) // 4)[:, None] + 0 * k_gi[None, :], mask=k_gmask, other=0)
+                k_sshift = 8 * ((head * K_SCALE_CELL + K_SCALE_BASE) % 4) + 8 * k_gi
+                k_scode = ((k_sword >> k_sshift.to(tl.uint32)[None, :]) & 255).to(tl.uint8)  # little-endian
+            else:
+                k_scode = tl.load(k_srow[:, None] + k_gi[None, :], mask=k_gmask, other=0)
             k_bs = k_scale_decode(k_scode)
             # every fp8_e4m3 scale times 0.0078125 and its products with the codes are fp16 values: no power of two
             # per position; the dot's result takes 128.0 back (k_fix)
@@ -703,7 +727,15 @@ def paged_attention_kernel(
             # one scale per 16 elements: the operand keeps scale * 0.0078125 (exact), the same power of two everywhere
             v_gi = tl.arange(0, HEAD_PAD // 16)
             v_gmask = n_mask[:, None] & (v_gi < HEAD_SIZE // 16)[None, :]
-            v_scode = tl.load(v_srow[:, None] + v_gi[None, :], mask=v_gmask, other=0)
+
+            if ((HEAD_PAD // 16 * 1) < 4) & (V_SCALE_PAGE % 4 == 0) & (V_SCALE_BASE % (HEAD_PAD // 16 * 1) == 0) & (V_SCALE_CELL % (HEAD_PAD // 16 * 1) == 0) & ((NUM_KV_HEADS * V_SCALE_CELL) % 4 == 0):
+                # the row's place in its word is the head's alone (whole words per position): one shift per scale, no
+                # per-row offsets; every scale loads its row's word (the tile keeps the layout of a load of the scales)
+                v_sword = tl.load(v_meta_ptr.to(tl.pointer_type(tl.uint32)) + ((blk * V_SCALE_PAGE + (V_SCALE_BASE - V_SCALE_BASE % 4) + off * NUM_KV_HEADS * V_SCALE_CELL + (head * V_SCALE_CELL + V_SCALE_BASE % 4) // 4 * 4) // 4)[:, None] + 0 * v_gi[None, :], mask=v_gmask, other=0)
+                v_sshift = 8 * ((head * V_SCALE_CELL + V_SCALE_BASE) % 4) + 8 * v_gi
+                v_scode = ((v_sword >> v_sshift.to(tl.uint32)[None, :]) & 255).to(tl.uint8)  # little-endian
+            else:
+                v_scode = tl.load(v_srow[:, None] + v_gi[None, :], mask=v_gmask, other=0)
             v_bs = v_scale_decode(v_scode)
             # every fp8_e4m3 scale times 0.0078125 and its products with the codes are fp16 values: no power of two
             # per position; the dot's result takes 128.0 back (v_fix)

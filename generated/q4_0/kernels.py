@@ -542,7 +542,15 @@ def paged_attention_kernel(
             # one scale per 32 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
             k_gi = tl.arange(0, HEAD_PAD // 32)
             k_gmask = (k_gi < HEAD_SIZE // 32)[None, :]
-            k_scode = tl.load(k_srow.to(tl.pointer_type(tl.uint16))[:, None] + k_gi[None, :], mask=k_gmask, other=0)
+
+            if ((HEAD_PAD // 32 * 2) < 4) & (K_SCALE_PAGE % 4 == 0) & (K_SCALE_BASE % (HEAD_PAD // 32 * 2) == 0) & (K_SCALE_CELL % (HEAD_PAD // 32 * 2) == 0) & ((NUM_KV_HEADS * K_SCALE_CELL) % 4 == 0):
+                # the row's place in its word is the head's alone (whole words per position): one shift per scale, no
+                # per-row offsets; every scale loads its row's word (the tile keeps the layout of a load of the scales)
+                k_sword = tl.load(k_cache_ptr.to(tl.pointer_type(tl.uint32)) + ((blk * K_SCALE_PAGE + (K_SCALE_BASE - K_SCALE_BASE % 4) + off * NUM_KV_HEADS * K_SCALE_CELL + (head * K_SCALE_CELL + K_SCALE_BASE % 4) // 4 * 4) // 4)[:, None] + 0 * k_gi[None, :], mask=k_gmask, other=0)
+                k_sshift = 8 * ((head * K_SCALE_CELL + K_SCALE_BASE) % 4) + 16 * k_gi
+                k_scode = ((k_sword >> k_sshift.to(tl.uint32)[None, :]) & 65535).to(tl.uint16)  # little-endian
+            else:
+                k_scode = tl.load(k_srow.to(tl.pointer_type(tl.uint16))[:, None] + k_gi[None, :], mask=k_gmask, other=0)
             k_bs = k_scale_decode(k_scode)
             if BLOCK_DOTS:
                 # decode: one dot per block on the codes themselves (one fp16 term); k_bs [BLOCK_N, blocks] multiplies
@@ -590,7 +598,15 @@ def paged_attention_kernel(
             # one scale per 32 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
             v_gi = tl.arange(0, HEAD_PAD // 32)
             v_gmask = (v_gi < HEAD_SIZE // 32)[None, :]
-            v_scode = tl.load(v_srow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], mask=v_gmask, other=0)
+
+            if ((HEAD_PAD // 32 * 2) < 4) & (V_SCALE_PAGE % 4 == 0) & (V_SCALE_BASE % (HEAD_PAD // 32 * 2) == 0) & (V_SCALE_CELL % (HEAD_PAD // 32 * 2) == 0) & ((NUM_KV_HEADS * V_SCALE_CELL) % 4 == 0):
+                # the row's place in its word is the head's alone (whole words per position): one shift per scale, no
+                # per-row offsets; every scale loads its row's word (the tile keeps the layout of a load of the scales)
+                v_sword = tl.load(v_cache_ptr.to(tl.pointer_type(tl.uint32)) + ((blk * V_SCALE_PAGE + (V_SCALE_BASE - V_SCALE_BASE % 4) + off * NUM_KV_HEADS * V_SCALE_CELL + (head * V_SCALE_CELL + V_SCALE_BASE % 4) // 4 * 4) // 4)[:, None] + 0 * v_gi[None, :], mask=v_gmask, other=0)
+                v_sshift = 8 * ((head * V_SCALE_CELL + V_SCALE_BASE) % 4) + 16 * v_gi
+                v_scode = ((v_sword >> v_sshift.to(tl.uint32)[None, :]) & 65535).to(tl.uint16)  # little-endian
+            else:
+                v_scode = tl.load(v_srow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], mask=v_gmask, other=0)
             v_bs = v_scale_decode(v_scode)
             if BLOCK_DOTS:
                 # decode: one dot per block on the codes themselves (one fp16 term); v_bs [BLOCK_N, blocks] multiplies
@@ -649,7 +665,15 @@ def paged_attention_kernel(
             # one scale per 32 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
             k_gi = tl.arange(0, HEAD_PAD // 32)
             k_gmask = n_mask[:, None] & (k_gi < HEAD_SIZE // 32)[None, :]
-            k_scode = tl.load(k_srow.to(tl.pointer_type(tl.uint16))[:, None] + k_gi[None, :], mask=k_gmask, other=0)
+
+            if ((HEAD_PAD // 32 * 2) < 4) & (K_SCALE_PAGE % 4 == 0) & (K_SCALE_BASE % (HEAD_PAD // 32 * 2) == 0) & (K_SCALE_CELL % (HEAD_PAD // 32 * 2) == 0) & ((NUM_KV_HEADS * K_SCALE_CELL) % 4 == 0):
+                # the row's place in its word is the head's alone (whole words per position): one shift per scale, no
+                # per-row offsets; every scale loads its row's word (the tile keeps the layout of a load of the scales)
+                k_sword = tl.load(k_cache_ptr.to(tl.pointer_type(tl.uint32)) + ((blk * K_SCALE_PAGE + (K_SCALE_BASE - K_SCALE_BASE % 4) + off * NUM_KV_HEADS * K_SCALE_CELL + (head * K_SCALE_CELL + K_SCALE_BASE % 4) // 4 * 4) // 4)[:, None] + 0 * k_gi[None, :], mask=k_gmask, other=0)
+                k_sshift = 8 * ((head * K_SCALE_CELL + K_SCALE_BASE) % 4) + 16 * k_gi
+                k_scode = ((k_sword >> k_sshift.to(tl.uint32)[None, :]) & 65535).to(tl.uint16)  # little-endian
+            else:
+                k_scode = tl.load(k_srow.to(tl.pointer_type(tl.uint16))[:, None] + k_gi[None, :], mask=k_gmask, other=0)
             k_bs = k_scale_decode(k_scode)
             if BLOCK_DOTS:
                 # decode: one dot per block on the codes themselves (one fp16 term); k_bs [BLOCK_N, blocks] multiplies
@@ -697,7 +721,15 @@ def paged_attention_kernel(
             # one scale per 32 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
             v_gi = tl.arange(0, HEAD_PAD // 32)
             v_gmask = n_mask[:, None] & (v_gi < HEAD_SIZE // 32)[None, :]
-            v_scode = tl.load(v_srow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], mask=v_gmask, other=0)
+
+            if ((HEAD_PAD // 32 * 2) < 4) & (V_SCALE_PAGE % 4 == 0) & (V_SCALE_BASE % (HEAD_PAD // 32 * 2) == 0) & (V_SCALE_CELL % (HEAD_PAD // 32 * 2) == 0) & ((NUM_KV_HEADS * V_SCALE_CELL) % 4 == 0):
+                # the row's place in its word is the head's alone (whole words per position): one shift per scale, no
+                # per-row offsets; every scale loads its row's word (the tile keeps the layout of a load of the scales)
+                v_sword = tl.load(v_cache_ptr.to(tl.pointer_type(tl.uint32)) + ((blk * V_SCALE_PAGE + (V_SCALE_BASE - V_SCALE_BASE % 4) + off * NUM_KV_HEADS * V_SCALE_CELL + (head * V_SCALE_CELL + V_SCALE_BASE % 4) // 4 * 4) // 4)[:, None] + 0 * v_gi[None, :], mask=v_gmask, other=0)
+                v_sshift = 8 * ((head * V_SCALE_CELL + V_SCALE_BASE) % 4) + 16 * v_gi
+                v_scode = ((v_sword >> v_sshift.to(tl.uint32)[None, :]) & 65535).to(tl.uint16)  # little-endian
+            else:
+                v_scode = tl.load(v_srow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], mask=v_gmask, other=0)
             v_bs = v_scale_decode(v_scode)
             if BLOCK_DOTS:
                 # decode: one dot per block on the codes themselves (one fp16 term); v_bs [BLOCK_N, blocks] multiplies
