@@ -91,12 +91,25 @@ def _choose_mode() -> None:
 # fp32 queries keep the class rule of before. Not timed at head size 64, following their class's rule: the
 # "quantized" domain's int8 dots, fp8 per head / e5m2, and "fast" on q4_0 / q8_0 (the block-dots rule with fast's
 # entries over it).
+# Twenty-sixth session (benchmarks/RESULTS.md; `python benchmarks/tune_tiles.py FORMATS --configs ... --shapes
+# 16x8192hs256 [4x65536hs256] --cuda-graphs`, runs 3-4): head size 256, never swept before, spilled under the head-128
+# rules (mxfp8 1563 us at 16 x 8192: 255 registers, one side loaded plainly). bf16 316 -> 267 us at 32 positions per
+# step, 3 stages, block ids ahead (506 us at 4 x 65536, 99% of copy bandwidth); fp8 317 -> 217 and int8 separate 336
+# -> 234 at 128 positions, 2 stages, block ids ahead, no cap; int8 per token-head 438 -> 327 and mxfp8 1563 -> 336 at
+# 64 positions, 2 stages, no cap (fp8 per token-head follows int8's cells, untimed); nvfp4, mxfp4 and int4 per
+# token-head were fastest with their rules (329, 314, 413 us). With its e8m0 scale rows read as words
+# (side.jinja's block_scale_codes), mxfp8 at head size 64 takes 3 stages, block ids ahead and 168 registers (run 1,
+# `benchmarks/variant_ab.py`: 308 -> 283 us at 64 x 8192, 166 -> 145 at 4 x 65536). Chunked prefill (64 query rows,
+# head size 128; runs 2 and 4 at 4 x 8192 with 2048 new tokens each): bf16 4383 -> 3987 us with 128 positions per
+# step, 2 stages and block ids ahead; nvfp4 4949 -> 4402 and mxfp4 5615 -> 4940 with 128, 3 stages and block ids
+# ahead; the 8-bit formats were fastest with the old 128/4/2 (int8 separate 4618, fp8 / int8 per token-head 4585 /
+# 4760, mxfp8 within 1%).
 # First matching rule wins (None matches anything). BLOCK_N: KV positions per step; maxnreg: a register cap (the
 # compiler otherwise takes 255 registers, two programs per SM); programs_per_sm: the split-KV target. The tuned rules
 # were measured on the H200 with benchmarks/tune_tiles.py in decode at 64 x 8192 and 4 x 65536 with bf16 queries
 # (benchmarks/RESULTS.md, 2026-11-30; the format named was measured, the others follow its rule); the last two keep
-# the configuration used before that measurement, also for every prefill. The interpreter takes 128 positions per
-# step.
+# the configuration used before that measurement, also for the prefills not named. The interpreter takes 128
+# positions per step.
 DECODE_ROWS = 16
 # attention's dot precisions (Format.attend): "auto" exact products on tensor cores where the operands allow, else
 # fp32; "ieee" exact fp32 dots; "quantized" int8 dots on int8 codes; "fast" one 16-bit term per operand
@@ -113,6 +126,13 @@ ATTENTION_TILES = (
     (((4, 8), 1, True, False, 16, 64, None, False, True), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # q4_0, q8_0 (block dots), hs 64
     ((2, 2, True, False, 16, 64, None, None, True), dict(BLOCK_N=64, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4)),  # kivi_2bit, hs 64
     ((4, 2, True, False, 16, 64, None, None, True), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # kivi_4bit, hs 64
+    ((8, 1, True, False, 16, 64, None, True, None), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # mxfp8, hs 64
+    ((16, 1, None, False, 16, 256, None, None, None), dict(BLOCK_N=32, num_warps=4, num_stages=3, programs_per_sm=4, prefetch_blocks=True)),  # bf16, hs 256
+    ((8, 1, False, False, 16, 256, True, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4, prefetch_blocks=True)),  # fp8, int8 separate, hs 256
+    ((8, 1, False, False, 16, 256, False, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=2, programs_per_sm=4)),  # int8 / fp8 per token-head, hs 256
+    ((8, 1, True, False, 16, 256, None, True, None), dict(BLOCK_N=64, num_warps=4, num_stages=2, maxnreg=255, programs_per_sm=4, prefetch_blocks=True)),  # mxfp8, hs 256
+    ((16, 1, None, False, 64, 128, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4, prefetch_blocks=True)),  # bf16, prefill, hs 128
+    ((4, 1, True, False, 64, 128, None, None, False), dict(BLOCK_N=128, num_warps=4, num_stages=3, programs_per_sm=4, prefetch_blocks=True)),  # nvfp4, mxfp4, prefill, hs 128
     ((16, 1, None, False, 16, None, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)),  # bf16
     ((8, 1, False, False, 16, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # fp8
     ((8, 1, True, None, 16, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # mxfp8

@@ -112,7 +112,8 @@ def test_measured_choices(compiled):
         assert tiles_at(name, 64) == three, name
     for name in ("mxfp4", "int4_per_token_head"):
         assert tiles_at(name, 64) == dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4), name
-    assert tiles_at("mxfp8", 64) == tiles("mxfp8")
+    # twenty-sixth session, run 1: with its scale rows read as words mxfp8 takes the 3-stage tiles at head size 64
+    assert tiles_at("mxfp8", 64) == three
     # twenty-fifth session, run 5: the rotated-key format (a second query term, spilled under the cap at head size
     # 128) and q4_0 / q8_0's per-block dots (decode's own dots, hence the call's) take the 3-stage tiles at 64
     assert tiles_at("int8_per_token_head_hadamard_k", 64) == three
@@ -130,8 +131,19 @@ def test_measured_choices(compiled):
         assert got == three, name
         assert "maxnreg" not in decode_tiles(name, 128)[1], name
     for name, old in (("mxfp4", dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),
+                      ("nvfp4", dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),
                       ("int4_per_token_head", dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4))):
         assert tiles_at(name, 256) == old, name
+    # head size 256 (twenty-sixth session, runs 3-4: the head-128 rules spilled there)
+    assert tiles_at("bf16", 256) == dict(BLOCK_N=32, num_warps=4, num_stages=3, programs_per_sm=4,
+                                         prefetch_blocks=True)
+    for name in ("fp8_e4m3", "int8_per_token_head_separate"):
+        assert tiles_at(name, 256) == dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4,
+                                           prefetch_blocks=True), name
+    for name in ("int8_per_token_head", "fp8_per_token_head"):
+        assert tiles_at(name, 256) == dict(BLOCK_N=64, num_warps=4, num_stages=2, programs_per_sm=4), name
+    assert tiles_at("mxfp8", 256) == dict(BLOCK_N=64, num_warps=4, num_stages=2, maxnreg=255, programs_per_sm=4,
+                                          prefetch_blocks=True)
     # measured before the table (run 1): the rotated-key format and exact dots keep the earlier choice
     assert tiles("int8_per_token_head_hadamard_k") == dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)
     # KIVI at head size 64 (twenty-fifth session, run 6: 1.5x faster with 2 stages; no key fold there)
@@ -265,8 +277,13 @@ def test_write_tiles_measured(compiled):
 
 
 def test_prefill_takes_no_decode_cap(compiled):
-    """Programs that hold more query rows than a decode step (chunked prefill: 64) keep the configuration used before
-    the decode table; the decode caps slowed the 4 x 2048-token prefill by 35-40% on the H200."""
+    """Programs that hold more query rows than a decode step (chunked prefill: 64) take no decode cap (the decode
+    caps slowed the 4 x 2048-token prefill by 35-40% on the H200): the configuration used before the decode table,
+    but where the twenty-sixth session measured prefill tiles at head size 128 with tensor-core dots of one term
+    (runs 2 and 4): bf16 / fp16 at 128 positions per step, nvfp4 / mxfp4 at 128 with 3 stages, both with block ids
+    one step ahead."""
+    measured = {"bf16": dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4, prefetch_blocks=True),
+                "nvfp4": dict(BLOCK_N=128, num_warps=4, num_stages=3, programs_per_sm=4, prefetch_blocks=True)}
     for name, precision, dtype, dots, ks in choices():
         args = (ks.module.CODE_BITS, dots, ks.block_scaled)
         kw = dict(pow2_blocks=ks.pow2_blocks)
@@ -274,7 +291,13 @@ def test_prefill_takes_no_decode_cap(compiled):
         eight_bit = max(ks.module.CODE_BITS.values()) == 8
         before = (dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4) if eight_bit
                   else dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=4))
-        assert prefill == before, f"{name} {precision} {dtype}"
+        one_term = dots["DOT_K"] in (1, 2) and dots["Q_TERMS"] == dots["K_TERMS"] == dots["V_TERMS"] == 1
+        cls = ("bf16" if name in ("bf16", "fp16") else
+               "nvfp4" if name in ("nvfp4", "nvfp4_separate", "mxfp4") else None)
+        want = measured[cls] if cls and one_term and dtype != torch.float32 else before
+        assert prefill == want, f"{name} {precision} {dtype}"
+        # head sizes other than 128 keep the configuration of before
+        assert K.attention_tiles(*args, block_m=64, head_pad=64, **kw) == before, f"{name} {precision} {dtype}"
         # speculative decoding's few query tokens per sequence still fill one decode tile of 16 rows
         assert K.attention_tiles(*args, block_m=8, **kw) == K.attention_tiles(*args, **kw), f"{name} {precision} {dtype}"
     fmt = kvgen.load("fp8_e4m3")
