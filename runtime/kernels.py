@@ -105,7 +105,8 @@ def _choose_mode() -> None:
 # ahead; the 8-bit formats were fastest with the old 128/4/2 (int8 separate 4618, fp8 / int8 per token-head 4585 /
 # 4760, mxfp8 within 1%).
 # First matching rule wins (None matches anything). BLOCK_N: KV positions per step; maxnreg: a register cap (the
-# compiler otherwise takes 255 registers, two programs per SM); programs_per_sm: the split-KV target. The tuned rules
+# compiler otherwise takes 255 registers, two programs per SM); programs_per_sm: the split-KV target; convert_first
+# (optional): the rule's own V_CONVERT_FIRST, in place of convert_values_first's conditions. The tuned rules
 # were measured on the H200 with benchmarks/tune_tiles.py in decode at 64 x 8192 and 4 x 65536 with bf16 queries
 # (benchmarks/RESULTS.md, 2026-11-30; the format named was measured, the others follow its rule); the last two keep
 # the configuration used before that measurement, also for the prefills not named. The interpreter takes 128
@@ -253,7 +254,7 @@ def attention_tiles(code_bits: dict, dots: dict, block_scaled: bool, block_m: in
     """The launch configuration of a format's attention kernel for one call's dot constexprs ``dots`` and query rows
     per program ``block_m`` and padded head size ``head_pad``; ``wide``: every side's code rows start at multiples of
     16 bytes (``wide_rows``); ``pow2_blocks``: some side's block scales are e8m0. A new dict: BLOCK_N, num_warps,
-    num_stages, optional maxnreg and prefetch_blocks, programs_per_sm."""
+    num_stages, optional maxnreg, prefetch_blocks and convert_first, programs_per_sm."""
     if interpreting():
         return dict(INTERPRETER_TILES, programs_per_sm=4)
     if TILE_OVERRIDE is not None:
@@ -285,13 +286,18 @@ def wide_rows(consts: dict, sides: str = "KV") -> bool:
     return all(consts[f"{p}_DATA_{f}"] % 16 == 0 for p in sides for f in ("PAGE", "BASE", "CELL"))
 
 
-def convert_values_first(code_bits: dict, dots: dict, block_m: int, head_pad: int, wide_values: bool) -> bool:
+def convert_values_first(code_bits: dict, dots: dict, block_m: int, head_pad: int, wide_values: bool,
+                         rule: bool | None = None) -> bool:
     """The kernel's V_CONVERT_FIRST for one call: whether the value codes are converted to the dot type in the
-    layout they were loaded in, before the compiler rearranges them into the dot's operand layout (CONVERT_FIRST)."""
+    layout they were loaded in, before the compiler rearranges them into the dot's operand layout (CONVERT_FIRST).
+    ``rule``: the call's tile rule's own choice (a ``convert_first`` entry of ATTENTION_TILES), which replaces the
+    conditions on rows, head size and row width, never what the operands allow."""
     if interpreting() or dots["DOT_V"] not in (1, 2) or code_bits["v"] >= 16:
         return False
     if CONVERT_FIRST_OVERRIDE is not None:
         return CONVERT_FIRST_OVERRIDE
+    if rule is not None:
+        return rule
     return (block_m <= DECODE_ROWS and head_pad <= CONVERT_FIRST_MAX_HEAD
             and (code_bits["v"] < 8 or wide_values))
 
@@ -519,7 +525,7 @@ class KernelSet:
         programs_per_sm = tiles.pop("programs_per_sm")
         prefetch_blocks = int(tiles.pop("prefetch_blocks", False))
         convert_first = int(convert_values_first(self.module.CODE_BITS, dots, block_m, consts["HEAD_PAD"],
-                                                 wide_rows(consts, "V")))
+                                                 wide_rows(consts, "V"), tiles.pop("convert_first", None)))
         num_q_tiles = triton_cdiv(max_query_len, block_q)
         num_seqs = seq_lens.shape[0]
         # an upper bound of the KV length without reading seq_lens back: what the block table can address

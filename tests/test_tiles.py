@@ -242,8 +242,34 @@ def test_values_converted_first_where_measured(compiled):
         assert not convert(name, block_m=64), name
         assert not convert(name, head_pad=256), name  # its staging buffer: 1 program per SM for the 8-bit formats
     assert not convert("int8_per_token_head_separate", "quantized")  # int8 dots: the codes are the operand
+    # a tile rule's own convert_first replaces the rows / head size / row width conditions, not the operands'
+    fmt = kvgen.load("fp8_e4m3")
+    bits = fmt._kernels.module.CODE_BITS
+    dots = fmt._kernels.dot_modes(torch.bfloat16, "auto", False, 256, None)
+    assert K.convert_values_first(bits, dots, 16, 256, True, rule=True)
+    assert not K.convert_values_first(bits, dots, 16, 128, True, rule=False)
+    exact = fmt._kernels.dot_modes(torch.bfloat16, "ieee", False, 256, None)
+    assert not K.convert_values_first(bits, exact, 16, 256, True, rule=True)
+    bf16 = kvgen.load("bf16")._kernels
+    assert not K.convert_values_first(bf16.module.CODE_BITS, bf16.dot_modes(torch.bfloat16, "auto", False, 256, None),
+                                      16, 256, True, rule=True)
     K.interpreting = lambda: True  # (the fixture restores it)
     assert not convert("fp8_e4m3")
+    assert not K.convert_values_first(bits, dots, 16, 256, True, rule=True)
+
+
+def test_rule_convert_first_is_no_launch_option(monkeypatch):
+    """A tile rule's convert_first entry sets the kernel's V_CONVERT_FIRST and is not passed on as a launch option
+    (here in the interpreter's tiles, which never convert first): the plan's launch holds no such argument, and the
+    output is the same."""
+    fmt, q, (cache, table, seq_lens, qsl), ids = decode_case("fp8_e4m3", 2 * 32 + 5, 64)
+    plain = fmt.attend(q, cache, table, seq_lens, qsl, max_query_len=1, **ids)
+    monkeypatch.setattr(K, "INTERPRETER_TILES", dict(K.INTERPRETER_TILES, convert_first=True))
+    monkeypatch.setattr(K, "TILE_OVERRIDE", None if DEVICE == "cpu" else dict(
+        BLOCK_N=64, num_warps=4, num_stages=2, convert_first=True))
+    launch = fmt.plan_attention(q, cache, table, seq_lens, qsl, max_query_len=1, **ids)._launch.kwargs
+    assert "convert_first" not in launch and launch["V_CONVERT_FIRST"] == int(DEVICE != "cpu")
+    assert torch.equal(fmt.attend(q, cache, table, seq_lens, qsl, max_query_len=1, **ids), plain)
 
 
 @pytest.mark.parametrize("name", ["fp8_e4m3", "int8_per_token_head_separate", "nvfp4", "mxfp8", "kivi_2bit",

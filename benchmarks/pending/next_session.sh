@@ -4,6 +4,7 @@
 # `source benchmarks/device_env.sh`; outputs go to $OUT (the device tool's folder), each step's also to stdout.
 #
 #   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~250 s)
+#   bash benchmarks/pending/next_session.sh hs256c     # head size 256 with the values converted first (~300 s)
 #   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~200 s)
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~300 s)
 #   bash benchmarks/pending/next_session.sh hs256more  # head size 256 for the formats not swept there yet
@@ -15,7 +16,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: tests, bench1, bench2, hs256more, cells, hs64prof or writes"}
+step=${1:?"a step: tests, hs256c, bench1, bench2, hs256more, cells, hs64prof or writes"}
 start=$(date +%s)
 case "$step" in
   tests)
@@ -24,6 +25,15 @@ case "$step" in
       tests/test_random_specs.py tests/test_kivi.py tests/test_kivi_reference.py tests/test_dot_operand.py \
       tests/test_alignment.py tests/test_scale_words.py "tests/test_conformance.py::test_long_decode_many_tiles" \
       "tests/test_conformance.py::test_measured_tiles_conform" 2>&1 | tee "$out/tests.txt" | tail -15
+    ;;
+  hs256c)
+    # head size 256 with the values converted first (CONVERT_FIRST_MAX_HEAD keeps it to 128; static counts of the
+    # twenty-sixth session: at 64 positions per step the staging buffer leaves 2-3 programs per SM, fp8 17.4 -> 12.3
+    # instructions per position without spills, mxfp8 32.9 -> 26.2 with no plain code loads). A faster "c" config
+    # becomes its rule with convert_first=True (runtime.kernels.ATTENTION_TILES)
+    timeout 550 python3 benchmarks/tune_tiles.py bf16 fp8_e4m3 int8_per_token_head_separate mxfp8 nvfp4 mxfp4 \
+      int4_per_token_head --configs rt 64/4/2pc 64/4/2/168pc 128/4/2pc 64/4/2/255pc --shapes 16x8192hs256 \
+      4x65536hs256 --cuda-graphs 2>&1 | tee "$out/hs256c.txt" | grep "^|"
     ;;
   bench1)
     timeout 500 python3 benchmarks/bench.py --cuda-graphs --out "$out/benchA" --formats bf16 fp16 fp8_e4m3 \
@@ -61,7 +71,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': tests, bench1, bench2, hs256more, cells, hs64prof or writes" >&2
+    echo "unknown step '$step': tests, hs256c, bench1, bench2, hs256more, cells, hs64prof or writes" >&2
     exit 2
     ;;
 esac
