@@ -70,8 +70,10 @@ class Format:
         self.layout = layout
         self.source = source  # where it was loaded from
         blocks = [side.scale for side in (spec.key, spec.value) if side.scale is not None and side.scale.block]
+        scale_rows = {p: (side.scale.block, side.scale.scale_bytes) for p, side in (("K", spec.key), ("V", spec.value))
+                      if side.scale is not None and side.scale.block}
         self._kernels = KernelSet(package, block_scaled=bool(blocks),
-                                  pow2_blocks=any(sc.dtype == ScaleDType.e8m0 for sc in blocks))
+                                  pow2_blocks=any(sc.dtype == ScaleDType.e8m0 for sc in blocks), scale_rows=scale_rows)
         self._consts: dict = {}
         self._tensor_of: dict = {}
         self.spec_hash = spec.spec_hash()  # computed once: write() and attend() compare it on every call

@@ -92,18 +92,22 @@ def _choose_mode() -> None:
 # "quantized" domain's int8 dots, fp8 per head / e5m2, and "fast" on q4_0 / q8_0 (the block-dots rule with fast's
 # entries over it).
 # Twenty-sixth session (benchmarks/RESULTS.md; `python benchmarks/tune_tiles.py FORMATS --configs ... --shapes
-# 16x8192hs256 [4x65536hs256] --cuda-graphs`, runs 3-4): head size 256, never swept before, spilled under the head-128
+# 16x8192hs256 [4x65536hs256] --cuda-graphs`, runs 3-7): head size 256, never swept before, spilled under the head-128
 # rules (mxfp8 1563 us at 16 x 8192: 255 registers, one side loaded plainly). bf16 316 -> 267 us at 32 positions per
-# step, 3 stages, block ids ahead (506 us at 4 x 65536, 99% of copy bandwidth); fp8 317 -> 217 and int8 separate 336
-# -> 234 at 128 positions, 2 stages, block ids ahead, no cap; int8 per token-head 438 -> 327 and mxfp8 1563 -> 336 at
-# 64 positions, 2 stages, no cap (fp8 per token-head follows int8's cells, untimed); nvfp4, mxfp4 and int4 per
-# token-head were fastest with their rules (329, 314, 413 us). With its e8m0 scale rows read as words
-# (side.jinja's block_scale_codes), mxfp8 at head size 64 takes 3 stages, block ids ahead and 168 registers (run 1,
-# `benchmarks/variant_ab.py`: 308 -> 283 us at 64 x 8192, 166 -> 145 at 4 x 65536). Chunked prefill (64 query rows,
-# head size 128; runs 2 and 4 at 4 x 8192 with 2048 new tokens each): bf16 4383 -> 3987 us with 128 positions per
-# step, 2 stages and block ids ahead; nvfp4 4949 -> 4402 and mxfp4 5615 -> 4940 with 128, 3 stages and block ids
-# ahead; the 8-bit formats were fastest with the old 128/4/2 (int8 separate 4618, fp8 / int8 per token-head 4585 /
-# 4760, mxfp8 within 1%).
+# step, 3 stages, block ids ahead (507 us at 4 x 65536, 99% of copy bandwidth); fp8 317 -> 217 and int8 separate 336
+# -> 234 at 128 positions, 2 stages, block ids ahead, no cap; int8 per token-head 438 -> 327 at 64 positions, 2
+# stages, no cap (fp8 per token-head 321 with it); mxfp8 1563 -> 327 at 64 positions, 2 stages, block ids ahead, 255
+# registers (336 without the last two); nvfp4, mxfp4 and int4 per token-head were fastest with their rules (329,
+# 314, 413 us). Not timed at head size 256, following these rules by their keys: fp16 (bf16's), fp8 per head / e5m2
+# and int8 separate's quantized domain (fp8's), int8 asym, mixed_k8_v4 and the quantized domain of the inline-scale
+# cells and the Hadamard format (int8 per token-head's). With its e8m0 scale rows read as words (side.jinja's
+# block_scale_codes; the key's scale words: not with an odd number of KV heads, where those tiles ran slower),
+# mxfp8 at head size 64 takes 3 stages, block ids ahead and 168 registers (run 1, `benchmarks/variant_ab.py`: 308 ->
+# 283 us at 64 x 8192, 166 -> 145 at 4 x 65536). Chunked prefill (64 query rows, head size 128; runs 2, 4 and 5 at 4
+# x 8192 with 2048 new tokens each): bf16 4383 -> 3987 us with 128 positions per step, 2 stages and block ids ahead;
+# nvfp4 4949 -> 4402 and mxfp4 5615 -> 4940 with 128, 3 stages and block ids ahead (nvfp4_separate 4388 with that
+# rule; fp16 untimed); the 8-bit formats kept the old 128/4/2 (int8 separate 4618, fp8 / int8 per token-head 4585 /
+# 4760; mxfp8 5731, 1.2% behind 64/4/2).
 # First matching rule wins (None matches anything). BLOCK_N: KV positions per step; maxnreg: a register cap (the
 # compiler otherwise takes 255 registers, two programs per SM); programs_per_sm: the split-KV target; convert_first
 # (optional): the rule's own V_CONVERT_FIRST, in place of convert_values_first's conditions. The tuned rules
@@ -116,7 +120,7 @@ DECODE_ROWS = 16
 # fp32; "ieee" exact fp32 dots; "quantized" int8 dots on int8 codes; "fast" one 16-bit term per operand
 DOT_PRECISIONS = ("auto", "ieee", "quantized", "fast")
 ATTENTION_TILES = (
-    # bits, terms, block, split, rows, head, wide, e8m0, block dots -> tiles
+    # bits, terms, block, split, rows, head, wide, e8m0, block dots[, scale words] -> tiles
     ((8, 1, False, False, 16, 128, True, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # fp8, int8 separate
     ((16, 1, None, False, 16, 64, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # bf16, hs 64
     ((8, 1, False, False, 16, 64, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # fp8, int8 separate, int8 / fp8 per token-head, hs 64
@@ -127,7 +131,7 @@ ATTENTION_TILES = (
     (((4, 8), 1, True, False, 16, 64, None, False, True), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # q4_0, q8_0 (block dots), hs 64
     ((2, 2, True, False, 16, 64, None, None, True), dict(BLOCK_N=64, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4)),  # kivi_2bit, hs 64
     ((4, 2, True, False, 16, 64, None, None, True), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # kivi_4bit, hs 64
-    ((8, 1, True, False, 16, 64, None, True, None), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # mxfp8, hs 64
+    ((8, 1, True, False, 16, 64, None, True, None, True), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # mxfp8, hs 64, scale rows as words
     ((16, 1, None, False, 16, 256, None, None, None), dict(BLOCK_N=32, num_warps=4, num_stages=3, programs_per_sm=4, prefetch_blocks=True)),  # bf16, hs 256
     ((8, 1, False, False, 16, 256, True, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4, prefetch_blocks=True)),  # fp8, int8 separate, hs 256
     ((8, 1, False, False, 16, 256, False, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=2, programs_per_sm=4)),  # int8 / fp8 per token-head, hs 256
@@ -234,7 +238,9 @@ WRITE_OVERRIDE: dict | None = None
 
 def rule_matches(rule: tuple, key: tuple) -> bool:
     """Whether a tile rule's fields all admit the launch's key: None admits anything, a tuple any of its values,
-    anything else its own value (False / True also admit 0 / 1)."""
+    anything else its own value (False / True also admit 0 / 1); a rule shorter than the key admits anything in the
+    fields it leaves out."""
+    assert len(rule) <= len(key), (rule, key)
     return all(r is None or (k in r if isinstance(r, tuple) else r == k) for r, k in zip(rule, key))
 
 
@@ -250,11 +256,13 @@ def write_tiles(code_bits: dict, pow2_blocks: bool) -> dict:
 
 
 def attention_tiles(code_bits: dict, dots: dict, block_scaled: bool, block_m: int = DECODE_ROWS,
-                    head_pad: int = 128, wide: bool = False, pow2_blocks: bool = False) -> dict:
+                    head_pad: int = 128, wide: bool = False, pow2_blocks: bool = False,
+                    scale_words: bool = True) -> dict:
     """The launch configuration of a format's attention kernel for one call's dot constexprs ``dots`` and query rows
     per program ``block_m`` and padded head size ``head_pad``; ``wide``: every side's code rows start at multiples of
     16 bytes (``wide_rows``); ``pow2_blocks``: some side's block scales are e8m0. A new dict: BLOCK_N, num_warps,
-    num_stages, optional maxnreg, prefetch_blocks and convert_first, programs_per_sm."""
+    num_stages, optional maxnreg, prefetch_blocks and convert_first, programs_per_sm; ``scale_words``: no block-scale
+    row is loaded byte-wise (``scale_rows_in_words``)."""
     if interpreting():
         return dict(INTERPRETER_TILES, programs_per_sm=4)
     if TILE_OVERRIDE is not None:
@@ -269,7 +277,7 @@ def attention_tiles(code_bits: dict, dots: dict, block_scaled: bool, block_m: in
             terms = max(terms, dots[f"{side}_TERMS"])
             split |= (dots[f"{x}_TERMS"] > 1) << (x == "P")  # bit 0 the query's, bit 1 the probabilities'
     key = (bits, terms, block_scaled, split, DECODE_ROWS if block_m <= DECODE_ROWS else block_m, head_pad, wide,
-           pow2_blocks, bool(dots.get("BLOCK_DOTS")))
+           pow2_blocks, bool(dots.get("BLOCK_DOTS")), scale_words)
     for rule, tiles in ATTENTION_TILES:
         if rule_matches(rule, key):
             tiles = dict(tiles)
@@ -277,6 +285,22 @@ def attention_tiles(code_bits: dict, dots: dict, block_scaled: bool, block_m: in
                 tiles["BLOCK_N"] = min(tiles["BLOCK_N"], NARROW_ROW_BLOCK_N)
             return tiles
     raise AssertionError("the last rule matches every kernel")
+
+
+def scale_rows_in_words(consts: dict, scale_rows: dict) -> bool:
+    """Whether every block-scaled side's scale row (a position's scales of one KV head) that is narrower than 4 bytes
+    is read from the aligned 32-bit word holding it, which the compiled loop copies asynchronously; rows of 1-2 bytes
+    that the layout does not keep inside one word load byte-wise, waited on every step (H200: mxfp8 at head size 64,
+    308 against 284 us). ``scale_rows``: {"K" / "V": (elements per scale, bytes per scale)}. The same condition as
+    codegen/templates/side.jinja's ``block_scale_codes``, which chooses the load (tests/test_scale_words.py
+    checks they agree)."""
+    for p, (group, unit) in scale_rows.items():
+        row = consts["HEAD_PAD"] // group * unit
+        page, base, cell = (consts[f"{p}_SCALE_{f}"] for f in ("PAGE", "BASE", "CELL"))
+        if row < 4 and not (page % 4 == 0 and base % row == 0 and cell % row == 0
+                            and consts["NUM_KV_HEADS"] * cell % 4 == 0):
+            return False
+    return True
 
 
 def wide_rows(consts: dict, sides: str = "KV") -> bool:
@@ -374,10 +398,13 @@ class WriteLaunch(tuple):
 class KernelSet:
     """The kernels module of one generated package, imported on first use."""
 
-    def __init__(self, package: types.ModuleType, block_scaled: bool = False, pow2_blocks: bool = False):
+    def __init__(self, package: types.ModuleType, block_scaled: bool = False, pow2_blocks: bool = False,
+                 scale_rows: dict | None = None):
         self.package = package
         self.block_scaled = block_scaled  # a side's scale covers blocks of elements: enters the tile choice
         self.pow2_blocks = pow2_blocks  # ... in e8m0: enters the write's and attention's tile choices
+        # block-scaled sides: {"K" / "V": (elements per scale, bytes per scale)}, for scale_rows_in_words
+        self.scale_rows = dict(scale_rows or {})
         self._module = None
         self._dot_modes: dict = {}  # (query dtype, precision, rotated keys, head pad, device) -> constexprs
         self._launchers: dict = {}  # kernel name -> FastLaunch
@@ -515,7 +542,7 @@ class KernelSet:
         tile_dots = dots if dot_precision != "fast" else self._call_dots(query.dtype, "auto", rotated_keys,
                                                                          consts["HEAD_PAD"], block_m, query.device)
         tiles = attention_tiles(self.module.CODE_BITS, tile_dots, self.block_scaled, block_m, consts["HEAD_PAD"],
-                                wide_rows(consts), self.pow2_blocks)
+                                wide_rows(consts), self.pow2_blocks, scale_rows_in_words(consts, self.scale_rows))
         if tile_dots.get("BLOCK_DOTS") and not dots.get("BLOCK_DOTS"):  # fast's ratios where auto takes block dots
             tiles.update(fast_ratio_tiles(self.module.CODE_BITS, self.module.BLOCK_DOTS))
         block_n = tiles.pop("BLOCK_N")

@@ -6,6 +6,8 @@ NumPy reference either way (neighbouring heads' scales share the word: a wrong s
 
 from __future__ import annotations
 
+import inspect
+import re
 import warnings
 
 import pytest
@@ -13,6 +15,7 @@ import torch
 
 import kvgen
 from kvgen.conformance import Case
+from kvgen.runtime import kernels as K
 
 from test_conformance import assert_conforms
 
@@ -43,6 +46,38 @@ def load(name, tmp_path):
     return kvgen.load(str(path))
 
 
+WORD_CONDITION = re.compile(r"^\s*if (\(\(HEAD_PAD // \d+ \* \d+\) < 4\) & \(([KV])_SCALE_PAGE .*):$", re.M)
+
+
+def generated_word_path(fmt, consts: dict) -> dict:
+    """Whether each side's generated attention kernel takes the word path (block_scale_codes' condition, as rendered
+    into the format's kernels, evaluated on a cache's constexprs): {"K" / "V": bool}."""
+    conditions = {m.group(2): m.group(1) for m in WORD_CONDITION.finditer(inspect.getsource(fmt._kernels.module))}
+    return {p: bool(eval(cond, {}, dict(consts))) for p, cond in conditions.items()}
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "mxfp4", "nvfp4", "nvfp4_separate", "q4_0", "q8_0", "fp8_fp16_block64"])
+def test_tile_key_follows_the_generated_load(name, tmp_path):
+    """kvgen.runtime.kernels.scale_rows_in_words (a tile rule's key: mxfp8's 3 stages at head size 64 pay only when
+    its scales arrive as words) agrees with the condition the generated kernel itself tests, for every block-scaled
+    shipped layout at head sizes 32-128 and 1-4 KV heads."""
+    fmt = load(name, tmp_path)
+    rows = fmt._kernels.scale_rows
+    assert rows, name
+    for head_size in (32, 64, 128):
+        if head_size % max(g for g, _ in rows.values()):
+            continue  # (fp16 scales per 64 elements need heads of whole blocks)
+        for heads in (1, 2, 3, 4):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                consts = fmt._kernel_args(fmt.allocate(2, 16, heads, head_size))[1]
+            taken = generated_word_path(fmt, consts)
+            assert set(taken) == set(rows), (name, taken)
+            narrow = {p: consts["HEAD_PAD"] // g * b < 4 for p, (g, b) in rows.items()}
+            want = all(taken[p] or not narrow[p] for p in rows)
+            assert K.scale_rows_in_words(consts, rows) == want, (name, head_size, heads, taken, narrow)
+
+
 # format, head size, KV heads, whether the word path's conditions hold (row under 4 bytes, whole words per position)
 CASES = [("mxfp8", 64, 2, True), ("mxfp8", 64, 1, False), ("mxfp8", 32, 4, True), ("mxfp4", 64, 4, True),
          ("mxfp4", 32, 2, False), ("fp8_fp16_block64", 64, 2, True), ("mxfp8", 128, 2, False)]
@@ -55,12 +90,9 @@ def test_narrow_scale_rows_conform(name, head_size, heads, words, tmp_path):
         warnings.simplefilter("ignore")
         cache = fmt.allocate(4, 16, heads, head_size)
     consts = fmt._kernel_args(cache)[1]
-    for side in "KV":
-        scale = fmt.spec.side("key" if side == "K" else "value").scale
-        row = head_size // scale.block * (2 if scale.dtype == "fp16" else 1)
-        page, base, cell = (consts[f"{side}_SCALE_{f}"] for f in ("PAGE", "BASE", "CELL"))
-        holds = row < 4 and page % 4 == 0 and base % row == 0 and cell % row == 0 and heads * cell % 4 == 0
-        assert holds == words, (side, row, page, base, cell)
+    assert generated_word_path(fmt, consts) == {"K": words, "V": words}
+    # the runtime's tile key says whether the step waits on a byte-wise scale load (rows of 4 bytes never do)
+    assert K.scale_rows_in_words(consts, fmt._kernels.scale_rows) == (words or head_size // 32 >= 4)
     for q_lens, seq_lens, splits in (([1, 1, 1], [37, 140, 300], 1), ([1, 1], [150, 45], 2), ([5, 3], [40, 19], 1)):
         assert_conforms(fmt, Case(head_size=head_size, block_size=16, num_kv_heads=heads, group=2, seq_lens=seq_lens,
                                   q_lens=q_lens, dtype=torch.bfloat16, window=None, holes=1, seed=5, k_scale=1.0,

@@ -106,14 +106,20 @@ def test_measured_choices(compiled):
         assert tiles_at(name, 128) == tiles("bf16")
     # twenty-fourth session, run 7 (values converted first where the rule says so): at head size 64 the 8-bit
     # formats with per-tensor or per-token scales and nvfp4 take 3 stages, block ids ahead and 168 registers (7-13%
-    # faster), mxfp4 and int4 per token-head 2 stages and 128 registers (15-16%), mxfp8 keeps its tiles
+    # faster), mxfp4 and int4 per token-head 2 stages and 128 registers (15-16%), mxfp8 kept its tiles (until the
+    # scale words below)
     three = dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)
     for name in ("int8_per_token_head", "fp8_per_token_head", "int8_per_token_head_separate", "fp8_e4m3", "nvfp4"):
         assert tiles_at(name, 64) == three, name
     for name in ("mxfp4", "int4_per_token_head"):
         assert tiles_at(name, 64) == dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4), name
-    # twenty-sixth session, run 1: with its scale rows read as words mxfp8 takes the 3-stage tiles at head size 64
+    # twenty-sixth session, run 1: with its scale rows read as words mxfp8 takes the 3-stage tiles at head size 64;
+    # where the layout keeps them byte-wise (an odd number of KV heads) those tiles ran slower (357 against 308 us)
     assert tiles_at("mxfp8", 64) == three
+    fmt = kvgen.load("mxfp8")
+    dots = fmt._kernels.dot_modes(torch.bfloat16, "auto", False, 64, None)
+    assert K.attention_tiles(fmt._kernels.module.CODE_BITS, dots, True, head_pad=64, wide=True, pow2_blocks=True,
+                             scale_words=False) == tiles("mxfp8")
     # twenty-fifth session, run 5: the rotated-key format (a second query term, spilled under the cap at head size
     # 128) and q4_0 / q8_0's per-block dots (decode's own dots, hence the call's) take the 3-stage tiles at 64
     assert tiles_at("int8_per_token_head_hadamard_k", 64) == three
@@ -259,14 +265,16 @@ def test_values_converted_first_where_measured(compiled):
 
 
 def test_rule_convert_first_is_no_launch_option(monkeypatch):
-    """A tile rule's convert_first entry sets the kernel's V_CONVERT_FIRST and is not passed on as a launch option
-    (here in the interpreter's tiles, which never convert first): the plan's launch holds no such argument, and the
-    output is the same."""
-    fmt, q, (cache, table, seq_lens, qsl), ids = decode_case("fp8_e4m3", 2 * 32 + 5, 64)
+    """A tile rule's convert_first entry sets the kernel's V_CONVERT_FIRST and is not passed on as a launch option:
+    the plan's launch holds no such argument and the output is the same. Compiled, at head size 256, where the
+    values are otherwise not converted first (CONVERT_FIRST_MAX_HEAD), the entry turns it on; the interpreter's tiles
+    never convert first."""
+    fmt, q, (cache, table, seq_lens, qsl), ids = decode_case("fp8_e4m3", 2 * 32 + 5, 256)
+    tiles = dict(BLOCK_N=64, num_warps=4, num_stages=2)
+    monkeypatch.setattr(K, "TILE_OVERRIDE", None if DEVICE == "cpu" else tiles)
     plain = fmt.attend(q, cache, table, seq_lens, qsl, max_query_len=1, **ids)
     monkeypatch.setattr(K, "INTERPRETER_TILES", dict(K.INTERPRETER_TILES, convert_first=True))
-    monkeypatch.setattr(K, "TILE_OVERRIDE", None if DEVICE == "cpu" else dict(
-        BLOCK_N=64, num_warps=4, num_stages=2, convert_first=True))
+    monkeypatch.setattr(K, "TILE_OVERRIDE", None if DEVICE == "cpu" else dict(tiles, convert_first=True))
     launch = fmt.plan_attention(q, cache, table, seq_lens, qsl, max_query_len=1, **ids)._launch.kwargs
     assert "convert_first" not in launch and launch["V_CONVERT_FIRST"] == int(DEVICE != "cpu")
     assert torch.equal(fmt.attend(q, cache, table, seq_lens, qsl, max_query_len=1, **ids), plain)

@@ -4,10 +4,10 @@
 # `source benchmarks/device_env.sh`; outputs go to $OUT (the device tool's folder), each step's also to stdout.
 #
 #   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~250 s)
-#   bash benchmarks/pending/next_session.sh hs256c     # head size 256 with the values converted first (~300 s)
+#   bash benchmarks/pending/next_session.sh hs256c     # head size 256 with the values converted first (~400 s)
 #   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~200 s)
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~300 s)
-#   bash benchmarks/pending/next_session.sh hs256more  # head size 256 for the formats not swept there yet
+#   bash benchmarks/pending/next_session.sh hs256more  # head size 256 for the formats not swept there yet (~450 s)
 #   bash benchmarks/pending/next_session.sh cells      # profiles: the inline-scale cells converted first / 3 stages
 #   bash benchmarks/pending/next_session.sh hs64prof   # profiles at head size 64 (int8 / fp8 per token-head, bf16)
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs, KIVI's flush profile
@@ -47,10 +47,16 @@ case "$step" in
     ;;
   hs256more)
     # the twenty-sixth session swept head size 256 for bf16, the 8-bit per-tensor / per-token / mxfp8 formats and
-    # the 4-bit block / per-token-head ones at 16 x 8192; these are the rest, and the 4-bit ones at 4 x 65536
-    timeout 550 python3 benchmarks/tune_tiles.py bf16 q4_0 q8_0 kivi_2bit int8_per_token_head_hadamard_k \
-      int8_asym_per_token_head mixed_k8_v4 nvfp4 mxfp4 int4_per_token_head --configs rt 64/4/2 128/4/2p \
-      64/4/2/255p --shapes 16x8192hs256 4x65536hs256 --cuda-graphs 2>&1 | tee "$out/hs256more.txt" | grep "^|"
+    # the 4-bit block / per-token-head ones at 16 x 8192; these are the rest (their rules untouched), then the formats
+    # that took another's new rule untimed (int8 asym, mixed_k8_v4: int8 per token-head's) against their old tiles
+    # (128/4/2/168 at 8 programs per SM), then the 4-bit ones at 4 x 65536
+    timeout 330 python3 benchmarks/tune_tiles.py bf16 q4_0 q8_0 kivi_2bit kivi_4bit int8_per_token_head_hadamard_k \
+      nvfp4_separate --configs rt 64/4/2 128/4/2p 64/4/2/255p --shapes 16x8192hs256 4x65536hs256 --cuda-graphs \
+      2>&1 | tee "$out/hs256more.txt" | grep "^|"
+    timeout 90 python3 benchmarks/tune_tiles.py int8_asym_per_token_head mixed_k8_v4 --configs rt 128/4/2/168 \
+      --programs-per-sm 8 --shapes 16x8192hs256 4x65536hs256 --cuda-graphs 2>&1 | tee "$out/hs256old.txt" | grep "^|"
+    timeout 60 python3 benchmarks/tune_tiles.py nvfp4 mxfp4 int4_per_token_head --configs rt --shapes 4x65536hs256 \
+      --cuda-graphs 2>&1 | tee "$out/hs256_4bit.txt" | grep "^|"
     ;;
   cells)
     # vLLM's inline-scale cells: the rule's tiles, the values converted first, 3 stages with block ids ahead
