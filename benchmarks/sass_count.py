@@ -7,6 +7,7 @@
     python benchmarks/sass_count.py --write --no-fast-div [FORMAT ...]   # (or --write-streaming) with FAST_DIV off
     python benchmarks/sass_count.py --prefill [FORMAT ...]       # bench.py's chunked prefill (4 x 2048 new on 8192)
     python benchmarks/sass_count.py --prefill --head-size 48 SPEC   # another head size (default 128)
+    python benchmarks/sass_count.py --tiles 128/8/2 --prefill --prefill-rows 128 [FORMAT ...]   # 128 query rows
 
 Compiles each format's paged_attention_kernel for sm_90 with Triton's own ptxas exactly as the runtime would launch
 it on an H200 for decode at 64 x 8192 (32 query heads over 8 KV heads, head size 128, block size 16, bf16 queries):
@@ -320,6 +321,10 @@ def main() -> int:
         shape, args = dict(seqs=4, ctx=8192, q_len=2048), args[1:]
     if args[:1] == ["--head-size"]:
         shape["head_size"], args = int(args[1]), args[2:]
+    if args[:1] == ["--prefill-rows"]:  # query rows per prefill program at most (runtime.kernels.PREFILL_ROWS)
+        from kvgen.runtime import kernels
+
+        kernels.PREFILL_ROWS, args = int(args[1]), args[2:]
     names = args or kvgen.shipped_names()
     if precision == "quantized":
         names = [n for n in names if any(kvgen.load(n).quantized_dot.values())]

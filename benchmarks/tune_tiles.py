@@ -8,6 +8,7 @@ step / warps / pipeline stages / register cap), per format and shape. On a GPU:
     (each cell: median us and, in parentheses, the cache bytes read over that time as a fraction of the copy
     bandwidth; a prefill is bound by its dots, so there only the times compare)
     python benchmarks/tune_tiles.py q8_0 --dot-precision fast             # another dot precision (default auto)
+    python benchmarks/tune_tiles.py mxfp8 --configs 128/8/2 --prefill-rows 128 --shapes 4x8192q2048  # 128 rows
 
 A config is BLOCK_N/num_warps/num_stages[/maxnreg][p][c|n] (p: the next step's block ids loaded one step ahead; c / n:
 the value codes converted in their load's layout or not, V_CONVERT_FIRST, by default the runtime's rule); a
@@ -72,12 +73,16 @@ def main() -> None:
     ap.add_argument("--programs-per-sm", nargs="+", type=int, default=[4])
     ap.add_argument("--shapes", nargs="+", default=["64x8192", "4x65536"])
     ap.add_argument("--dot-precision", choices=K.DOT_PRECISIONS, default="auto")
+    ap.add_argument("--prefill-rows", type=int, choices=(64, 128), default=K.PREFILL_ROWS,
+                    help="query rows per prefill program at most (kvgen.runtime.kernels.PREFILL_ROWS); the rules "
+                    "have no class for 128 rows, so give configs for it")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="time CUDA-graph replays, each configuration captured on its own (eager calls pay the host's "
                     "per-call work, which outlasts short kernels: 2026-12-04, fp8 at 4 x 65536 read 324 us eager "
                     "where its graph replays took 174)")
     args = ap.parse_args()
     bench.DOT = args.dot_precision
+    K.PREFILL_ROWS = args.prefill_rows
     bench.require_gpu(ap)
     shapes = bench.decode_shapes(ap, args.shapes)
     # the runtime's own tiles ("rt...") take its own split target: one column each

@@ -771,13 +771,19 @@ class KernelSet:
 # alone fills 64 rows, their dots go exact in fp32 without tensor cores.
 SMALL_HEAD_PAD = 32
 SMALL_HEAD_ROWS = 32
+# Query rows per program at most, compiled, for larger heads: a prefill program reads and dequantizes each KV tile
+# once for its rows, so more rows share that work (static counts, twenty-sixth session, `sass_count.py --prefill
+# --prefill-rows 128` on 8 warps against 64 rows on 4: warp instructions per position and query row mxfp8 1.39 ->
+# 0.99, nvfp4 1.01 -> 0.79, bf16 and fp8 level; untimed: `benchmarks/tune_tiles.py --prefill-rows 128` measures it,
+# benchmarks/pending/README.md). Experiments set it.
+PREFILL_ROWS = 64
 
 
 def query_rows(group: int, max_query_len: int, head_pad: int) -> int:
     """BLOCK_M, the (query token, query head) rows one attention program holds: all ``group`` query heads of a KV
-    head times as many query tokens as fit in 64 rows (128 in the interpreter; 32 for heads of SMALL_HEAD_PAD or
-    fewer elements on a GPU), a power of two of at least 16."""
-    max_rows = 128 if interpreting() else (SMALL_HEAD_ROWS if head_pad <= SMALL_HEAD_PAD else 64)
+    head times as many query tokens as fit in PREFILL_ROWS rows (128 in the interpreter; 32 for heads of
+    SMALL_HEAD_PAD or fewer elements on a GPU), a power of two of at least 16."""
+    max_rows = 128 if interpreting() else (SMALL_HEAD_ROWS if head_pad <= SMALL_HEAD_PAD else PREFILL_ROWS)
     return max(16, _next_pow2(group * min(max_query_len, max(1, max_rows // group))))
 
 

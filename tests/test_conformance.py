@@ -94,6 +94,22 @@ def test_measured_tiles_conform(name, head_size, q_lens):
     assert_conforms(fmt, dataclasses.replace(case, splits=3, window=700, seed=14))
 
 
+# An experiment of the next GPU session (kvgen.runtime.kernels.PREFILL_ROWS; benchmarks/pending/README.md): 128 query
+# rows per prefill program on 8 warps. The interpreter always takes 128 rows; this runs the compiled kernels so.
+@pytest.mark.skipif(DEVICE != "cuda", reason="compiled prefill programs of 128 rows: a GPU run")
+@pytest.mark.parametrize("name", ["bf16", "fp8_e4m3", "int8_per_token_head_separate", "int8_per_token_head", "mxfp8",
+                                  "nvfp4", "mxfp4", "q4_0"])
+def test_prefill_rows_128_conform(name, monkeypatch):
+    from kvgen.runtime import kernels
+
+    monkeypatch.setattr(kernels, "PREFILL_ROWS", 128)
+    monkeypatch.setattr(kernels, "TILE_OVERRIDE", {"BLOCK_N": 128, "num_warps": 8, "num_stages": 2})
+    case = Case(head_size=128, block_size=16, num_kv_heads=2, group=4, seq_lens=[1100, 600], q_lens=[700, 1],
+                dtype=torch.bfloat16, window=None, holes=2, seed=15, k_scale=0.5, v_scale=2.0, magnitude=1.0)
+    assert_conforms(kvgen.load(name), case)
+    assert_conforms(kvgen.load(name), dataclasses.replace(case, splits=3, window=300, seed=16))
+
+
 @pytest.mark.parametrize("name, head_size", [(n, 128) for n in ("bf16", "fp8_e4m3", "int8_per_token_head",
                                                                   "int8_asym_per_token_head", "nvfp4")]
                          + [(n, 64) for n in ("int8_per_token_head_separate", "mxfp4", "int4_per_token_head",

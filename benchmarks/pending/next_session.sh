@@ -5,6 +5,7 @@
 #
 #   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~250 s)
 #   bash benchmarks/pending/next_session.sh hs256c     # head size 256 with the values converted first (~400 s)
+#   bash benchmarks/pending/next_session.sh prefill128 # chunked prefill at 128 query rows per program (~350 s)
 #   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~200 s)
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~300 s)
 #   bash benchmarks/pending/next_session.sh hs256more  # head size 256 for the formats not swept there yet (~450 s)
@@ -16,7 +17,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: tests, hs256c, bench1, bench2, hs256more, cells, hs64prof or writes"}
+step=${1:?"a step: tests, hs256c, prefill128, bench1, bench2, hs256more, cells, hs64prof or writes"}
 start=$(date +%s)
 case "$step" in
   tests)
@@ -34,6 +35,21 @@ case "$step" in
     timeout 550 python3 benchmarks/tune_tiles.py bf16 fp8_e4m3 int8_per_token_head_separate mxfp8 nvfp4 mxfp4 \
       int4_per_token_head --configs rt 64/4/2pc 64/4/2/168pc 128/4/2pc 64/4/2/255pc --shapes 16x8192hs256 \
       4x65536hs256 --cuda-graphs 2>&1 | tee "$out/hs256c.txt" | grep "^|"
+    ;;
+  prefill128)
+    # kvgen.runtime.kernels.PREFILL_ROWS = 128 on 8 warps (static: each KV tile dequantized once for twice the rows;
+    # mxfp8 29% and nvfp4 22% fewer warp instructions per position and row): its GPU conformance first, then times
+    # against the rules' 64-row programs
+    timeout 200 python3 -m pytest -q -n 16 -p no:cacheprovider "tests/test_conformance.py::test_prefill_rows_128_conform" \
+      > "$out/prefill128_tests.txt" 2>&1
+    rc=$?
+    tail -3 "$out/prefill128_tests.txt"
+    [ "$rc" -eq 0 ] || { echo "128-row prefill: GPU tests failed (rc $rc); no timing" >&2; exit 1; }
+    fmts="bf16 fp8_e4m3 int8_per_token_head_separate int8_per_token_head mxfp8 nvfp4 mxfp4"
+    timeout 120 python3 benchmarks/tune_tiles.py $fmts --configs rt --shapes 4x8192q2048 --cuda-graphs 2>&1 \
+      | tee "$out/prefill64.txt" | grep "^|"
+    timeout 250 python3 benchmarks/tune_tiles.py $fmts --configs 128/8/2 128/8/2p 128/8/3p 64/8/2 --prefill-rows 128 \
+      --shapes 4x8192q2048 --cuda-graphs 2>&1 | tee "$out/prefill128.txt" | grep "^|"
     ;;
   bench1)
     timeout 500 python3 benchmarks/bench.py --cuda-graphs --out "$out/benchA" --formats bf16 fp16 fp8_e4m3 \
@@ -77,7 +93,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': tests, hs256c, bench1, bench2, hs256more, cells, hs64prof or writes" >&2
+    echo "unknown step '$step': tests, hs256c, prefill128, bench1, bench2, hs256more, cells, hs64prof or writes" >&2
     exit 2
     ;;
 esac
