@@ -98,16 +98,25 @@ def test_measured_tiles_conform(name, head_size, q_lens):
 # rows per prefill program on 8 warps. The interpreter always takes 128 rows; this runs the compiled kernels so.
 @pytest.mark.skipif(DEVICE != "cuda", reason="compiled prefill programs of 128 rows: a GPU run")
 @pytest.mark.parametrize("name", ["bf16", "fp8_e4m3", "int8_per_token_head_separate", "int8_per_token_head", "mxfp8",
-                                  "nvfp4", "mxfp4", "q4_0"])
+                                  "nvfp4", "mxfp4", "int4_per_token_head", "q4_0", "q8_0", "kivi_2bit"])
 def test_prefill_rows_128_conform(name, monkeypatch):
+    from kvgen.conformance import StreamCase, run_stream
     from kvgen.runtime import kernels
 
     monkeypatch.setattr(kernels, "PREFILL_ROWS", 128)
     monkeypatch.setattr(kernels, "TILE_OVERRIDE", {"BLOCK_N": 128, "num_warps": 8, "num_stages": 2})
+    fmt = kvgen.load(name)
+    if fmt.spec.streaming:  # KIVI: a prefill, then a 700-token chunk beside a decode step
+        case = StreamCase(head_size=128, block_size=fmt.layout.RESIDUAL["group"], num_kv_heads=2, group=4,
+                          steps=[[1100, 600], [700, 1]], dtype=torch.bfloat16, window=None, pad_rows=0, seed=15)
+        for c in (case, dataclasses.replace(case, splits=3, seed=16)):
+            failures = {p: m for p, m in run_stream(fmt, c, DEVICE).items() if m}
+            assert not failures, failures
+        return
     case = Case(head_size=128, block_size=16, num_kv_heads=2, group=4, seq_lens=[1100, 600], q_lens=[700, 1],
                 dtype=torch.bfloat16, window=None, holes=2, seed=15, k_scale=0.5, v_scale=2.0, magnitude=1.0)
-    assert_conforms(kvgen.load(name), case)
-    assert_conforms(kvgen.load(name), dataclasses.replace(case, splits=3, window=300, seed=16))
+    assert_conforms(fmt, case)
+    assert_conforms(fmt, dataclasses.replace(case, splits=3, window=300, seed=16))
 
 
 @pytest.mark.parametrize("name, head_size", [(n, 128) for n in ("bf16", "fp8_e4m3", "int8_per_token_head",

@@ -5,7 +5,7 @@
 #
 #   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~250 s)
 #   bash benchmarks/pending/next_session.sh hs256c     # head size 256 with the values converted first (~400 s)
-#   bash benchmarks/pending/next_session.sh prefill128 # chunked prefill at 128 query rows per program (~350 s)
+#   bash benchmarks/pending/next_session.sh prefill128 # chunked prefill at 128 query rows per program (~450 s)
 #   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~200 s)
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~300 s)
 #   bash benchmarks/pending/next_session.sh hs256more  # head size 256 for the formats not swept there yet (~450 s)
@@ -45,10 +45,10 @@ case "$step" in
     rc=$?
     tail -3 "$out/prefill128_tests.txt"
     [ "$rc" -eq 0 ] || { echo "128-row prefill: GPU tests failed (rc $rc); no timing" >&2; exit 1; }
-    fmts="bf16 fp8_e4m3 int8_per_token_head_separate int8_per_token_head mxfp8 nvfp4 mxfp4"
+    fmts="bf16 fp8_e4m3 int8_per_token_head_separate mxfp8 nvfp4 mxfp4 int4_per_token_head q4_0 q8_0 kivi_2bit"
     timeout 120 python3 benchmarks/tune_tiles.py $fmts --configs rt --shapes 4x8192q2048 --cuda-graphs 2>&1 \
       | tee "$out/prefill64.txt" | grep "^|"
-    timeout 250 python3 benchmarks/tune_tiles.py $fmts --configs 128/8/2 128/8/2p 128/8/3p 64/8/2 --prefill-rows 128 \
+    timeout 300 python3 benchmarks/tune_tiles.py $fmts --configs 128/8/2 128/8/2p 64/8/2 --prefill-rows 128 \
       --shapes 4x8192q2048 --cuda-graphs 2>&1 | tee "$out/prefill128.txt" | grep "^|"
     ;;
   bench1)
