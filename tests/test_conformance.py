@@ -77,23 +77,6 @@ def test_long_context(name):
     assert_conforms(fmt, dataclasses.replace(case, window=100, q_lens=[5, 3], seed=8))
 
 
-# The tile rules the twenty-sixth session measured (kvgen.runtime.kernels.ATTENTION_TILES): head size 256 for the
-# 16- and 8-bit formats, mxfp8's 3 stages at head size 64 (its scale rows read as words), and chunked prefill's own
-# tiles at head size 128. Compiled kernels only: the interpreter takes INTERPRETER_TILES, which the cases above run.
-@pytest.mark.skipif(DEVICE != "cuda", reason="the compiled kernels' tile rules: a GPU run")
-@pytest.mark.parametrize("name, head_size, q_lens", [(n, 256, [1, 1]) for n in (
-    "bf16", "fp8_e4m3", "int8_per_token_head_separate", "int8_per_token_head", "fp8_per_token_head", "mxfp8")]
-    + [("mxfp8", 64, [1, 1])] + [(n, 128, [700, 1]) for n in ("bf16", "nvfp4", "mxfp4", "nvfp4_separate")])
-def test_measured_tiles_conform(name, head_size, q_lens):
-    """Decode (or a 700-token chunk beside a decode) over 2100 and 1500 tokens with the rule's tiles, then with 3
-    splits and a sliding window."""
-    fmt = kvgen.load(name)
-    case = Case(head_size=head_size, block_size=16, num_kv_heads=2, group=4, seq_lens=[2100, 1500], q_lens=q_lens,
-                dtype=torch.bfloat16, window=None, holes=2, seed=13, k_scale=0.5, v_scale=2.0, magnitude=1.0)
-    assert_conforms(fmt, case)
-    assert_conforms(fmt, dataclasses.replace(case, splits=3, window=700, seed=14))
-
-
 # An experiment of the next GPU session (kvgen.runtime.kernels.PREFILL_ROWS; benchmarks/pending/README.md): 128 query
 # rows per prefill program on 8 warps. The interpreter always takes 128 rows; this runs the compiled kernels so.
 @pytest.mark.skipif(DEVICE != "cuda", reason="compiled prefill programs of 128 rows: a GPU run")
@@ -119,18 +102,28 @@ def test_prefill_rows_128_conform(name, monkeypatch):
     assert_conforms(fmt, dataclasses.replace(case, splits=3, window=300, seed=16))
 
 
-@pytest.mark.parametrize("name, head_size", [(n, 128) for n in ("bf16", "fp8_e4m3", "int8_per_token_head",
-                                                                  "int8_asym_per_token_head", "nvfp4")]
-                         + [(n, 64) for n in ("int8_per_token_head_separate", "mxfp4", "int4_per_token_head",
-                                              "int8_per_token_head_hadamard_k", "q4_0")])
-def test_long_decode_many_tiles(name, head_size):
-    """Decode over 2100 and 1500 tokens: 12 to 33 whole tiles per program at the GPU's 64-128 positions per step, so
-    the compiled loop's software pipeline (copies of later steps in flight, shared buffers reused) runs many
-    iterations; then with 3 splits and a sliding window. Head size 64 takes tiles of its own on the H200 (three
-    stages for int8 separate, the rotated keys and q4_0's per-block dots, two stages and 128 registers for mxfp4 and
-    int4 per token-head)."""
+# The twenty-sixth session's tile rules (head size 256 for the 16- and 8-bit formats, mxfp8's 3 stages at head size
+# 64, chunked prefill's own tiles at head size 128): compiled kernels only, since the interpreter takes
+# INTERPRETER_TILES, which the other cases run.
+GPU_RULES = pytest.mark.skipif(DEVICE != "cuda", reason="the compiled kernels' tile rules: a GPU run")
+
+
+@pytest.mark.parametrize("name, head_size, q_lens", [(n, 128, [1, 1]) for n in (
+    "bf16", "fp8_e4m3", "int8_per_token_head", "int8_asym_per_token_head", "nvfp4")]
+    + [(n, 64, [1, 1]) for n in ("int8_per_token_head_separate", "mxfp4", "int4_per_token_head",
+                                 "int8_per_token_head_hadamard_k", "q4_0")]
+    + [pytest.param(n, 256, [1, 1], marks=GPU_RULES) for n in (
+        "bf16", "fp8_e4m3", "int8_per_token_head_separate", "int8_per_token_head", "fp8_per_token_head", "mxfp8")]
+    + [pytest.param("mxfp8", 64, [1, 1], marks=GPU_RULES)]
+    + [pytest.param(n, 128, [700, 1], marks=GPU_RULES) for n in ("bf16", "nvfp4", "mxfp4", "nvfp4_separate")])
+def test_long_decode_many_tiles(name, head_size, q_lens):
+    """Decode (or a 700-token chunk beside a decode) over 2100 and 1500 tokens: 12 to 33 whole tiles per program at
+    the GPU's 64-128 positions per step, so the compiled loop's software pipeline (copies of later steps in flight,
+    shared buffers reused) runs many iterations; then with 3 splits and a sliding window. Head size 64 takes tiles
+    of its own on the H200 (three stages for int8 separate, the rotated keys and q4_0's per-block dots, two stages and
+    128 registers for mxfp4 and int4 per token-head)."""
     fmt = kvgen.load(name)
-    case = Case(head_size=head_size, block_size=16, num_kv_heads=2, group=4, seq_lens=[2100, 1500], q_lens=[1, 1],
+    case = Case(head_size=head_size, block_size=16, num_kv_heads=2, group=4, seq_lens=[2100, 1500], q_lens=q_lens,
                 dtype=torch.bfloat16, window=None, holes=2, seed=11, k_scale=0.5, v_scale=2.0, magnitude=1.0)
     assert_conforms(fmt, case)
     assert_conforms(fmt, dataclasses.replace(case, splits=3, window=700, seed=12))
