@@ -321,10 +321,11 @@ def main() -> int:
         shape, args = dict(seqs=4, ctx=8192, q_len=2048), args[1:]
     if args[:1] == ["--head-size"]:
         shape["head_size"], args = int(args[1]), args[2:]
-    if args[:1] == ["--prefill-rows"]:  # query rows per prefill program at most (runtime.kernels.PREFILL_ROWS)
+    if args[:1] == ["--prefill-rows"]:  # query rows per prefill program, for every format (by default the rules')
         from kvgen.runtime import kernels
 
-        kernels.PREFILL_ROWS, args = int(args[1]), args[2:]
+        kernels.PREFILL_ROWS = kernels.RULED_PREFILL_ROWS = int(args[1])
+        args = args[2:]
     names = args or kvgen.shipped_names()
     if precision == "quantized":
         names = [n for n in names if any(kvgen.load(n).quantized_dot.values())]

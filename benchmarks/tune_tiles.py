@@ -73,16 +73,17 @@ def main() -> None:
     ap.add_argument("--programs-per-sm", nargs="+", type=int, default=[4])
     ap.add_argument("--shapes", nargs="+", default=["64x8192", "4x65536"])
     ap.add_argument("--dot-precision", choices=K.DOT_PRECISIONS, default="auto")
-    ap.add_argument("--prefill-rows", type=int, choices=(64, 128), default=K.PREFILL_ROWS,
-                    help="query rows per prefill program at most (kvgen.runtime.kernels.PREFILL_ROWS); the rules "
-                    "have no class for 128 rows, so give configs for it")
+    ap.add_argument("--prefill-rows", type=int, choices=(64, 128), default=None,
+                    help="query rows per prefill program at most, for every config (kvgen.runtime.kernels."
+                    "PREFILL_ROWS and RULED_PREFILL_ROWS); by default the rules' rows (128 where a rule names them)")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="time CUDA-graph replays, each configuration captured on its own (eager calls pay the host's "
                     "per-call work, which outlasts short kernels: 2026-12-04, fp8 at 4 x 65536 read 324 us eager "
                     "where its graph replays took 174)")
     args = ap.parse_args()
     bench.DOT = args.dot_precision
-    K.PREFILL_ROWS = args.prefill_rows
+    if args.prefill_rows is not None:
+        K.PREFILL_ROWS = K.RULED_PREFILL_ROWS = args.prefill_rows
     bench.require_gpu(ap)
     shapes = bench.decode_shapes(ap, args.shapes)
     # the runtime's own tiles ("rt...") take its own split target: one column each

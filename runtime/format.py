@@ -72,8 +72,10 @@ class Format:
         blocks = [side.scale for side in (spec.key, spec.value) if side.scale is not None and side.scale.block]
         scale_rows = {p: (side.scale.block, side.scale.scale_bytes) for p, side in (("K", spec.key), ("V", spec.value))
                       if side.scale is not None and side.scale.block}
+        dynamic = any(side.scale is not None and not side.scale.granularity.is_static for side in (spec.key, spec.value))
         self._kernels = KernelSet(package, block_scaled=bool(blocks),
-                                  pow2_blocks=any(sc.dtype == ScaleDType.e8m0 for sc in blocks), scale_rows=scale_rows)
+                                  pow2_blocks=any(sc.dtype == ScaleDType.e8m0 for sc in blocks), scale_rows=scale_rows,
+                                  position_scales=dynamic)
         self._consts: dict = {}
         self._tensor_of: dict = {}
         self.spec_hash = spec.spec_hash()  # computed once: write() and attend() compare it on every call

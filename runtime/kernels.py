@@ -108,6 +108,14 @@ def _choose_mode() -> None:
 # nvfp4 4949 -> 4402 and mxfp4 5615 -> 4940 with 128, 3 stages and block ids ahead (nvfp4_separate 4388 with that
 # rule; fp16 untimed); the 8-bit formats kept the old 128/4/2 (int8 separate 4618, fp8 / int8 per token-head 4585 /
 # 4760; mxfp8 5731, 1.2% behind 64/4/2).
+# Twenty-seventh session (benchmarks/RESULTS.md): head size 256 with the values converted first (the rules'
+# convert_first; `python benchmarks/tune_tiles.py FORMATS --configs rt 64/4/2pc 64/4/2/168pc 128/4/2pc 64/4/2/255pc
+# --shapes 16x8192hs256 4x65536hs256 --cuda-graphs`, run 2), at 16 x 8192 / 4 x 65536: fp8 218 -> 180 / 403 -> 337 us
+# and int8 separate 232 -> 208 / 438 -> 395 at 64 positions per step, 168 registers; mxfp8 328 -> 228 / 612 -> 444
+# at 64 positions, no cap; nvfp4 328 -> 250 / 630 -> 491 and mxfp4 312 -> 244 / 594 -> 483 at 64 positions, 168
+# registers; int4 per token-head 416 -> 335 / 775 -> 617 at 128 positions (bf16 263 / 498: rule kept). Untimed
+# there, following these rules: fp8 per head / e5m2, nvfp4_separate. Chunked prefill at 128 query rows
+# (RULED_PREFILL_ROWS, run 3): the rules of 128 rows below.
 # First matching rule wins (None matches anything). BLOCK_N: KV positions per step; maxnreg: a register cap (the
 # compiler otherwise takes 255 registers, two programs per SM); programs_per_sm: the split-KV target; convert_first
 # (optional): the rule's own V_CONVERT_FIRST, in place of convert_values_first's conditions. The tuned rules
@@ -120,7 +128,7 @@ DECODE_ROWS = 16
 # fp32; "ieee" exact fp32 dots; "quantized" int8 dots on int8 codes; "fast" one 16-bit term per operand
 DOT_PRECISIONS = ("auto", "ieee", "quantized", "fast")
 ATTENTION_TILES = (
-    # bits, terms, block, split, rows, head, wide, e8m0, block dots[, scale words] -> tiles
+    # bits, terms, block, split, rows, head, wide, e8m0, block dots[, scale words[, position scales]] -> tiles
     ((8, 1, False, False, 16, 128, True, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # fp8, int8 separate
     ((16, 1, None, False, 16, 64, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # bf16, hs 64
     ((8, 1, False, False, 16, 64, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # fp8, int8 separate, int8 / fp8 per token-head, hs 64
@@ -133,11 +141,18 @@ ATTENTION_TILES = (
     ((4, 2, True, False, 16, 64, None, None, True), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # kivi_4bit, hs 64
     ((8, 1, True, False, 16, 64, None, True, None, True), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # mxfp8, hs 64, scale rows as words
     ((16, 1, None, False, 16, 256, None, None, None), dict(BLOCK_N=32, num_warps=4, num_stages=3, programs_per_sm=4, prefetch_blocks=True)),  # bf16, hs 256
-    ((8, 1, False, False, 16, 256, True, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4, prefetch_blocks=True)),  # fp8, int8 separate, hs 256
+    ((8, 1, False, False, 16, 256, True, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=4, prefetch_blocks=True, convert_first=True)),  # fp8, int8 separate, hs 256
     ((8, 1, False, False, 16, 256, False, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=2, programs_per_sm=4)),  # int8 / fp8 per token-head, hs 256
-    ((8, 1, True, False, 16, 256, None, True, None), dict(BLOCK_N=64, num_warps=4, num_stages=2, maxnreg=255, programs_per_sm=4, prefetch_blocks=True)),  # mxfp8, hs 256
+    ((8, 1, True, False, 16, 256, None, True, None), dict(BLOCK_N=64, num_warps=4, num_stages=2, programs_per_sm=4, prefetch_blocks=True, convert_first=True)),  # mxfp8, hs 256
+    ((4, 1, True, False, 16, 256, None, None, False), dict(BLOCK_N=64, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=4, prefetch_blocks=True, convert_first=True)),  # nvfp4, mxfp4, hs 256
+    ((4, 1, False, 1, 16, 256, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4, prefetch_blocks=True, convert_first=True)),  # int4 per token-head (bf16 / fp16 queries), hs 256
     ((16, 1, None, False, 64, 128, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4, prefetch_blocks=True)),  # bf16, prefill, hs 128
     ((4, 1, True, False, 64, 128, None, None, False), dict(BLOCK_N=128, num_warps=4, num_stages=3, programs_per_sm=4, prefetch_blocks=True)),  # nvfp4, mxfp4, prefill, hs 128
+    ((8, 1, False, False, 128, 128, True, None, None, None, False), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # fp8 per tensor, prefill of 128 rows, hs 128
+    ((8, 1, True, False, 128, 128, None, True, None), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # mxfp8, prefill of 128 rows, hs 128
+    ((8, 2, True, False, 128, 128, None, None, None), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # q8_0, prefill of 128 rows, hs 128
+    ((4, 1, False, 1, 128, 128, None, None, None), dict(BLOCK_N=64, num_warps=8, num_stages=2, programs_per_sm=4)),  # int4 per token-head, prefill of 128 rows, hs 128
+    (((2, 4), 2, True, False, 128, 128, None, None, None), dict(BLOCK_N=64, num_warps=8, num_stages=2, programs_per_sm=4)),  # q4_0, KIVI, prefill of 128 rows, hs 128
     ((16, 1, None, False, 16, None, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)),  # bf16
     ((8, 1, False, False, 16, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # fp8
     ((8, 1, True, None, 16, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # mxfp8
@@ -257,16 +272,28 @@ def write_tiles(code_bits: dict, pow2_blocks: bool) -> dict:
 
 def attention_tiles(code_bits: dict, dots: dict, block_scaled: bool, block_m: int = DECODE_ROWS,
                     head_pad: int = 128, wide: bool = False, pow2_blocks: bool = False,
-                    scale_words: bool = True) -> dict:
+                    scale_words: bool = True, position_scales: bool = False) -> dict:
     """The launch configuration of a format's attention kernel for one call's dot constexprs ``dots`` and query rows
     per program ``block_m`` and padded head size ``head_pad``; ``wide``: every side's code rows start at multiples of
     16 bytes (``wide_rows``); ``pow2_blocks``: some side's block scales are e8m0. A new dict: BLOCK_N, num_warps,
     num_stages, optional maxnreg, prefetch_blocks and convert_first, programs_per_sm; ``scale_words``: no block-scale
-    row is loaded byte-wise (``scale_rows_in_words``)."""
+    row is loaded byte-wise (``scale_rows_in_words``); ``position_scales``: some side's scales are computed on write
+    (per token-head, per block, per channel group), not static per tensor or head."""
     if interpreting():
         return dict(INTERPRETER_TILES, programs_per_sm=4)
     if TILE_OVERRIDE is not None:
         return dict({"programs_per_sm": 4}, **TILE_OVERRIDE)
+    rule, tiles = tile_rule(attention_key(code_bits, dots, block_scaled, block_m, head_pad, wide, pow2_blocks,
+                                          scale_words, position_scales))
+    tiles = dict(tiles)
+    if block_m >= WGMMA_ROWS and head_pad * min(code_bits.values()) // 8 < NARROW_ROW_BYTES:
+        tiles["BLOCK_N"] = min(tiles["BLOCK_N"], NARROW_ROW_BLOCK_N)
+    return tiles
+
+
+def attention_key(code_bits: dict, dots: dict, block_scaled: bool, block_m: int, head_pad: int, wide: bool,
+                  pow2_blocks: bool, scale_words: bool, position_scales: bool) -> tuple:
+    """The fields ATTENTION_TILES' rules match, for attention_tiles' arguments."""
     bits = max(code_bits.values())
     terms, split = 0, 0
     for side, x in (("K", "Q"), ("V", "P")):
@@ -276,15 +303,28 @@ def attention_tiles(code_bits: dict, dots: dict, block_scaled: bool, block_m: in
         elif mode != 0:  # the call's terms: per-block dots (BLOCK_DOTS) take the codes alone, one term
             terms = max(terms, dots[f"{side}_TERMS"])
             split |= (dots[f"{x}_TERMS"] > 1) << (x == "P")  # bit 0 the query's, bit 1 the probabilities'
-    key = (bits, terms, block_scaled, split, DECODE_ROWS if block_m <= DECODE_ROWS else block_m, head_pad, wide,
-           pow2_blocks, bool(dots.get("BLOCK_DOTS")), scale_words)
+    return (bits, terms, block_scaled, split, DECODE_ROWS if block_m <= DECODE_ROWS else block_m, head_pad, wide,
+            pow2_blocks, bool(dots.get("BLOCK_DOTS")), scale_words, position_scales)
+
+
+def tile_rule(key: tuple) -> tuple:
+    """The first rule of ATTENTION_TILES that admits ``key``, and its tiles."""
     for rule, tiles in ATTENTION_TILES:
         if rule_matches(rule, key):
-            tiles = dict(tiles)
-            if block_m >= WGMMA_ROWS and head_pad * min(code_bits.values()) // 8 < NARROW_ROW_BYTES:
-                tiles["BLOCK_N"] = min(tiles["BLOCK_N"], NARROW_ROW_BLOCK_N)
-            return tiles
+            return rule, tiles
     raise AssertionError("the last rule matches every kernel")
+
+
+def rows_ruled(code_bits: dict, dots: dict, block_scaled: bool, block_m: int, head_pad: int, wide: bool,
+               pow2_blocks: bool, scale_words: bool, position_scales: bool) -> bool:
+    """Whether the tile rule of a program of ``block_m`` query rows names that many rows itself (a rule of its own,
+    not one that admits any rows): how prefill programs of RULED_PREFILL_ROWS rows are chosen. Never in the
+    interpreter or under TILE_OVERRIDE (experiments choose the rows by PREFILL_ROWS)."""
+    if interpreting() or TILE_OVERRIDE is not None:
+        return False
+    rule, _ = tile_rule(attention_key(code_bits, dots, block_scaled, block_m, head_pad, wide, pow2_blocks,
+                                      scale_words, position_scales))
+    return len(rule) > 4 and rule[4] == block_m
 
 
 def scale_rows_in_words(consts: dict, scale_rows: dict) -> bool:
@@ -399,8 +439,9 @@ class KernelSet:
     """The kernels module of one generated package, imported on first use."""
 
     def __init__(self, package: types.ModuleType, block_scaled: bool = False, pow2_blocks: bool = False,
-                 scale_rows: dict | None = None):
+                 scale_rows: dict | None = None, position_scales: bool = False):
         self.package = package
+        self.position_scales = position_scales  # a side's scales are computed on write: enters the tile choice
         self.block_scaled = block_scaled  # a side's scale covers blocks of elements: enters the tile choice
         self.pow2_blocks = pow2_blocks  # ... in e8m0: enters the write's and attention's tile choices
         # block-scaled sides: {"K" / "V": (elements per scale, bytes per scale)}, for scale_rows_in_words
@@ -530,7 +571,8 @@ class KernelSet:
         self._check_device(tensors["k_cache_ptr"])
         num_tokens, num_q_heads, _ = query.shape
         group = num_q_heads // consts["NUM_KV_HEADS"]
-        block_m = query_rows(group, max_query_len, consts["HEAD_PAD"])
+        head_pad, wide, scale_words = consts["HEAD_PAD"], wide_rows(consts), scale_rows_in_words(consts, self.scale_rows)
+        block_m = self.query_rows(query.dtype, dot_precision, rotated_keys, group, max_query_len, consts, query.device)
         block_q = max(1, block_m // group)
         modes = self._cached_dot_modes(query.dtype, dot_precision, rotated_keys, consts["HEAD_PAD"], query.device)
         if dot_precision == "quantized" and 3 not in (modes["DOT_K"], modes["DOT_V"]):
@@ -541,8 +583,8 @@ class KernelSet:
         # changes no load; the table's classes by terms would move KIVI and the rotated formats to another class)
         tile_dots = dots if dot_precision != "fast" else self._call_dots(query.dtype, "auto", rotated_keys,
                                                                          consts["HEAD_PAD"], block_m, query.device)
-        tiles = attention_tiles(self.module.CODE_BITS, tile_dots, self.block_scaled, block_m, consts["HEAD_PAD"],
-                                wide_rows(consts), self.pow2_blocks, scale_rows_in_words(consts, self.scale_rows))
+        tiles = attention_tiles(self.module.CODE_BITS, tile_dots, self.block_scaled, block_m, head_pad, wide,
+                                self.pow2_blocks, scale_words, self.position_scales)
         if tile_dots.get("BLOCK_DOTS") and not dots.get("BLOCK_DOTS"):  # fast's ratios where auto takes block dots
             tiles.update(fast_ratio_tiles(self.module.CODE_BITS, self.module.BLOCK_DOTS))
         block_n = tiles.pop("BLOCK_N")
@@ -582,6 +624,21 @@ class KernelSet:
                                          resident * self._sm_count(query.device),
                                          self._most_splits(max_kv, num_tokens, num_q_heads, consts["HEAD_PAD"]))
         return self._attention_launch(query, max_kv, num_splits, block_n, programs, static)
+
+    def query_rows(self, query_dtype: torch.dtype, dot_precision: str, rotated_keys: bool, group: int,
+                   max_query_len: int, consts: dict, device=None) -> int:
+        """BLOCK_M of an attention call (query_rows): PREFILL_ROWS at most, or RULED_PREFILL_ROWS where the tile
+        rule of a program of that many rows names them (rows_ruled; "fast" takes auto's rules, as for its tiles)."""
+        head_pad = consts["HEAD_PAD"]
+        block_m = query_rows(group, max_query_len, head_pad)
+        more_rows = query_rows(group, max_query_len, head_pad, RULED_PREFILL_ROWS)
+        if more_rows > block_m:
+            dots = self._call_dots(query_dtype, "auto" if dot_precision == "fast" else dot_precision, rotated_keys,
+                                   head_pad, more_rows, device)
+            if rows_ruled(self.module.CODE_BITS, dots, self.block_scaled, more_rows, head_pad, wide_rows(consts),
+                          self.pow2_blocks, scale_rows_in_words(consts, self.scale_rows), self.position_scales):
+                return more_rows
+        return block_m
 
     def resident_programs(self, query, tensors: dict, static: dict, max_kv: int, num_splits: int,
                           block_n: int) -> int | None:
@@ -772,18 +829,28 @@ class KernelSet:
 SMALL_HEAD_PAD = 32
 SMALL_HEAD_ROWS = 32
 # Query rows per program at most, compiled, for larger heads: a prefill program reads and dequantizes each KV tile
-# once for its rows, so more rows share that work (static counts, twenty-sixth session, `sass_count.py --prefill
-# --prefill-rows 128` on 8 warps against 64 rows on 4: warp instructions per position and query row mxfp8 1.39 ->
-# 0.99, nvfp4 1.01 -> 0.79, bf16 and fp8 level; untimed: `benchmarks/tune_tiles.py --prefill-rows 128` measures it,
-# benchmarks/pending/README.md). Experiments set it.
+# once for its rows, so more rows share that work. PREFILL_ROWS by default; RULED_PREFILL_ROWS where the tile rule of
+# a program of that many rows names them itself (rows_ruled). H200, twenty-seventh session (benchmarks/RESULTS.md,
+# `python benchmarks/tune_tiles.py FORMATS --configs 128/8/2 128/8/2p 64/8/2 --prefill-rows 128 --shapes
+# 4x8192q2048 --cuda-graphs` against the 64-row rules): 128 rows on 8 warps took fp8 3871 -> 3521 us, mxfp8 5684 ->
+# 4419, q8_0 11378 -> 8171 (128 positions per step), int4 per token-head 9619 -> 7219, q4_0 9179 -> 7969, kivi_2bit
+# 15094 -> 13436 (64 per step); bf16 (3960 -> 4086 at best), int8 separate (4630 -> 6322), mxfp4 (4905 -> 5097) and
+# nvfp4 (4368 -> 4303, level) keep 64 rows, as do the 8-bit formats with scales per token-head (static counts of the
+# twenty-sixth session: they spill at 128 rows). Experiments set both.
 PREFILL_ROWS = 64
+RULED_PREFILL_ROWS = 128
 
 
-def query_rows(group: int, max_query_len: int, head_pad: int) -> int:
+def query_rows(group: int, max_query_len: int, head_pad: int, max_rows: int | None = None) -> int:
     """BLOCK_M, the (query token, query head) rows one attention program holds: all ``group`` query heads of a KV
-    head times as many query tokens as fit in PREFILL_ROWS rows (128 in the interpreter; 32 for heads of
-    SMALL_HEAD_PAD or fewer elements on a GPU), a power of two of at least 16."""
-    max_rows = 128 if interpreting() else (SMALL_HEAD_ROWS if head_pad <= SMALL_HEAD_PAD else PREFILL_ROWS)
+    head times as many query tokens as fit in ``max_rows`` rows (by default PREFILL_ROWS; 128 in the interpreter; 32
+    for heads of SMALL_HEAD_PAD or fewer elements on a GPU), a power of two of at least 16."""
+    if interpreting():
+        max_rows = 128
+    elif head_pad <= SMALL_HEAD_PAD:
+        max_rows = SMALL_HEAD_ROWS
+    elif max_rows is None:
+        max_rows = PREFILL_ROWS
     return max(16, _next_pow2(group * min(max_query_len, max(1, max_rows // group))))
 
 

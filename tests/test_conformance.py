@@ -77,18 +77,31 @@ def test_long_context(name):
     assert_conforms(fmt, dataclasses.replace(case, window=100, q_lens=[5, 3], seed=8))
 
 
-# An experiment of the next GPU session (kvgen.runtime.kernels.PREFILL_ROWS; benchmarks/pending/README.md): 128 query
-# rows per prefill program on 8 warps. The interpreter always takes 128 rows; this runs the compiled kernels so.
+# Chunked prefill in programs of 128 query rows on 8 warps, where the tile rules name them (kvgen.runtime.kernels.
+# RULED_PREFILL_ROWS; twenty-seventh session). The interpreter always takes 128 rows; this runs the compiled kernels
+# with the rules' tiles, and a format whose rules keep 64 rows (int8 separate) under PREFILL_ROWS = 128 forced.
 @pytest.mark.skipif(DEVICE != "cuda", reason="compiled prefill programs of 128 rows: a GPU run")
-@pytest.mark.parametrize("name", ["bf16", "fp8_e4m3", "int8_per_token_head_separate", "int8_per_token_head", "mxfp8",
-                                  "nvfp4", "mxfp4", "int4_per_token_head", "q4_0", "q8_0", "kivi_2bit"])
+@pytest.mark.parametrize("name", ["fp8_e4m3", "mxfp8", "q8_0", "int4_per_token_head", "q4_0", "kivi_2bit",
+                                  "kivi_4bit", "int8_per_token_head_separate"])
 def test_prefill_rows_128_conform(name, monkeypatch):
+    import warnings
+
     from kvgen.conformance import StreamCase, run_stream
     from kvgen.runtime import kernels
 
-    monkeypatch.setattr(kernels, "PREFILL_ROWS", 128)
-    monkeypatch.setattr(kernels, "TILE_OVERRIDE", {"BLOCK_N": 128, "num_warps": 8, "num_stages": 2})
     fmt = kvgen.load(name)
+    block = fmt.layout.RESIDUAL["group"] if fmt.spec.streaming else 16
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache = fmt.allocate(1, block, 2, 128, **({"max_seqs": 1} if fmt.spec.streaming else {}))
+    rows = fmt._kernels.query_rows(torch.bfloat16, "auto", fmt.spec.key.rotation is not None, 4, 700,
+                                   fmt._kernel_args(cache)[1])
+    if name == "int8_per_token_head_separate":
+        assert rows == 64
+        monkeypatch.setattr(kernels, "PREFILL_ROWS", 128)
+        monkeypatch.setattr(kernels, "TILE_OVERRIDE", {"BLOCK_N": 128, "num_warps": 8, "num_stages": 2})
+    else:
+        assert rows == 128
     if fmt.spec.streaming:  # KIVI: a prefill, then a 700-token chunk beside a decode step
         case = StreamCase(head_size=128, block_size=fmt.layout.RESIDUAL["group"], num_kv_heads=2, group=4,
                           steps=[[1100, 600], [700, 1]], dtype=torch.bfloat16, window=None, pad_rows=0, seed=15)
@@ -114,6 +127,7 @@ GPU_RULES = pytest.mark.skipif(DEVICE != "cuda", reason="the compiled kernels' t
                                  "int8_per_token_head_hadamard_k", "q4_0")]
     + [pytest.param(n, 256, [1, 1], marks=GPU_RULES) for n in (
         "bf16", "fp8_e4m3", "int8_per_token_head_separate", "int8_per_token_head", "fp8_per_token_head", "mxfp8")]
+    + [pytest.param(n, 256, [1, 1], marks=GPU_RULES) for n in ("nvfp4", "mxfp4", "int4_per_token_head")]
     + [pytest.param("mxfp8", 64, [1, 1], marks=GPU_RULES)]
     + [pytest.param(n, 128, [700, 1], marks=GPU_RULES) for n in ("bf16", "nvfp4", "mxfp4", "nvfp4_separate")])
 def test_long_decode_many_tiles(name, head_size, q_lens):
