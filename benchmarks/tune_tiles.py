@@ -75,7 +75,8 @@ def main() -> None:
     ap.add_argument("--dot-precision", choices=K.DOT_PRECISIONS, default="auto")
     ap.add_argument("--prefill-rows", type=int, choices=(64, 128), default=None,
                     help="query rows per prefill program at most, for every config (kvgen.runtime.kernels."
-                    "PREFILL_ROWS and RULED_PREFILL_ROWS); by default the rules' rows (128 where a rule names them)")
+                    "PREFILL_ROWS and RULED_PREFILL_ROWS); by default the rules' rows for 'rt' configs (128 where a "
+                    "rule names them) and 64 for the others, which replace the rules")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="time CUDA-graph replays, each configuration captured on its own (eager calls pay the host's "
                     "per-call work, which outlasts short kernels: 2026-12-04, fp8 at 4 x 65536 read 324 us eager "

@@ -50,8 +50,9 @@ def _choose_mode() -> None:
 #          probabilities; 3 both (fp32 queries). False / True in a rule match 0 / 1 (Python's equality); a tuple
 #          in a rule matches any of its values;
 #   rows   the query rows a program holds (BLOCK_M): 16 in decode (one query token, or up to 16 / GROUP of them);
-#          prefill holds 64 and needs the registers a cap would take (the decode caps made the chunked prefill
-#          of 4 x 2048 tokens 35-40% slower on the H200);
+#          prefill holds 64, or 128 where a rule of 128 rows names them (RULED_PREFILL_ROWS; GQA groups over 64
+#          fill 128 rows in decode too and take those rules, untimed there), and needs the registers a cap would
+#          take (the decode caps made the chunked prefill of 4 x 2048 tokens 35-40% slower on the H200);
 #   head   the padded head size (HEAD_PAD): bf16 / fp16 at 64 has a rule of its own since the sixth session (half the
 #          bytes per position: twice the positions per step pay, 295 -> 279 us at 64 x 8192), the measured classes
 #          below at 64 and 128 since the twenty-fourth; other head sizes take a class's rule for any head.
@@ -60,7 +61,11 @@ def _choose_mode() -> None:
 #          inline-scale cells of 132 bytes a side.
 #   e8m0   block scales are powers of two (MX formats): the codes' ratios cost less arithmetic than nvfp4's e4m3
 #          scales, and more copies in flight pay where nvfp4 stays issue-bound;
-#   block dots  the call takes one dot per scale block (BLOCK_DOTS: q8_0 and q4_0 in decode, 249-254 registers).
+#   block dots  the call takes one dot per scale block (BLOCK_DOTS: q8_0 and q4_0 in decode, 249-254 registers);
+#   scale words  no block-scale row is loaded byte-wise (scale_rows_in_words; rules that leave it out admit both);
+#   position scales  some side's scales are computed on write (per token-head, per block, per channel group), not
+#          static per tensor / head: fp8 per tensor and int8 separate differ only there (128-row prefill: 0.91x
+#          against 1.37x their 64-row time).
 # prefetch_blocks: the kernel's PREFETCH_BLOCKS (block ids loaded one step ahead), which lets a third stage
 # double-buffer the K/V copies. H200, 2026-12-04 (benchmarks/RESULTS.md, twenty-second session; `python
 # benchmarks/tune_tiles.py fp8_e4m3 int8_per_token_head_separate --configs 128/4/2/168 128/4/3/168p
@@ -72,7 +77,7 @@ def _choose_mode() -> None:
 # --cuda-graphs`): mxfp4 with 3 stages, block ids ahead and 168 registers 443 -> 413 us at 64 x 8192, 228 -> 212 at
 # 4 x 65536, 238 -> 221 at 256 x 1024 (nvfp4 lost 6% with the same tiles, mxfp8 1-3%: the e8m0 key); int4 per
 # token-head with 168 registers and block ids ahead 672 -> 632, 344 -> 312, 393 -> 373 (a 128-register cap spills:
-# 1.06-1.28x slower). Both at head size 128 only (measured there; at 256 the values are not converted first). Head
+# 1.06-1.28x slower). Both at head size 128 only (measured there; head size 256 has rules of its own). Head
 # size 64 (runs 7-8, `--shapes 64x8192hs64`): the 8-bit formats with per-tensor or per-token scales and nvfp4 with 3
 # stages, block ids ahead and 168 registers (fp8 215 -> 189 us, int8 separate 284 -> 249, int8 / fp8 per token-head
 # 333 / 327 -> 308 / 305, nvfp4 281 -> 252), mxfp4 and int4 per token-head with 2 stages and 128 registers (336 ->
@@ -114,8 +119,9 @@ def _choose_mode() -> None:
 # and int8 separate 232 -> 208 / 438 -> 395 at 64 positions per step, 168 registers; mxfp8 328 -> 228 / 612 -> 444
 # at 64 positions, no cap; nvfp4 328 -> 250 / 630 -> 491 and mxfp4 312 -> 244 / 594 -> 483 at 64 positions, 168
 # registers; int4 per token-head 416 -> 335 / 775 -> 617 at 128 positions (bf16 263 / 498: rule kept). Untimed
-# there, following these rules: fp8 per head / e5m2, nvfp4_separate. Chunked prefill at 128 query rows
-# (RULED_PREFILL_ROWS, run 3): the rules of 128 rows below.
+# there, following these rules: fp8 per head / e5m2, nvfp4_separate, and int8 separate's quantized domain (int8
+# dots: not converted first, but 64 positions and the cap). Chunked prefill at 128 query rows (RULED_PREFILL_ROWS,
+# run 3): the rules of 128 rows below; untimed, following them: fp8 per head / e5m2 (fp8's), kivi_4bit (q4_0's).
 # First matching rule wins (None matches anything). BLOCK_N: KV positions per step; maxnreg: a register cap (the
 # compiler otherwise takes 255 registers, two programs per SM); programs_per_sm: the split-KV target; convert_first
 # (optional): the rule's own V_CONVERT_FIRST, in place of convert_values_first's conditions. The tuned rules
@@ -148,7 +154,7 @@ ATTENTION_TILES = (
     ((4, 1, False, 1, 16, 256, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4, prefetch_blocks=True, convert_first=True)),  # int4 per token-head (bf16 / fp16 queries), hs 256
     ((16, 1, None, False, 64, 128, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4, prefetch_blocks=True)),  # bf16, prefill, hs 128
     ((4, 1, True, False, 64, 128, None, None, False), dict(BLOCK_N=128, num_warps=4, num_stages=3, programs_per_sm=4, prefetch_blocks=True)),  # nvfp4, mxfp4, prefill, hs 128
-    ((8, 1, False, False, 128, 128, True, None, None, None, False), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # fp8 per tensor, prefill of 128 rows, hs 128
+    ((8, 1, False, False, 128, 128, True, None, None, None, False), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # fp8 per tensor / per head / e5m2, prefill of 128 rows, hs 128
     ((8, 1, True, False, 128, 128, None, True, None), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # mxfp8, prefill of 128 rows, hs 128
     ((8, 2, True, False, 128, 128, None, None, None), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # q8_0, prefill of 128 rows, hs 128
     ((4, 1, False, 1, 128, 128, None, None, None), dict(BLOCK_N=64, num_warps=8, num_stages=2, programs_per_sm=4)),  # int4 per token-head, prefill of 128 rows, hs 128
@@ -230,8 +236,11 @@ TILE_OVERRIDE: dict | None = None
 # -> 1012 us with it, are left out with them). Decode only: chunked prefill gained nothing with it (twenty-fourth
 # session, run 7: its warpgroup dots already read converted values from shared memory; the inline-scale cells 15%
 # slower); and heads of at most CONVERT_FIRST_MAX_HEAD: at 256 the staging buffer leaves fp8, int8 separate and
-# mxfp8 1 program per SM (static counts; not timed). Head size 64 was timed with it in the twenty-fourth session's
-# full run (every format it applies to faster than before: benchmarks/RESULTS.md).
+# mxfp8 1 program per SM at 128 positions per step (static counts); the head-256 rules of the twenty-seventh session
+# turn it on themselves at 64 positions per step (int4 per token-head at 128; convert_first: fp8 218 -> 180 us,
+# mxfp8 328 -> 228 at 16 x 8192). Head size
+# 64 was timed with it in the twenty-fourth session's full run (every format it applies to faster than before:
+# benchmarks/RESULTS.md).
 # CONVERT_FIRST_OVERRIDE (experiments: tune_tiles.py's "c" / "n" configs) sets it for every call whose values can
 # take it.
 CONVERT_FIRST_OVERRIDE: bool | None = None

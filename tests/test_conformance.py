@@ -115,8 +115,8 @@ def test_prefill_rows_128_conform(name, monkeypatch):
     assert_conforms(fmt, dataclasses.replace(case, splits=3, window=300, seed=16))
 
 
-# The twenty-sixth session's tile rules (head size 256 for the 16- and 8-bit formats, mxfp8's 3 stages at head size
-# 64, chunked prefill's own tiles at head size 128): compiled kernels only, since the interpreter takes
+# The twenty-sixth and twenty-seventh sessions' tile rules (head size 256, mxfp8's 3 stages at head size 64, chunked
+# prefill's own tiles at head size 128): compiled kernels only, since the interpreter takes
 # INTERPRETER_TILES, which the other cases run.
 GPU_RULES = pytest.mark.skipif(DEVICE != "cuda", reason="the compiled kernels' tile rules: a GPU run")
 

@@ -347,7 +347,7 @@ def consts_of(name: str, head_size: int = 128, num_kv_heads: int = 8) -> dict:
     return fmt._kernel_args(cache)[1]
 
 
-def test_prefill_rows_where_measured(compiled):
+def test_prefill_rows_where_measured(compiled, monkeypatch):
     """Chunked prefill takes programs of 128 query rows on 8 warps (RULED_PREFILL_ROWS) where the twenty-seventh
     session measured them faster (run 3, 4 x 8192 with 2048 new tokens, head size 128, bf16 queries): fp8 per tensor,
     mxfp8 and q8_0 at 128 positions per step, int4 per token-head, q4_0 and kivi_2bit at 64; and the formats
@@ -377,11 +377,8 @@ def test_prefill_rows_where_measured(compiled):
         assert ks.query_rows(torch.bfloat16, "auto", rotated, 4, 16, consts) == 64, name  # 16 tokens fill 64 rows
     # experiments choose the rows themselves: under TILE_OVERRIDE no rule names them
     ks = kvgen.load("fp8_e4m3")._kernels
-    K.TILE_OVERRIDE = dict(BLOCK_N=64, num_warps=4, num_stages=2)
-    try:
-        assert ks.query_rows(torch.bfloat16, "auto", False, 4, 2048, consts_of("fp8_e4m3")) == 64
-    finally:
-        K.TILE_OVERRIDE = None
+    monkeypatch.setattr(K, "TILE_OVERRIDE", dict(BLOCK_N=64, num_warps=4, num_stages=2))
+    assert ks.query_rows(torch.bfloat16, "auto", False, 4, 2048, consts_of("fp8_e4m3")) == 64
 
 
 def test_position_scales():
