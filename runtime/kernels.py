@@ -583,15 +583,15 @@ class KernelSet:
         head_pad, wide, scale_words = consts["HEAD_PAD"], wide_rows(consts), scale_rows_in_words(consts, self.scale_rows)
         block_m = self.query_rows(query.dtype, dot_precision, rotated_keys, group, max_query_len, consts, query.device)
         block_q = max(1, block_m // group)
-        modes = self._cached_dot_modes(query.dtype, dot_precision, rotated_keys, consts["HEAD_PAD"], query.device)
+        modes = self._cached_dot_modes(query.dtype, dot_precision, rotated_keys, head_pad, query.device)
         if dot_precision == "quantized" and 3 not in (modes["DOT_K"], modes["DOT_V"]):
             raise ValueError(f"dot_precision: 'quantized' has no side to quantize at head size {query.shape[2]}: "
                              "int8 keys need a head of at least 32 elements, and the values are not int8")
-        dots = self._call_dots(query.dtype, dot_precision, rotated_keys, consts["HEAD_PAD"], block_m, query.device)
+        dots = self._call_dots(query.dtype, dot_precision, rotated_keys, head_pad, block_m, query.device)
         # "fast" launches with the tiles measured for auto's kernel of the same format and shape (dropping a term
         # changes no load; the table's classes by terms would move KIVI and the rotated formats to another class)
         tile_dots = dots if dot_precision != "fast" else self._call_dots(query.dtype, "auto", rotated_keys,
-                                                                         consts["HEAD_PAD"], block_m, query.device)
+                                                                         head_pad, block_m, query.device)
         tiles = attention_tiles(self.module.CODE_BITS, tile_dots, self.block_scaled, block_m, head_pad, wide,
                                 self.pow2_blocks, scale_words, self.position_scales)
         if tile_dots.get("BLOCK_DOTS") and not dots.get("BLOCK_DOTS"):  # fast's ratios where auto takes block dots
@@ -602,7 +602,7 @@ class KernelSet:
             block_n = max(block_n, group_n)
         programs_per_sm = tiles.pop("programs_per_sm")
         prefetch_blocks = int(tiles.pop("prefetch_blocks", False))
-        convert_first = int(convert_values_first(self.module.CODE_BITS, dots, block_m, consts["HEAD_PAD"],
+        convert_first = int(convert_values_first(self.module.CODE_BITS, dots, block_m, head_pad,
                                                  wide_rows(consts, "V"), tiles.pop("convert_first", None)))
         num_q_tiles = triton_cdiv(max_query_len, block_q)
         num_seqs = seq_lens.shape[0]
@@ -611,7 +611,7 @@ class KernelSet:
         programs = num_seqs * num_q_tiles * consts["NUM_KV_HEADS"]
         ruled = num_splits is None
         if ruled:
-            num_splits = self._splits(programs, max_kv, num_tokens, num_q_heads, consts["HEAD_PAD"], query.device,
+            num_splits = self._splits(programs, max_kv, num_tokens, num_q_heads, head_pad, query.device,
                                       programs_per_sm)
         # 32-bit byte offsets (fewer instructions) unless a cache tensor is too large for them
         offsets_64 = max(tensors[f].numel() for f in ("k_cache_ptr", "v_cache_ptr", "k_meta_ptr", "v_meta_ptr")) >= 2**31
@@ -631,7 +631,7 @@ class KernelSet:
             if resident is not None:
                 num_splits = wave_splits(programs, num_splits, triton_cdiv(max(max_kv, 1), block_n),
                                          resident * self._sm_count(query.device),
-                                         self._most_splits(max_kv, num_tokens, num_q_heads, consts["HEAD_PAD"]))
+                                         self._most_splits(max_kv, num_tokens, num_q_heads, head_pad))
         return self._attention_launch(query, max_kv, num_splits, block_n, programs, static)
 
     def query_rows(self, query_dtype: torch.dtype, dot_precision: str, rotated_keys: bool, group: int,

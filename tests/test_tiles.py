@@ -164,12 +164,7 @@ def test_measured_choices(compiled):
 
 def wide(name: str, head_size: int = 128, sides: str = "KV") -> bool:
     """kvgen.runtime.kernels.wide_rows of a format's cache at block size 16 (KIVI: its group), 8 KV heads."""
-    fmt = kvgen.load(name)
-    block = fmt.layout.RESIDUAL["group"] if fmt.spec.streaming else 16
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        cache = fmt.allocate(1, block, 8, head_size, **({"max_seqs": 1} if fmt.spec.streaming else {}))
-    return K.wide_rows(fmt._kernel_args(cache)[1], sides)
+    return K.wide_rows(consts_of(name, head_size), sides)
 
 
 def test_wide_rows():
