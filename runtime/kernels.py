@@ -122,6 +122,17 @@ def _choose_mode() -> None:
 # there, following these rules: fp8 per head / e5m2, nvfp4_separate, and int8 separate's quantized domain (int8
 # dots: not converted first, but 64 positions and the cap). Chunked prefill at 128 query rows (RULED_PREFILL_ROWS,
 # run 3): the rules of 128 rows below; untimed, following them: fp8 per head / e5m2 (fp8's), kivi_4bit (q4_0's).
+# Twenty-eighth session (benchmarks/RESULTS.md; runs 2-5): chunked prefill in 128-row programs at head sizes 64 and
+# 256 (`python benchmarks/tune_tiles.py FORMATS --configs 128/8/2 64/8/2 --prefill-rows 128 --shapes 4x8192q2048hs64
+# 4x8192q2048hs256 --cuda-graphs`, against the 64-row rules): at 256 bf16 12112 -> 7510 us (64/8/2), fp8 10659 ->
+# 6887, mxfp8 20986 -> 9438, nvfp4 9977 -> 8889, mxfp4 14667 -> 11319 (128/8/2), q4_0 25163 -> 20162 and kivi_2bit
+# 121360 -> 68622 (64/8/2); at 64 fp8 2717 -> 2620 and q4_0 5411 -> 4776 (128/8/2), int4 per token-head 5848 -> 5393
+# (64/8/2); int4 per token-head at 256, bf16 / mxfp8 / nvfp4 at 64 keep 64 rows. Decode at head size 256 with the
+# values converted first and block ids ahead, at 16 x 8192 / 4 x 65536: q4_0 560 -> 385 / 1088 -> 826 us at 128
+# positions per step, q8_0 727 -> 548 / 1417 -> 1042 at 64, kivi_2bit 984 -> 910 / 1801 -> 1666 and kivi_4bit 994 ->
+# 900 at 64. Untimed, following these by their keys: fp16 (bf16's), fp8 per head / e5m2 (fp8's); timed with the
+# rules alone (no time before): kivi_4bit's prefill (q4_0's rule at 64: 7343 us; KIVI's at 256: 71787) and
+# nvfp4_separate's at 256 (8905).
 # First matching rule wins (None matches anything). BLOCK_N: KV positions per step; maxnreg: a register cap (the
 # compiler otherwise takes 255 registers, two programs per SM); programs_per_sm: the split-KV target; convert_first
 # (optional): the rule's own V_CONVERT_FIRST, in place of convert_values_first's conditions. The tuned rules
@@ -152,13 +163,19 @@ ATTENTION_TILES = (
     ((8, 1, True, False, 16, 256, None, True, None), dict(BLOCK_N=64, num_warps=4, num_stages=2, programs_per_sm=4, prefetch_blocks=True, convert_first=True)),  # mxfp8, hs 256
     ((4, 1, True, False, 16, 256, None, None, False), dict(BLOCK_N=64, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=4, prefetch_blocks=True, convert_first=True)),  # nvfp4, mxfp4, hs 256
     ((4, 1, False, 1, 16, 256, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4, prefetch_blocks=True, convert_first=True)),  # int4 per token-head (bf16 / fp16 queries), hs 256
+    ((4, 1, True, False, 16, 256, None, False, True), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4, prefetch_blocks=True, convert_first=True)),  # q4_0 (block dots), hs 256
+    ((8, 1, True, False, 16, 256, None, False, True), dict(BLOCK_N=64, num_warps=4, num_stages=2, programs_per_sm=4, prefetch_blocks=True, convert_first=True)),  # q8_0 (block dots), hs 256
+    (((2, 4), 2, True, False, 16, 256, None, None, True), dict(BLOCK_N=64, num_warps=4, num_stages=2, programs_per_sm=4, prefetch_blocks=True, convert_first=True)),  # KIVI, hs 256
     ((16, 1, None, False, 64, 128, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4, prefetch_blocks=True)),  # bf16, prefill, hs 128
     ((4, 1, True, False, 64, 128, None, None, False), dict(BLOCK_N=128, num_warps=4, num_stages=3, programs_per_sm=4, prefetch_blocks=True)),  # nvfp4, mxfp4, prefill, hs 128
-    ((8, 1, False, False, 128, 128, True, None, None, None, False), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # fp8 per tensor / per head / e5m2, prefill of 128 rows, hs 128
-    ((8, 1, True, False, 128, 128, None, True, None), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # mxfp8, prefill of 128 rows, hs 128
+    ((8, 1, False, False, 128, (64, 128, 256), True, None, None, None, False), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # fp8 per tensor / per head / e5m2, prefill of 128 rows, hs 64-256
+    ((8, 1, True, False, 128, (128, 256), None, True, None), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # mxfp8, prefill of 128 rows, hs 128 / 256
     ((8, 2, True, False, 128, 128, None, None, None), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # q8_0, prefill of 128 rows, hs 128
-    ((4, 1, False, 1, 128, 128, None, None, None), dict(BLOCK_N=64, num_warps=8, num_stages=2, programs_per_sm=4)),  # int4 per token-head, prefill of 128 rows, hs 128
-    (((2, 4), 2, True, False, 128, 128, None, None, None), dict(BLOCK_N=64, num_warps=8, num_stages=2, programs_per_sm=4)),  # q4_0, KIVI, prefill of 128 rows, hs 128
+    ((4, 1, False, 1, 128, (64, 128), None, None, None), dict(BLOCK_N=64, num_warps=8, num_stages=2, programs_per_sm=4)),  # int4 per token-head, prefill of 128 rows, hs 64 / 128
+    (((2, 4), 2, True, False, 128, (128, 256), None, None, None), dict(BLOCK_N=64, num_warps=8, num_stages=2, programs_per_sm=4)),  # q4_0, KIVI, prefill of 128 rows, hs 128 / 256
+    ((4, 2, True, False, 128, 64, None, None, None), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # q4_0, kivi_4bit, prefill of 128 rows, hs 64
+    ((16, 1, None, False, 128, 256, None, None, None), dict(BLOCK_N=64, num_warps=8, num_stages=2, programs_per_sm=4)),  # bf16, prefill of 128 rows, hs 256
+    ((4, 1, True, False, 128, 256, None, None, False), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # nvfp4, mxfp4, prefill of 128 rows, hs 256
     ((16, 1, None, False, 16, None, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)),  # bf16
     ((8, 1, False, False, 16, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # fp8
     ((8, 1, True, None, 16, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # mxfp8

@@ -78,12 +78,15 @@ def test_long_context(name):
 
 
 # Chunked prefill in programs of 128 query rows on 8 warps, where the tile rules name them (kvgen.runtime.kernels.
-# RULED_PREFILL_ROWS; twenty-seventh session). The interpreter always takes 128 rows; this runs the compiled kernels
+# RULED_PREFILL_ROWS; twenty-seventh session at head size 128, twenty-eighth at 64 and 256). The interpreter always takes 128 rows; this runs the compiled kernels
 # with the rules' tiles, and a format whose rules keep 64 rows (int8 separate) under PREFILL_ROWS = 128 forced.
 @pytest.mark.skipif(DEVICE != "cuda", reason="compiled prefill programs of 128 rows: a GPU run")
-@pytest.mark.parametrize("name", ["fp8_e4m3", "mxfp8", "q8_0", "int4_per_token_head", "q4_0", "kivi_2bit",
-                                  "kivi_4bit", "int8_per_token_head_separate"])
-def test_prefill_rows_128_conform(name, monkeypatch):
+@pytest.mark.parametrize("name, head_size", [(n, 128) for n in (
+    "fp8_e4m3", "mxfp8", "q8_0", "int4_per_token_head", "q4_0", "kivi_2bit", "kivi_4bit",
+    "int8_per_token_head_separate")]
+    + [(n, 256) for n in ("bf16", "fp8_e4m3", "mxfp8", "nvfp4", "mxfp4", "q4_0", "kivi_4bit")]
+    + [(n, 64) for n in ("fp8_e4m3", "int4_per_token_head", "q4_0")])
+def test_prefill_rows_128_conform(name, head_size, monkeypatch):
     import warnings
 
     from kvgen.conformance import StreamCase, run_stream
@@ -93,7 +96,7 @@ def test_prefill_rows_128_conform(name, monkeypatch):
     block = fmt.layout.RESIDUAL["group"] if fmt.spec.streaming else 16
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cache = fmt.allocate(1, block, 2, 128, **({"max_seqs": 1} if fmt.spec.streaming else {}))
+        cache = fmt.allocate(1, block, 2, head_size, **({"max_seqs": 1} if fmt.spec.streaming else {}))
     rows = fmt._kernels.query_rows(torch.bfloat16, "auto", fmt.spec.key.rotation is not None, 4, 700,
                                    fmt._kernel_args(cache)[1])
     if name == "int8_per_token_head_separate":
@@ -103,16 +106,31 @@ def test_prefill_rows_128_conform(name, monkeypatch):
     else:
         assert rows == 128
     if fmt.spec.streaming:  # KIVI: a prefill, then a 700-token chunk beside a decode step
-        case = StreamCase(head_size=128, block_size=fmt.layout.RESIDUAL["group"], num_kv_heads=2, group=4,
+        case = StreamCase(head_size=head_size, block_size=fmt.layout.RESIDUAL["group"], num_kv_heads=2, group=4,
                           steps=[[1100, 600], [700, 1]], dtype=torch.bfloat16, window=None, pad_rows=0, seed=15)
         for c in (case, dataclasses.replace(case, splits=3, seed=16)):
             failures = {p: m for p, m in run_stream(fmt, c, DEVICE).items() if m}
             assert not failures, failures
         return
-    case = Case(head_size=128, block_size=16, num_kv_heads=2, group=4, seq_lens=[1100, 600], q_lens=[700, 1],
+    case = Case(head_size=head_size, block_size=16, num_kv_heads=2, group=4, seq_lens=[1100, 600], q_lens=[700, 1],
                 dtype=torch.bfloat16, window=None, holes=2, seed=15, k_scale=0.5, v_scale=2.0, magnitude=1.0)
     assert_conforms(fmt, case)
     assert_conforms(fmt, dataclasses.replace(case, splits=3, window=300, seed=16))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the compiled kernels' tile rules: a GPU run")
+@pytest.mark.parametrize("name", ["kivi_2bit", "kivi_4bit"])
+def test_kivi_decode_256(name):
+    """KIVI's decode at head size 256 (its own tiles since the twenty-eighth session: 64 positions per step, the
+    values converted first): decode steps over 1100 and 600 written tokens, whole and in 3 splits."""
+    from kvgen.conformance import StreamCase, run_stream
+
+    fmt = kvgen.load(name)
+    case = StreamCase(head_size=256, block_size=fmt.layout.RESIDUAL["group"], num_kv_heads=2, group=4,
+                      steps=[[1100, 600], [1, 1], [1, 1]], dtype=torch.bfloat16, window=None, pad_rows=0, seed=21)
+    for c in (case, dataclasses.replace(case, splits=3, seed=22)):
+        failures = {p: m for p, m in run_stream(fmt, c, DEVICE).items() if m}
+        assert not failures, failures
 
 
 # The twenty-sixth and twenty-seventh sessions' tile rules (head size 256, mxfp8's 3 stages at head size 64, chunked
@@ -127,7 +145,7 @@ GPU_RULES = pytest.mark.skipif(DEVICE != "cuda", reason="the compiled kernels' t
                                  "int8_per_token_head_hadamard_k", "q4_0")]
     + [pytest.param(n, 256, [1, 1], marks=GPU_RULES) for n in (
         "bf16", "fp8_e4m3", "int8_per_token_head_separate", "int8_per_token_head", "fp8_per_token_head", "mxfp8")]
-    + [pytest.param(n, 256, [1, 1], marks=GPU_RULES) for n in ("nvfp4", "mxfp4", "int4_per_token_head")]
+    + [pytest.param(n, 256, [1, 1], marks=GPU_RULES) for n in ("nvfp4", "mxfp4", "int4_per_token_head", "q4_0", "q8_0")]
     + [pytest.param("mxfp8", 64, [1, 1], marks=GPU_RULES)]
     + [pytest.param(n, 128, [700, 1], marks=GPU_RULES) for n in ("bf16", "nvfp4", "mxfp4", "nvfp4_separate")])
 def test_long_decode_many_tiles(name, head_size, q_lens):

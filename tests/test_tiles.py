@@ -343,31 +343,41 @@ def consts_of(name: str, head_size: int = 128, num_kv_heads: int = 8) -> dict:
 
 
 def test_prefill_rows_where_measured(compiled, monkeypatch):
-    """Chunked prefill takes programs of 128 query rows on 8 warps (RULED_PREFILL_ROWS) where the twenty-seventh
-    session measured them faster (run 3, 4 x 8192 with 2048 new tokens, head size 128, bf16 queries): fp8 per tensor,
-    mxfp8 and q8_0 at 128 positions per step, int4 per token-head, q4_0 and kivi_2bit at 64; and the formats
-    following their rules untimed (fp8 per head / e5m2, kivi_4bit). Elsewhere 64 rows: the formats measured slower
-    or level there (bf16, int8 separate, nvfp4, mxfp4), the 8-bit scales per token-head (static: they spill), fp32
-    queries, other head sizes, and decode and short chunks, which fill no more than 64 rows."""
-    wide = {"fp8_e4m3": 128, "fp8_e4m3_per_head": 128, "fp8_e5m2": 128, "mxfp8": 128, "q8_0": 128,
-            "int4_per_token_head": 64, "q4_0": 64, "kivi_2bit": 64, "kivi_4bit": 64}
+    """Chunked prefill takes programs of 128 query rows on 8 warps (RULED_PREFILL_ROWS) where the H200 measured them
+    faster (4 x 8192 with 2048 new tokens, bf16 queries). Head size 128 (twenty-seventh session, run 3): fp8 per
+    tensor, mxfp8 and q8_0 at 128 positions per step, int4 per token-head, q4_0 and kivi_2bit at 64. Head size 256
+    (twenty-eighth session, run 2): bf16 at 64, fp8 per tensor, mxfp8 and nvfp4 at 128, q4_0 at 64. Head size 64: fp8
+    per tensor and q4_0 at 128, int4 per token-head at 64. The formats following these rules untimed: fp8 per head /
+    e5m2 (fp8's), fp16 (bf16's), nvfp4_separate (nvfp4's), kivi_4bit (q4_0's) and KIVI at 256. Elsewhere 64 rows: the
+    formats measured slower or level there (bf16 at 64 / 128, int8 separate, nvfp4 at 64 / 128, mxfp4, mxfp8 at 64,
+    int4 per token-head at 256), the 8-bit scales per token-head (static: they spill), fp32 queries, and decode and
+    short chunks, which fill no more than 64 rows."""
+    fp8 = {"fp8_e4m3": 128, "fp8_e4m3_per_head": 128, "fp8_e5m2": 128}
+    wide = {
+        128: dict(fp8, mxfp8=128, q8_0=128, int4_per_token_head=64, q4_0=64, kivi_2bit=64, kivi_4bit=64),
+        256: dict(fp8, bf16=64, fp16=64, mxfp8=128, nvfp4=128, nvfp4_separate=128, mxfp4=128, q4_0=64,
+                  kivi_2bit=64, kivi_4bit=64),
+        64: dict(fp8, int4_per_token_head=64, q4_0=128, kivi_4bit=128),
+    }
     for name in kvgen.shipped_names():
         fmt = kvgen.load(name)
         ks, rotated = fmt._kernels, fmt.spec.key.rotation is not None
+        for head_size, ruled in wide.items():
+            consts = consts_of(name, head_size)
+            # a 16-bit cache's rules were measured with queries of its own type (bf16 at head size 256)
+            dtypes = {"bf16": (torch.bfloat16,), "fp16": (torch.float16,)}.get(name, DTYPES)
+            for dtype in dtypes:
+                for precision in ("auto", "fast"):
+                    rows = ks.query_rows(dtype, precision, rotated, 4, 2048, consts)
+                    want = 128 if name in ruled and dtype != torch.float32 else 64
+                    assert rows == want, (name, head_size, dtype, precision)
+                if rows == 128:
+                    dots = ks._call_dots(dtype, "auto", rotated, head_size, rows, None)
+                    tiles = K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled, rows, head_size,
+                                              K.wide_rows(consts), ks.pow2_blocks,
+                                              K.scale_rows_in_words(consts, ks.scale_rows), ks.position_scales)
+                    assert tiles == dict(BLOCK_N=ruled[name], num_warps=8, num_stages=2, programs_per_sm=4), name
         consts = consts_of(name)
-        for dtype in DTYPES:
-            for precision in ("auto", "fast"):
-                rows = ks.query_rows(dtype, precision, rotated, 4, 2048, consts)
-                want = 128 if name in wide and dtype != torch.float32 else 64
-                assert rows == want, (name, dtype, precision)
-            if rows == 128:
-                dots = ks._call_dots(dtype, "auto", rotated, 128, rows, None)
-                tiles = K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled, rows, 128, K.wide_rows(consts),
-                                          ks.pow2_blocks, K.scale_rows_in_words(consts, ks.scale_rows),
-                                          ks.position_scales)
-                assert tiles == dict(BLOCK_N=wide[name], num_warps=8, num_stages=2, programs_per_sm=4), name
-        assert ks.query_rows(torch.bfloat16, "auto", rotated, 4, 2048, consts_of(name, 256)) == 64, name
-        assert ks.query_rows(torch.bfloat16, "auto", rotated, 4, 2048, consts_of(name, 64)) == 64, name
         assert ks.query_rows(torch.bfloat16, "auto", rotated, 4, 1, consts) == 16, name
         assert ks.query_rows(torch.bfloat16, "auto", rotated, 4, 16, consts) == 64, name  # 16 tokens fill 64 rows
     # experiments choose the rows themselves: under TILE_OVERRIDE no rule names them

@@ -9,6 +9,7 @@
 #   bash benchmarks/pending/next_session.sh cells      # profiles: the inline-scale cells converted first / 3 stages
 #   bash benchmarks/pending/next_session.sh hs64prof   # profiles at head size 64 (int8 / fp8 per token-head, bf16)
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs, KIVI's flush profile
+#   bash benchmarks/pending/next_session.sh rules28    # the twenty-eighth session's rules: tests, times (~500 s)
 #   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~200 s)
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~370 s)
 #
@@ -40,6 +41,29 @@ case "$step" in
       --cuda-graphs 2>&1 | tee "$out/rows64_hs.txt" | grep "^|"
     timeout 200 python3 benchmarks/tune_tiles.py $fmts --configs 128/8/2 64/8/2 --prefill-rows 128 --shapes \
       4x8192q2048hs64 4x8192q2048hs256 --cuda-graphs 2>&1 | tee "$out/rows128_hs.txt" | grep "^|"
+    ;;
+  rules28)
+    # the twenty-eighth session's rules (head size 256 in decode for q4_0 / q8_0 / KIVI; 128-row prefill at head sizes
+    # 64 / 256): their GPU tests, then their times with the rules (rt) against the old tiles where not timed before
+    timeout 200 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_tiles.py \
+      "tests/test_conformance.py::test_prefill_rows_128_conform" "tests/test_conformance.py::test_long_decode_many_tiles" \
+      2>&1 | tee "$out/rules28_tests.txt" | tail -4
+    timeout 120 python3 benchmarks/tune_tiles.py bf16 fp8_e4m3 mxfp8 nvfp4 nvfp4_separate mxfp4 q4_0 kivi_2bit \
+      --configs rt --shapes 4x8192q2048hs256 --cuda-graphs 2>&1 | tee "$out/rules28_prefill256.txt" | grep "^|"
+    timeout 60 python3 benchmarks/tune_tiles.py fp8_e4m3 int4_per_token_head q4_0 kivi_4bit --configs rt \
+      --shapes 4x8192q2048hs64 --cuda-graphs 2>&1 | tee "$out/rules28_prefill64.txt" | grep "^|"
+    timeout 60 python3 benchmarks/tune_tiles.py mxfp4 kivi_4bit --configs 128/8/2 64/8/2 --prefill-rows 128 \
+      --shapes 4x8192q2048hs256 --cuda-graphs 2>&1 | tee "$out/rules28_prefill256more.txt" | grep "^|"
+    timeout 150 python3 benchmarks/tune_tiles.py q4_0 q8_0 kivi_2bit kivi_4bit --configs rt 64/4/3 --programs-per-sm 8 \
+      --shapes 16x8192hs256 4x65536hs256 --cuda-graphs 2>&1 | tee "$out/rules28_decode256.txt" | grep "^|"
+    ;;
+  rules28b)
+    # after run 4: KIVI's decode at 256 (a conformance test of its own), mxfp4 / kivi_4bit's 128-row prefill at 256
+    timeout 150 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_tiles.py \
+      "tests/test_conformance.py::test_prefill_rows_128_conform" "tests/test_conformance.py::test_kivi_decode_256" \
+      2>&1 | tee "$out/rules28b_tests.txt" | tail -4
+    timeout 100 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit --configs rt --shapes 4x8192q2048hs256 \
+      --cuda-graphs 2>&1 | tee "$out/rules28b_kivi.txt" | grep "^|"
     ;;
   bench1)
     timeout 500 python3 benchmarks/bench.py --cuda-graphs --out "$out/benchA" --formats bf16 fp16 fp8_e4m3 \
