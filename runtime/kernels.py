@@ -129,7 +129,7 @@ def _choose_mode() -> None:
 # 121360 -> 68622 (64/8/2); at 64 fp8 2717 -> 2620 and q4_0 5411 -> 4776 (128/8/2), int4 per token-head 5848 -> 5393
 # (64/8/2); int4 per token-head at 256, bf16 / mxfp8 / nvfp4 at 64 keep 64 rows. Decode at head size 256 with the
 # values converted first and block ids ahead, at 16 x 8192 / 4 x 65536: q4_0 560 -> 385 / 1088 -> 826 us at 128
-# positions per step, q8_0 727 -> 548 / 1417 -> 1042 at 64, kivi_2bit 984 -> 910 / 1801 -> 1666 and kivi_4bit 994 ->
+# positions per step (64: 428 / 811, mixed), q8_0 727 -> 548 / 1417 -> 1042 at 64, kivi_2bit 984 -> 910 / 1801 -> 1666 and kivi_4bit 994 ->
 # 900 at 64. Untimed, following these by their keys: fp16 (bf16's), fp8 per head / e5m2 (fp8's); timed with the
 # rules alone (no time before): kivi_4bit's prefill (q4_0's rule at 64: 7343 us; KIVI's at 256: 71787) and
 # nvfp4_separate's at 256 (8905).
@@ -861,8 +861,9 @@ SMALL_HEAD_ROWS = 32
 # 4x8192q2048 --cuda-graphs` against the 64-row rules): 128 rows on 8 warps took fp8 3871 -> 3521 us, mxfp8 5684 ->
 # 4419, q8_0 11378 -> 8171 (128 positions per step), int4 per token-head 9619 -> 7219, q4_0 9179 -> 7969, kivi_2bit
 # 15094 -> 13436 (64 per step); bf16 (3960 -> 4086 at best), int8 separate (4630 -> 6322), mxfp4 (4905 -> 5097) and
-# nvfp4 (4368 -> 4303, level) keep 64 rows, as do the 8-bit formats with scales per token-head (static counts of the
-# twenty-sixth session: they spill at 128 rows). Experiments set both.
+# nvfp4 (4368 -> 4303, level) keep 64 rows at head size 128, as do the 8-bit formats with scales per token-head
+# (static counts of the twenty-sixth session: they spill at 128 rows). The twenty-eighth session's rules of 128 rows
+# at head sizes 64 / 256 (ATTENTION_TILES' comment) take bf16, nvfp4 and mxfp4 at 256 too. Experiments set both.
 PREFILL_ROWS = 64
 RULED_PREFILL_ROWS = 128
 

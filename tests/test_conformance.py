@@ -84,8 +84,8 @@ def test_long_context(name):
 @pytest.mark.parametrize("name, head_size", [(n, 128) for n in (
     "fp8_e4m3", "mxfp8", "q8_0", "int4_per_token_head", "q4_0", "kivi_2bit", "kivi_4bit",
     "int8_per_token_head_separate")]
-    + [(n, 256) for n in ("bf16", "fp8_e4m3", "mxfp8", "nvfp4", "mxfp4", "q4_0", "kivi_4bit")]
-    + [(n, 64) for n in ("fp8_e4m3", "int4_per_token_head", "q4_0")])
+    + [(n, 256) for n in ("bf16", "fp8_e4m3", "mxfp8", "nvfp4", "mxfp4", "q4_0", "kivi_2bit", "kivi_4bit")]
+    + [(n, 64) for n in ("fp8_e4m3", "int4_per_token_head", "q4_0", "kivi_4bit")])
 def test_prefill_rows_128_conform(name, head_size, monkeypatch):
     import warnings
 
