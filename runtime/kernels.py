@@ -132,7 +132,9 @@ def _choose_mode() -> None:
 # positions per step (64: 428 / 811, mixed), q8_0 727 -> 548 / 1417 -> 1042 at 64, kivi_2bit 984 -> 910 / 1801 -> 1666 and kivi_4bit 994 ->
 # 900 at 64. Untimed, following these by their keys: fp16 (bf16's), fp8 per head / e5m2 (fp8's); timed with the
 # rules alone (no time before): kivi_4bit's prefill (q4_0's rule at 64: 7343 us; KIVI's at 256: 71787) and
-# nvfp4_separate's at 256 (8905).
+# nvfp4_separate's at 256 (8905). Also untimed: "fast" on q4_0 / q8_0 at 256, whose FAST_RATIO_TILES entries now
+# replace the new rules' (static counts, `sass_count.py --fast --head-size 256 q4_0 q8_0`: 29.5 -> 25.7 and 36.2 ->
+# 23.5 instructions per position, spills 0.6 / 1.4 -> 0.2 / 0, but 5 / 9 block-scale loads waited on each step).
 # First matching rule wins (None matches anything). BLOCK_N: KV positions per step; maxnreg: a register cap (the
 # compiler otherwise takes 255 registers, two programs per SM); programs_per_sm: the split-KV target; convert_first
 # (optional): the rule's own V_CONVERT_FIRST, in place of convert_values_first's conditions. The tuned rules

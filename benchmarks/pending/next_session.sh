@@ -9,7 +9,8 @@
 #   bash benchmarks/pending/next_session.sh cells      # profiles: the inline-scale cells converted first / 3 stages
 #   bash benchmarks/pending/next_session.sh hs64prof   # profiles at head size 64 (int8 / fp8 per token-head, bf16)
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs, KIVI's flush profile
-#   bash benchmarks/pending/next_session.sh rules28    # the twenty-eighth session's rules: tests, times (~500 s)
+#   bash benchmarks/pending/next_session.sh rules28    # the twenty-eighth session's rules: tests, times (ran: run 4)
+#   bash benchmarks/pending/next_session.sh rules28b   # its KIVI follow-up (ran: run 5)
 #   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~200 s)
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~370 s)
 #
@@ -25,7 +26,7 @@ case "$step" in
       tests/test_launch.py tests/test_quantized_domain.py tests/test_fast_dots.py tests/test_golden.py \
       tests/test_random_specs.py tests/test_kivi.py tests/test_kivi_reference.py tests/test_dot_operand.py \
       tests/test_alignment.py tests/test_scale_words.py "tests/test_conformance.py::test_long_decode_many_tiles" \
-      "tests/test_conformance.py::test_prefill_rows_128_conform" \
+      "tests/test_conformance.py::test_prefill_rows_128_conform" "tests/test_conformance.py::test_kivi_decode_256" \
       2>&1 | tee "$out/tests.txt" | tail -15
     ;;
   rows128)
