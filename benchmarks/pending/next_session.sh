@@ -4,8 +4,9 @@
 # `source benchmarks/device_env.sh`; outputs go to $OUT (the device tool's folder), each step's also to stdout.
 #
 #   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~250 s)
-#   bash benchmarks/pending/next_session.sh rows128    # 128-row prefill: head sizes 64 / 256, 3 stages, the rest (~450 s)
-#   bash benchmarks/pending/next_session.sh hs256more  # head size 256 for the formats not swept there yet (~450 s)
+#   bash benchmarks/pending/next_session.sh hs256rest  # head size 256: what the twenty-eighth session left untimed (~300 s)
+#   bash benchmarks/pending/next_session.sh rows128    # 128-row prefill: head sizes 64 / 256, 3 stages (ran: s28 run 2)
+#   bash benchmarks/pending/next_session.sh hs256more  # head size 256, the formats not swept there (ran: s28 run 3)
 #   bash benchmarks/pending/next_session.sh cells      # profiles: the inline-scale cells converted first / 3 stages
 #   bash benchmarks/pending/next_session.sh hs64prof   # profiles at head size 64 (int8 / fp8 per token-head, bf16)
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs, KIVI's flush profile
@@ -18,7 +19,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: tests, rows128, hs256more, cells, hs64prof, writes, bench1 or bench2"}
+step=${1:?"a step: tests, hs256rest, rows128, hs256more, cells, hs64prof, writes, rules28, rules28b, bench1 or bench2"}
 start=$(date +%s)
 case "$step" in
   tests)
@@ -28,6 +29,20 @@ case "$step" in
       tests/test_alignment.py tests/test_scale_words.py "tests/test_conformance.py::test_long_decode_many_tiles" \
       "tests/test_conformance.py::test_prefill_rows_128_conform" "tests/test_conformance.py::test_kivi_decode_256" \
       2>&1 | tee "$out/tests.txt" | tail -15
+    ;;
+  hs256rest)
+    # left untimed at head size 256 by the twenty-eighth session: the Hadamard format and nvfp4_separate in decode
+    # (rules vs the values converted first), "fast" on q4_0 / q8_0 (FAST_RATIO_TILES over the new rules, against the
+    # twenty-seventh session's tiles for them: 128/4/2 at 8 programs per SM), and the inline-scale cells' 128-row prefill
+    timeout 150 python3 benchmarks/tune_tiles.py int8_per_token_head_hadamard_k nvfp4_separate --configs rt 64/4/2pc \
+      --shapes 16x8192hs256 4x65536hs256 --cuda-graphs 2>&1 | tee "$out/hs256rest.txt" | grep "^|"
+    timeout 100 python3 benchmarks/tune_tiles.py q4_0 q8_0 --dot-precision fast --configs rt --shapes 16x8192hs256 \
+      4x65536hs256 --cuda-graphs 2>&1 | tee "$out/hs256fast.txt" | grep "^|"
+    timeout 60 python3 benchmarks/tune_tiles.py int8_per_token_head_separate int8_per_token_head --configs rt \
+      --shapes 4x8192q2048hs256 --cuda-graphs 2>&1 | tee "$out/prefill256cells.txt" | grep "^|"
+    timeout 80 python3 benchmarks/tune_tiles.py int8_per_token_head_separate int8_per_token_head --configs 128/8/2 \
+      64/8/2 --prefill-rows 128 --shapes 4x8192q2048hs256 --cuda-graphs 2>&1 | tee -a "$out/prefill256cells.txt" \
+      | grep "^|"
     ;;
   rows128)
     # the twenty-seventh session took 128-row prefill programs where they ran faster at head size 128 (fp8, mxfp8,
@@ -109,7 +124,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': tests, rows128, hs256more, cells, hs64prof, writes, bench1 or bench2" >&2
+    echo "unknown step '$step': tests, hs256rest, rows128, hs256more, cells, hs64prof, writes, rules28, rules28b, bench1 or bench2" >&2
     exit 2
     ;;
 esac
