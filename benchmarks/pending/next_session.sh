@@ -5,6 +5,7 @@
 #
 #   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~250 s)
 #   bash benchmarks/pending/next_session.sh hs256rest  # head size 256: what the twenty-eighth session left untimed (~300 s)
+#   bash benchmarks/pending/next_session.sh kiviacc    # kivi-min-acc.patch: A/B and KIVI's GPU tests (~400 s)
 #   bash benchmarks/pending/next_session.sh rows128    # 128-row prefill: head sizes 64 / 256, 3 stages (ran: s28 run 2)
 #   bash benchmarks/pending/next_session.sh hs256more  # head size 256, the formats not swept there (ran: s28 run 3)
 #   bash benchmarks/pending/next_session.sh cells      # profiles: the inline-scale cells converted first / 3 stages
@@ -19,7 +20,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: tests, hs256rest, rows128, hs256more, cells, hs64prof, writes, rules28, rules28b, bench1 or bench2"}
+step=${1:?"a step: tests, hs256rest, kiviacc, rows128, hs256more, cells, hs64prof, writes, rules28, rules28b, bench1 or bench2"}
 start=$(date +%s)
 case "$step" in
   tests)
@@ -43,6 +44,20 @@ case "$step" in
     timeout 80 python3 benchmarks/tune_tiles.py int8_per_token_head_separate int8_per_token_head --configs 128/8/2 \
       64/8/2 --prefill-rows 128 --shapes 4x8192q2048hs256 --cuda-graphs 2>&1 | tee -a "$out/prefill256cells.txt" \
       | grep "^|"
+    ;;
+  kiviacc)
+    # benchmarks/pending/kivi-min-acc.patch: KIVI's value minima dot accumulating into the values' result (one tile of
+    # partial sums live, not two; static: 13.7 -> 10.5 spills per position at head size 256 in prefill). The variant
+    # built from a patched copy of this checkout, then its A/B against the shipped kernels and KIVI's GPU tests on it
+    rm -rf /tmp/var /tmp/varroot /tmp/variant && cp -r . /tmp/var && (cd /tmp/var && git apply \
+      benchmarks/pending/kivi-min-acc.patch) && mkdir -p /tmp/varroot && ln -sfn /tmp/var /tmp/varroot/kvgen && \
+      PYTHONPATH=/tmp/site:/tmp/varroot python3 -c "from kvgen.codegen.build import build_paths; \
+      build_paths(['/tmp/var/specs/kivi_2bit.yaml', '/tmp/var/specs/kivi_4bit.yaml'], '/tmp/variant')" || exit 1
+    timeout 300 python3 benchmarks/variant_ab.py /tmp/variant kivi_2bit kivi_4bit --shapes 4x8192q2048 \
+      4x8192q2048hs256 64x8192 2>&1 | tee "$out/kiviacc_ab.txt" | grep "^|"
+    (cd /tmp/var && cp -r /tmp/variant/kivi_2bit /tmp/variant/kivi_4bit generated/ && PYTHONPATH=/tmp/site:/tmp/varroot \
+      timeout 200 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_kivi.py tests/test_kivi_reference.py \
+      tests/test_conformance.py -k "kivi" 2>&1 | tee "$out/kiviacc_tests.txt" | tail -3)
     ;;
   rows128)
     # the twenty-seventh session took 128-row prefill programs where they ran faster at head size 128 (fp8, mxfp8,
@@ -124,7 +139,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': tests, hs256rest, rows128, hs256more, cells, hs64prof, writes, rules28, rules28b, bench1 or bench2" >&2
+    echo "unknown step '$step': tests, hs256rest, kiviacc, rows128, hs256more, cells, hs64prof, writes, rules28, rules28b, bench1 or bench2" >&2
     exit 2
     ;;
 esac
