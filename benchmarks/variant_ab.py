@@ -2,6 +2,8 @@
 
     python benchmarks/variant_ab.py VARIANT_DIR fp8_e4m3 [--configs 128/4/2/168 ...] [--shapes 64x8192 4x65536]
     python benchmarks/variant_ab.py VARIANT_DIR mxfp8 --shapes 64x8192hs64      # head size 64
+    python benchmarks/variant_ab.py VARIANT_DIR int8_per_token_head --configs 128/8/2 --prefill-rows 128 \
+        --shapes 4x8192q2048                                                     # 128-row chunked prefill
 
 VARIANT_DIR holds generated format packages (a copy of ``generated/NAME`` with its kernels.py edited by hand, or the
 output of ``kvgen build -o`` from a changed template). For each format, shape and config (as tune_tiles.py's; "rt":
@@ -35,9 +37,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dot-precision", choices=K.DOT_PRECISIONS, default="auto",
                     help="both kernels' dot precision (where the format offers it, as bench.py runs it)")
+    ap.add_argument("--prefill-rows", type=int, choices=(64, 128), default=None,
+                    help="query rows per prefill program at most for both kernels (kvgen.runtime.kernels."
+                    "PREFILL_ROWS and RULED_PREFILL_ROWS; as tune_tiles.py's option); by default the rules' rows")
     args = ap.parse_args()
     shapes = bench.decode_shapes(ap, args.shapes)
     bench.DOT = args.dot_precision
+    if args.prefill_rows is not None:
+        K.PREFILL_ROWS = K.RULED_PREFILL_ROWS = args.prefill_rows
     bench.require_gpu(ap)
     bw = bench.copy_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s")

@@ -5,6 +5,7 @@
 #
 #   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~250 s)
 #   bash benchmarks/pending/next_session.sh hs256rest  # head size 256: what the twenty-eighth session left untimed (~300 s)
+#   bash benchmarks/pending/next_session.sh rowspread  # row-spread.patch: A/B and the per-token formats' GPU tests (~500 s)
 #   bash benchmarks/pending/next_session.sh kiviacc    # kivi-min-acc.patch: A/B and KIVI's GPU tests (~400 s)
 #   bash benchmarks/pending/next_session.sh rows128    # 128-row prefill: head sizes 64 / 256, 3 stages (ran: s28 run 2)
 #   bash benchmarks/pending/next_session.sh hs256more  # head size 256, the formats not swept there (ran: s28 run 3)
@@ -20,8 +21,26 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: tests, hs256rest, kiviacc, rows128, hs256more, cells, hs64prof, writes, rules28, rules28b, bench1 or bench2"}
+step=${1:?"a step: tests, hs256rest, rowspread, kiviacc, rows128, hs256more, cells, hs64prof, writes, rules28, rules28b, bench1 or bench2"}
 start=$(date +%s)
+# a pending patch's kernels: this checkout copied to /tmp/var with the patch applied, the named formats built from
+# it into /tmp/variant (for benchmarks/variant_ab.py) and copied over /tmp/var's generated/ (for its tests)
+variant() {
+  local patch=$1; shift
+  rm -rf /tmp/var /tmp/varroot /tmp/variant && cp -r . /tmp/var && (cd /tmp/var && git apply \
+    "benchmarks/pending/$patch.patch") && mkdir -p /tmp/varroot && ln -sfn /tmp/var /tmp/varroot/kvgen || return 1
+  local specs=""
+  for f in "$@"; do specs="$specs'/tmp/var/specs/$f.yaml', "; done
+  PYTHONPATH=/tmp/site:/tmp/varroot python3 -c "from kvgen.codegen.build import build_paths; \
+    build_paths([$specs], '/tmp/variant')" || return 1
+  for f in "$@"; do rm -rf "/tmp/var/generated/$f" && cp -r "/tmp/variant/$f" /tmp/var/generated/; done
+}
+# the GPU tests named, run in /tmp/var on the variant's kernels: variant_tests NAME PYTEST_ARGS...
+variant_tests() {
+  local name=$1; shift
+  (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 240 python3 -m pytest -q -n 16 -p no:cacheprovider "$@" \
+    2>&1 | tee "$out/${name}_tests.txt" | tail -3)
+}
 case "$step" in
   tests)
     timeout 560 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_tiles.py tests/test_attention_plan.py \
@@ -47,17 +66,26 @@ case "$step" in
     ;;
   kiviacc)
     # benchmarks/pending/kivi-min-acc.patch: KIVI's value minima dot accumulating into the values' result (one tile of
-    # partial sums live, not two; static: 13.7 -> 10.5 spills per position at head size 256 in prefill). The variant
-    # built from a patched copy of this checkout, then its A/B against the shipped kernels and KIVI's GPU tests on it
-    rm -rf /tmp/var /tmp/varroot /tmp/variant && cp -r . /tmp/var && (cd /tmp/var && git apply \
-      benchmarks/pending/kivi-min-acc.patch) && mkdir -p /tmp/varroot && ln -sfn /tmp/var /tmp/varroot/kvgen && \
-      PYTHONPATH=/tmp/site:/tmp/varroot python3 -c "from kvgen.codegen.build import build_paths; \
-      build_paths(['/tmp/var/specs/kivi_2bit.yaml', '/tmp/var/specs/kivi_4bit.yaml'], '/tmp/variant')" || exit 1
+    # partial sums live, not two; static: 13.7 -> 10.5 spills per position at head size 256 in prefill): its A/B
+    # against the shipped kernels, then KIVI's GPU tests on it
+    variant kivi-min-acc kivi_2bit kivi_4bit || exit 1
     timeout 300 python3 benchmarks/variant_ab.py /tmp/variant kivi_2bit kivi_4bit --shapes 4x8192q2048 \
       4x8192q2048hs256 64x8192 2>&1 | tee "$out/kiviacc_ab.txt" | grep "^|"
-    (cd /tmp/var && cp -r /tmp/variant/kivi_2bit /tmp/variant/kivi_4bit generated/ && PYTHONPATH=/tmp/site:/tmp/varroot \
-      timeout 200 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_kivi.py tests/test_kivi_reference.py \
-      tests/test_conformance.py -k "kivi" 2>&1 | tee "$out/kiviacc_tests.txt" | tail -3)
+    variant_tests kiviacc tests/test_kivi.py tests/test_kivi_reference.py tests/test_conformance.py -k kivi
+    ;;
+  rowspread)
+    # benchmarks/pending/row-spread.patch: per-position scales / zero points loaded as tiles of at least one element
+    # per thread, where a step holds fewer positions than the program has threads (static, sm_90: 128-row prefill of
+    # the per-token formats 22 -> 15 instructions per position, no spills, 40 -> 5-17 waited loads a step). Only
+    # kernels with such steps change: head size 256 in decode (64 positions on 4 warps), 128-row prefill (8 warps)
+    fmts="int8_per_token_head fp8_per_token_head int8_per_token_head_separate int8_asym_per_token_head"
+    fmts="$fmts int8_per_token_head_hadamard_k int4_per_token_head mixed_k8_v4"
+    variant row-spread $fmts || exit 1
+    timeout 200 python3 benchmarks/variant_ab.py /tmp/variant $fmts --configs 128/8/2 --prefill-rows 128 \
+      --shapes 4x8192q2048 --rounds 1 2>&1 | tee "$out/rowspread_prefill.txt" | grep "^|"
+    timeout 200 python3 benchmarks/variant_ab.py /tmp/variant $fmts --shapes 16x8192hs256 4x8192q2048 --rounds 1 \
+      2>&1 | tee "$out/rowspread_rules.txt" | grep "^|"
+    variant_tests rowspread tests/test_tiles.py tests/test_conformance.py -k "per_token_head or mixed"
     ;;
   rows128)
     # the twenty-seventh session took 128-row prefill programs where they ran faster at head size 128 (fp8, mxfp8,
@@ -139,7 +167,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': tests, hs256rest, kiviacc, rows128, hs256more, cells, hs64prof, writes, rules28, rules28b, bench1 or bench2" >&2
+    echo "unknown step '$step': tests, hs256rest, rowspread, kiviacc, rows128, hs256more, cells, hs64prof, writes, rules28, rules28b, bench1 or bench2" >&2
     exit 2
     ;;
 esac
