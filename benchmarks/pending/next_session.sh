@@ -5,7 +5,8 @@
 #
 #   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~250 s)
 #   bash benchmarks/pending/next_session.sh hs256rest  # head size 256: what the twenty-eighth session left untimed (~300 s)
-#   bash benchmarks/pending/next_session.sh rowspread  # row-spread.patch: A/B and the per-token formats' GPU tests (~500 s)
+#   bash benchmarks/pending/next_session.sh rowspread  # row-spread.patch: its A/B (~450 s)
+#   bash benchmarks/pending/next_session.sh rowspreadtests  # the per-token formats' GPU tests on it (~250 s)
 #   bash benchmarks/pending/next_session.sh kiviacc    # kivi-min-acc.patch: A/B and KIVI's GPU tests (~400 s)
 #   bash benchmarks/pending/next_session.sh rows128    # 128-row prefill: head sizes 64 / 256, 3 stages (ran: s28 run 2)
 #   bash benchmarks/pending/next_session.sh hs256more  # head size 256, the formats not swept there (ran: s28 run 3)
@@ -21,20 +22,27 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: tests, hs256rest, rowspread, kiviacc, rows128, hs256more, cells, hs64prof, writes, rules28, rules28b, bench1 or bench2"}
+step=${1:?"a step: tests, hs256rest, rowspread, rowspreadtests, kiviacc, rows128, hs256more, cells, hs64prof, writes, rules28, rules28b, bench1 or bench2"}
 start=$(date +%s)
 # a pending patch's kernels: this checkout copied to /tmp/var with the patch applied, the named formats built from
 # it into /tmp/variant (for benchmarks/variant_ab.py) and copied over /tmp/var's generated/ (for its tests)
+# (variant PATCH MARKER FORMAT...: MARKER, a name the patched kernels hold, checks the build is the patch's)
 variant() {
-  local patch=$1; shift
-  rm -rf /tmp/var /tmp/varroot /tmp/variant && cp -r . /tmp/var && (cd /tmp/var && git apply \
-    "benchmarks/pending/$patch.patch") && mkdir -p /tmp/varroot && ln -sfn /tmp/var /tmp/varroot/kvgen || return 1
+  local patch=$1 marker=$2; shift 2
+  rm -rf /tmp/var /tmp/varroot /tmp/variant && cp -r . /tmp/var || return 1
+  (cd /tmp/var && { git apply "benchmarks/pending/$patch.patch" || patch -p1 < "benchmarks/pending/$patch.patch"; }) \
+    && mkdir -p /tmp/varroot && ln -sfn /tmp/var /tmp/varroot/kvgen || return 1
   local specs=""
   for f in "$@"; do specs="$specs'/tmp/var/specs/$f.yaml', "; done
   PYTHONPATH=/tmp/site:/tmp/varroot python3 -c "from kvgen.codegen.build import build_paths; \
     build_paths([$specs], '/tmp/variant')" || return 1
-  for f in "$@"; do rm -rf "/tmp/var/generated/$f" && cp -r "/tmp/variant/$f" /tmp/var/generated/; done
+  for f in "$@"; do
+    grep -q "$marker" "/tmp/variant/$f/kernels.py" || { echo "variant: $f was built without $patch" >&2; return 1; }
+    rm -rf "/tmp/var/generated/$f" && cp -r "/tmp/variant/$f" /tmp/var/generated/
+  done
 }
+ROW_SPREAD_FORMATS="int8_per_token_head fp8_per_token_head int8_per_token_head_separate int8_asym_per_token_head
+  int8_per_token_head_hadamard_k int4_per_token_head mixed_k8_v4"
 # the GPU tests named, run in /tmp/var on the variant's kernels: variant_tests NAME PYTEST_ARGS...
 variant_tests() {
   local name=$1; shift
@@ -68,23 +76,28 @@ case "$step" in
     # benchmarks/pending/kivi-min-acc.patch: KIVI's value minima dot accumulating into the values' result (one tile of
     # partial sums live, not two; static: 13.7 -> 10.5 spills per position at head size 256 in prefill): its A/B
     # against the shipped kernels, then KIVI's GPU tests on it
-    variant kivi-min-acc kivi_2bit kivi_4bit || exit 1
+    variant kivi-min-acc mma_acc kivi_2bit kivi_4bit || exit 1
     timeout 300 python3 benchmarks/variant_ab.py /tmp/variant kivi_2bit kivi_4bit --shapes 4x8192q2048 \
       4x8192q2048hs256 64x8192 2>&1 | tee "$out/kiviacc_ab.txt" | grep "^|"
-    variant_tests kiviacc tests/test_kivi.py tests/test_kivi_reference.py tests/test_conformance.py -k kivi
+    variant_tests kiviacc tests/test_kivi.py tests/test_kivi_reference.py tests/test_conformance.py \
+      tests/test_fast_dots.py -k kivi
     ;;
   rowspread)
     # benchmarks/pending/row-spread.patch: per-position scales / zero points loaded as tiles of at least one element
     # per thread, where a step holds fewer positions than the program has threads (static, sm_90: 128-row prefill of
     # the per-token formats 22 -> 15 instructions per position, no spills, 40 -> 5-17 waited loads a step). Only
-    # kernels with such steps change: head size 256 in decode (64 positions on 4 warps), 128-row prefill (8 warps)
-    fmts="int8_per_token_head fp8_per_token_head int8_per_token_head_separate int8_asym_per_token_head"
-    fmts="$fmts int8_per_token_head_hadamard_k int4_per_token_head mixed_k8_v4"
-    variant row-spread $fmts || exit 1
-    timeout 200 python3 benchmarks/variant_ab.py /tmp/variant $fmts --configs 128/8/2 --prefill-rows 128 \
+    # kernels with such steps change: head size 256 in decode (64 positions on 4 warps), 128-row prefill (8 warps).
+    # Its loads are integer words: the A/B's max diff must be 0
+    variant row-spread load_per_position $ROW_SPREAD_FORMATS || exit 1
+    timeout 200 python3 benchmarks/variant_ab.py /tmp/variant $ROW_SPREAD_FORMATS --configs 128/8/2 --prefill-rows 128 \
       --shapes 4x8192q2048 --rounds 1 2>&1 | tee "$out/rowspread_prefill.txt" | grep "^|"
-    timeout 200 python3 benchmarks/variant_ab.py /tmp/variant $fmts --shapes 16x8192hs256 4x8192q2048 --rounds 1 \
-      2>&1 | tee "$out/rowspread_rules.txt" | grep "^|"
+    timeout 250 python3 benchmarks/variant_ab.py /tmp/variant $ROW_SPREAD_FORMATS --shapes 16x8192hs256 4x8192q2048 \
+      --rounds 1 2>&1 | tee "$out/rowspread_rules.txt" | grep "^|"
+    ;;
+  rowspreadtests)
+    # the per-token formats' GPU conformance on row-spread.patch's kernels (the small-tile, long-decode at 256 and
+    # forced 128-row cases reach its new path)
+    variant row-spread load_per_position $ROW_SPREAD_FORMATS || exit 1
     variant_tests rowspread tests/test_tiles.py tests/test_conformance.py -k "per_token_head or mixed"
     ;;
   rows128)
@@ -167,7 +180,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': tests, hs256rest, rowspread, kiviacc, rows128, hs256more, cells, hs64prof, writes, rules28, rules28b, bench1 or bench2" >&2
+    echo "unknown step '$step': tests, hs256rest, rowspread, rowspreadtests, kiviacc, rows128, hs256more, cells, hs64prof, writes, rules28, rules28b, bench1 or bench2" >&2
     exit 2
     ;;
 esac
