@@ -322,9 +322,9 @@ def main() -> int:
     if args[:1] == ["--head-size"]:
         shape["head_size"], args = int(args[1]), args[2:]
     if args[:1] == ["--prefill-rows"]:  # query rows per prefill program, for every format (by default the rules')
-        from kvgen.runtime import kernels
+        from tune_tiles import force_prefill_rows
 
-        kernels.PREFILL_ROWS = kernels.RULED_PREFILL_ROWS = int(args[1])
+        force_prefill_rows(int(args[1]))
         args = args[2:]
     names = args or kvgen.shipped_names()
     if precision == "quantized":

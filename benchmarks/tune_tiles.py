@@ -54,6 +54,20 @@ def parse(config: str) -> dict:
     return c
 
 
+def add_prefill_rows_option(ap: argparse.ArgumentParser) -> None:
+    """The scripts' --prefill-rows: query rows per prefill program for every call (force_prefill_rows)."""
+    ap.add_argument("--prefill-rows", type=int, choices=(64, 128), default=None,
+                    help="query rows per prefill program at most, for every config (kvgen.runtime.kernels."
+                    "PREFILL_ROWS and RULED_PREFILL_ROWS); by default the rules' rows for 'rt' configs (128 where a "
+                    "rule names them) and 64 for the others, which replace the rules")
+
+
+def force_prefill_rows(rows: int | None) -> None:
+    """Make every prefill program hold at most ``rows`` query rows, ruled or not (None: the runtime's choice)."""
+    if rows is not None:
+        K.PREFILL_ROWS = K.RULED_PREFILL_ROWS = rows
+
+
 def apply(config: str | None, programs_per_sm: int | None = None) -> None:
     """Make the runtime launch every attention call with ``config`` (None or "rt": its own rules; "rtc" / "rtn": its
     own tiles, the values converted in their load's layout or not)."""
@@ -73,18 +87,14 @@ def main() -> None:
     ap.add_argument("--programs-per-sm", nargs="+", type=int, default=[4])
     ap.add_argument("--shapes", nargs="+", default=["64x8192", "4x65536"])
     ap.add_argument("--dot-precision", choices=K.DOT_PRECISIONS, default="auto")
-    ap.add_argument("--prefill-rows", type=int, choices=(64, 128), default=None,
-                    help="query rows per prefill program at most, for every config (kvgen.runtime.kernels."
-                    "PREFILL_ROWS and RULED_PREFILL_ROWS); by default the rules' rows for 'rt' configs (128 where a "
-                    "rule names them) and 64 for the others, which replace the rules")
+    add_prefill_rows_option(ap)
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="time CUDA-graph replays, each configuration captured on its own (eager calls pay the host's "
                     "per-call work, which outlasts short kernels: 2026-12-04, fp8 at 4 x 65536 read 324 us eager "
                     "where its graph replays took 174)")
     args = ap.parse_args()
     bench.DOT = args.dot_precision
-    if args.prefill_rows is not None:
-        K.PREFILL_ROWS = K.RULED_PREFILL_ROWS = args.prefill_rows
+    force_prefill_rows(args.prefill_rows)
     bench.require_gpu(ap)
     shapes = bench.decode_shapes(ap, args.shapes)
     # the runtime's own tiles ("rt...") take its own split target: one column each

@@ -24,7 +24,7 @@ from kvgen.runtime import kernels as K
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
-from tune_tiles import apply  # noqa: E402
+from tune_tiles import add_prefill_rows_option, apply, force_prefill_rows  # noqa: E402
 
 
 def main() -> int:
@@ -37,14 +37,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dot-precision", choices=K.DOT_PRECISIONS, default="auto",
                     help="both kernels' dot precision (where the format offers it, as bench.py runs it)")
-    ap.add_argument("--prefill-rows", type=int, choices=(64, 128), default=None,
-                    help="query rows per prefill program at most for both kernels (kvgen.runtime.kernels."
-                    "PREFILL_ROWS and RULED_PREFILL_ROWS; as tune_tiles.py's option); by default the rules' rows")
+    add_prefill_rows_option(ap)
     args = ap.parse_args()
     shapes = bench.decode_shapes(ap, args.shapes)
     bench.DOT = args.dot_precision
-    if args.prefill_rows is not None:
-        K.PREFILL_ROWS = K.RULED_PREFILL_ROWS = args.prefill_rows
+    force_prefill_rows(args.prefill_rows)
     bench.require_gpu(ap)
     bw = bench.copy_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
