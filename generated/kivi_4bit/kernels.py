@@ -468,6 +468,28 @@ def mma(a, b, DOT: tl.constexpr, A_TERMS: tl.constexpr, B_TERMS: tl.constexpr):
 
 
 @triton.jit
+def mma_acc(a, b, acc, DOT: tl.constexpr, A_TERMS: tl.constexpr, B_TERMS: tl.constexpr):
+    # acc + a @ b as mma computes a @ b, the dots accumulating into acc's registers (no tile of their own)
+    if DOT == 0:
+        r = tl.dot(a, b, acc=acc, input_precision="ieee")
+    elif DOT == 3:
+        r = acc + tl.dot(a, b, out_dtype=tl.int32).to(tl.float32)
+    else:
+        if DOT == 1:
+            a_hi = a.to(tl.float16)
+            b_hi = b.to(tl.float16)
+        else:
+            a_hi = a.to(tl.bfloat16)
+            b_hi = b.to(tl.bfloat16)
+        r = tl.dot(a_hi, b_hi, acc=acc, out_dtype=tl.float32)
+        if A_TERMS == 2:
+            r = tl.dot((a - a_hi.to(tl.float32)).to(a_hi.dtype), b_hi, acc=r, out_dtype=tl.float32)
+        if B_TERMS == 2:
+            r = tl.dot(a_hi, (b - b_hi.to(tl.float32)).to(b_hi.dtype), acc=r, out_dtype=tl.float32)
+    return r
+
+
+@triton.jit
 def pow2_floor(x):
     # the largest power of two <= x for positive normal x (its exponent bits); 1.0 for 0, subnormals, inf and NaN
     e = x.to(tl.uint32, bitcast=True) & 0x7F800000
@@ -778,11 +800,13 @@ def paged_attention_kernel(
                 pw = p * v_tok[None, :]
                 pw_top = tl.max(pw, axis=1)
                 pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
-                pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
-                # the groups' minima: sum over positions of p * min, p relative to its row's largest
+                pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS)
+                # the groups' minima: sum over positions of p * min, p relative to its row's largest, a dot accumulating
+                # into the values' result (rescaled to that row factor), so one tile of partial sums stays live, not two
                 p_top = tl.max(p, axis=1)
                 p_top = tl.where(p_top >= 1.1754944e-38, p_top, 1.0)
-                pv = pv + mma(p * (1.0 / p_top)[:, None], v_min, DOT_V, P_TERMS, 1) * p_top[:, None]
+                pv = mma_acc(p * (1.0 / p_top)[:, None], v_min, pv * (pw_top / p_top)[:, None], DOT_V, P_TERMS,
+                             1) * p_top[:, None]
             acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
@@ -914,11 +938,13 @@ def paged_attention_kernel(
                 pw = p * tl.where(n_mask, v_tok, 0.0)[None, :]
                 pw_top = tl.max(pw, axis=1)
                 pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
-                pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
-                # the groups' minima: sum over positions of p * min, p relative to its row's largest
+                pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS)
+                # the groups' minima: sum over positions of p * min, p relative to its row's largest, a dot accumulating
+                # into the values' result (rescaled to that row factor), so one tile of partial sums stays live, not two
                 p_top = tl.max(p, axis=1)
                 p_top = tl.where(p_top >= 1.1754944e-38, p_top, 1.0)
-                pv = pv + mma(p * (1.0 / p_top)[:, None], v_min, DOT_V, P_TERMS, 1) * p_top[:, None]
+                pv = mma_acc(p * (1.0 / p_top)[:, None], v_min, pv * (pw_top / p_top)[:, None], DOT_V, P_TERMS,
+                             1) * p_top[:, None]
             acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
