@@ -171,6 +171,7 @@ ATTENTION_TILES = (
     ((16, 1, None, False, 64, 128, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4, prefetch_blocks=True)),  # bf16, prefill, hs 128
     ((4, 1, True, False, 64, 128, None, None, False), dict(BLOCK_N=128, num_warps=4, num_stages=3, programs_per_sm=4, prefetch_blocks=True)),  # nvfp4, mxfp4, prefill, hs 128
     ((8, 1, False, False, 128, (64, 128, 256), True, None, None, None, False), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # fp8 per tensor / per head / e5m2, prefill of 128 rows, hs 64-256
+    ((8, 1, False, False, 128, 256, True, None, None, None, True), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # int8 separate, prefill of 128 rows, hs 256
     ((8, 1, True, False, 128, (128, 256), None, True, None), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # mxfp8, prefill of 128 rows, hs 128 / 256
     ((8, 2, True, False, 128, 128, None, None, None), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # q8_0, prefill of 128 rows, hs 128
     ((4, 1, False, 1, 128, (64, 128), None, None, None), dict(BLOCK_N=64, num_warps=8, num_stages=2, programs_per_sm=4)),  # int4 per token-head, prefill of 128 rows, hs 64 / 128
