@@ -126,6 +126,29 @@ def fill_random(cache) -> None:
                                                     device=t.device))
 
 
+def write_real_codes(fmt, cache, table: torch.Tensor, ctx: int) -> None:
+    """Replace a decode case's random bytes (which hold NaN codes and scales) with codes the format's write computes
+    from random bf16 keys and values: every sequence of ``table`` (its rows) ``ctx`` tokens long, so outputs compare
+    (benchmarks/variant_ab.py). Formats with a residual window (KIVI) write each sequence as one prefill, which
+    leaves its newest tokens in the window as attention expects; the others write every slot."""
+    heads, head_size = cache.num_kv_heads, cache.head_size
+    dev = table.device
+    if not fmt.spec.streaming:
+        slots = cache.num_blocks * cache.block_size
+        for lo in range(0, slots, 1 << 16):
+            n = min(1 << 16, slots - lo)
+            kv = torch.randn(2, n, heads, head_size, dtype=torch.bfloat16, device=dev)
+            fmt.write(cache, kv[0], kv[1], torch.arange(lo, lo + n, device=dev))
+        return
+    t = torch.arange(ctx, device=dev)
+    for s in range(table.shape[0]):
+        kv = torch.randn(2, ctx, heads, head_size, dtype=torch.bfloat16, device=dev)
+        slots = table[s, t // cache.block_size].long() * cache.block_size + t % cache.block_size
+        fmt.write(cache, kv[0], kv[1], slots, seq_ids=torch.tensor([s], dtype=torch.int32, device=dev),
+                  query_start_loc=torch.tensor([0, ctx], dtype=torch.int32, device=dev),
+                  seq_lens=torch.tensor([ctx], dtype=torch.int32, device=dev), block_table=table[s:s + 1])
+
+
 def decode_case(fmt, num_seqs: int, ctx: int, block_size: int, head_size: int = D, q_len: int = 1,
                 planned: bool = False, graphs: bool | None = None, num_splits: int | None = None):
     """A cache holding num_seqs sequences of ctx tokens, and the arguments of one attention step with q_len new

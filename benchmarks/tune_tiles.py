@@ -80,6 +80,12 @@ def apply(config: str | None, programs_per_sm: int | None = None) -> None:
     K.TILE_OVERRIDE = tiles if programs_per_sm is None else dict(tiles, programs_per_sm=programs_per_sm)
 
 
+def context_lost(e: Exception) -> bool:
+    """Whether an error came from the GPU itself (an illegal address, a trap: torch's AcceleratorError, Triton's
+    "Triton Error [CUDA]"), after which every later launch of the process fails too; not a compile rejection."""
+    return type(e).__name__ == "AcceleratorError" or "[CUDA]" in str(e) or "CUDA error" in str(e)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("formats", nargs="+")
@@ -115,8 +121,11 @@ def main() -> None:
             seqs, ctx, head, q_len = shapes[shape]
             block = 32 if fmt.spec.streaming else 16
             fn, moved = bench.decode_case(fmt, seqs, ctx, block, head, q_len, graphs=False)
-            res = []
+            res, lost = [], None
             for c, pps in cols:
+                if lost is not None:
+                    res.append("not run")
+                    continue
                 apply(c, pps)
                 try:
                     # a graph holds the launch it captured: one per configuration
@@ -124,7 +133,12 @@ def main() -> None:
                     res.append(f"{t * 1e6:.0f} ({moved / t / copy * 100:.0f}%)")
                 except Exception as e:  # a config the compiler rejects (shared memory, registers)
                     res.append(f"failed: {type(e).__name__}")
+                    if context_lost(e):
+                        lost = f"{c}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             print(f"| {name} | {shape} | " + " | ".join(res) + " |", flush=True)
+            if lost is not None:
+                sys.exit(f"{name} at {shape}, config {lost}: a CUDA error leaves this process's context unusable, "
+                         "so nothing after it was run; time the other configs in a new process")
 
 
 if __name__ == "__main__":
