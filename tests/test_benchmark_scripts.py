@@ -123,3 +123,44 @@ def test_tile_configs_parse_and_apply(monkeypatch):
     for bad in ("rtp", "128/4/3cn", "128/4", "fast"):
         with pytest.raises(ValueError, match=bad):
             tiles.apply(bad)
+
+
+def test_context_lost_tells_gpu_errors_from_compile_rejections(monkeypatch):
+    """tune_tiles.py stops at an error of the GPU itself (later launches of the process would fail too), and goes on
+    past a configuration the compiler rejects."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    tiles = load_script("tune_tiles")
+    accelerator_error = type("AcceleratorError", (RuntimeError,), {})
+    assert tiles.context_lost(RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered"))
+    assert tiles.context_lost(accelerator_error("CUDA error: an illegal memory access was encountered"))
+    assert not tiles.context_lost(RuntimeError("out of resource: shared memory, Required: 264192, Hardware limit: "
+                                               "232448"))
+    assert not tiles.context_lost(ValueError("config '128/4': BLOCK_N/num_warps/num_stages[/maxnreg], 3 or 4 numbers"))
+
+
+@pytest.mark.parametrize("name", ["kivi_2bit", "int8_per_token_head"])
+def test_real_codes_replace_random_bytes(name, monkeypatch):
+    """variant_ab.py's caches: bench.py's random bytes hold NaN codes and scales, so outputs would not compare;
+    write_real_codes rewrites every sequence through the format's write (KIVI's as prefills, which fill its residual
+    window), after which attention over the whole context is finite."""
+    import warnings
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    bench = load_script("bench")
+    fmt = kvgen.load(name)
+    block = fmt.layout.RESIDUAL["group"] if fmt.spec.streaming else 16
+    seqs, ctx, heads, head_size, q_len = 2, 5 * block, 2, 64, 4
+    blocks = seqs * ctx // block
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache = fmt.allocate(blocks, block, heads, head_size, **({"max_seqs": seqs} if fmt.spec.streaming else {}))
+    torch.manual_seed(0)
+    bench.fill_random(cache)
+    table = torch.randperm(blocks, dtype=torch.int32).reshape(seqs, -1)
+    q = torch.randn(seqs * q_len, 2 * heads, head_size, dtype=torch.bfloat16)
+    kw = {"seq_ids": torch.arange(seqs, dtype=torch.int32)} if fmt.spec.streaming else {}
+    args = (q, cache, table, torch.full((seqs,), ctx, dtype=torch.int32),
+            torch.arange(seqs + 1, dtype=torch.int32) * q_len)
+    assert not torch.isfinite(fmt.attend(*args, **kw)).all()  # the random bytes: what the helper is for
+    bench.write_real_codes(fmt, cache, table, ctx)
+    assert torch.isfinite(fmt.attend(*args, **kw)).all()
