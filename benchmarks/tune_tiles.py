@@ -134,7 +134,8 @@ def main() -> None:
                 except Exception as e:  # a config the compiler rejects (shared memory, registers)
                     res.append(f"failed: {type(e).__name__}")
                     if context_lost(e):
-                        lost = f"{c}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                        lost = (f"{c}{'' if pps is None else f' pps {pps}'}: {type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else ''}")
             print(f"| {name} | {shape} | " + " | ".join(res) + " |", flush=True)
             if lost is not None:
                 sys.exit(f"{name} at {shape}, config {lost}: a CUDA error leaves this process's context unusable, "

@@ -135,6 +135,11 @@ def _choose_mode() -> None:
 # nvfp4_separate's at 256 (8905). Also untimed: "fast" on q4_0 / q8_0 at 256, whose FAST_RATIO_TILES entries now
 # replace the new rules' (static counts, `sass_count.py --fast --head-size 256 q4_0 q8_0`: 29.5 -> 25.7 and 36.2 ->
 # 23.5 instructions per position, spills 0.6 / 1.4 -> 0.2 / 0, but 5 / 9 block-scale loads waited on each step).
+# Twenty-ninth session (benchmarks/RESULTS.md, run 4): "fast" at 256 timed, q4_0 311 / 580 us and q8_0 281 / 525
+# (auto 385 / 826, 548 / 1042); int8 separate's chunked prefill at 256 in 128-row programs, 13542 -> 11578 us on
+# 128/8/2 (64/8/2: 13524). Untimed, following it by its key: int8 separate's quantized domain (int8 dots, any query
+# type). int8 per token-head ran 15104 -> 13887 on 64/8/2 there, but its key admits fp8 per token-head, int8 asym and
+# mixed_k8_v4, untimed: no rule yet (benchmarks/pending/README.md).
 # First matching rule wins (None matches anything). BLOCK_N: KV positions per step; maxnreg: a register cap (the
 # compiler otherwise takes 255 registers, two programs per SM); programs_per_sm: the split-KV target; convert_first
 # (optional): the rule's own V_CONVERT_FIRST, in place of convert_values_first's conditions. The tuned rules
@@ -866,7 +871,8 @@ SMALL_HEAD_ROWS = 32
 # 15094 -> 13436 (64 per step); bf16 (3960 -> 4086 at best), int8 separate (4630 -> 6322), mxfp4 (4905 -> 5097) and
 # nvfp4 (4368 -> 4303, level) keep 64 rows at head size 128, as do the 8-bit formats with scales per token-head
 # (static counts of the twenty-sixth session: they spill at 128 rows). The twenty-eighth session's rules of 128 rows
-# at head sizes 64 / 256 (ATTENTION_TILES' comment) take bf16, nvfp4 and mxfp4 at 256 too. Experiments set both.
+# at head sizes 64 / 256 (ATTENTION_TILES' comment) take bf16, nvfp4 and mxfp4 at 256 too, the twenty-ninth's int8
+# separate at 256. Experiments set both.
 PREFILL_ROWS = 64
 RULED_PREFILL_ROWS = 128
 

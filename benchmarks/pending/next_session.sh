@@ -7,7 +7,7 @@
 #   bash benchmarks/pending/next_session.sh rowspread  # row-spread.patch (v2): 128-row prefill at head size 256 (~350 s)
 #   bash benchmarks/pending/next_session.sh rowspread128  # its 128-row prefill at head size 128 (~250 s)
 #   bash benchmarks/pending/next_session.sh rowspreadtests  # the per-token formats' GPU tests on it (~250 s)
-#   bash benchmarks/pending/next_session.sh kivicrash  # KIVI's 32-position prefill crash: q4_0 / kivi_4bit too (~150 s)
+#   bash benchmarks/pending/next_session.sh kivicrash  # KIVI's 32-position prefill crash: q4_0 / kivi_4bit too (~400 s)
 #   bash benchmarks/pending/next_session.sh cells      # profiles: the inline-scale cells converted first / 3 stages
 #   bash benchmarks/pending/next_session.sh hs64prof   # profiles at head size 64 (int8 / fp8 per token-head, bf16)
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs, KIVI's flush profile
@@ -81,8 +81,8 @@ case "$step" in
     # the illegal shared address of KIVI's prefill on 32-position tiles (twenty-ninth session, runs 4-7; no rule
     # takes such tiles): kivi_4bit's cases, and q4_0's (block-scaled two-term operands without a residual window),
     # to tell whether it is KIVI's or any two-term block-scaled kernel's
-    bash benchmarks/pending/kivi_block32_crash.sh kivi_4bit 2>&1 | tee "$out/kivicrash.txt"
-    bash benchmarks/pending/kivi_block32_crash.sh q4_0 2>&1 | tee -a "$out/kivicrash.txt"
+    timeout 280 bash benchmarks/pending/kivi_block32_crash.sh kivi_4bit 2>&1 | tee "$out/kivicrash.txt"
+    timeout 280 bash benchmarks/pending/kivi_block32_crash.sh q4_0 2>&1 | tee -a "$out/kivicrash.txt"
     ;;
   rowspreadtests)
     # the per-token formats' GPU conformance on row-spread.patch's kernels (the small-tile, long-decode at 256 and
