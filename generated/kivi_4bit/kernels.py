@@ -472,7 +472,7 @@ def mma_acc(a, b, acc, DOT: tl.constexpr, A_TERMS: tl.constexpr, B_TERMS: tl.con
     # acc + a @ b as mma computes a @ b, the dots accumulating into acc's registers (no tile of their own)
     if DOT == 0:
         r = tl.dot(a, b, acc=acc, input_precision="ieee")
-    elif DOT == 3:
+    elif DOT == 3:  # quantized domain: int8 operands, exact int32 sums (below 2**24: exact in fp32 too)
         r = acc + tl.dot(a, b, out_dtype=tl.int32).to(tl.float32)
     else:
         if DOT == 1:
