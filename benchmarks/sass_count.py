@@ -8,6 +8,7 @@
     python benchmarks/sass_count.py --prefill [FORMAT ...]       # bench.py's chunked prefill (4 x 2048 new on 8192)
     python benchmarks/sass_count.py --prefill --head-size 48 SPEC   # another head size (default 128)
     python benchmarks/sass_count.py --tiles 128/8/2 --prefill --prefill-rows 128 [FORMAT ...]   # 128 query rows
+    python benchmarks/sass_count.py --dequantize [FORMAT ...]    # dequantize_first's dequantize_kernel (prefill)
 
 Compiles each format's paged_attention_kernel for sm_90 with Triton's own ptxas exactly as the runtime would launch
 it on an H200 for decode at 64 x 8192 (32 query heads over 8 KV heads, head size 128, block size 16, bf16 queries):
@@ -102,7 +103,7 @@ def stubbed_launches(fmt):
     captured: dict = {}
     kset = fmt._kernels
     names = [n for n in ("paged_attention_kernel", "reduce_splits_kernel", "reshape_and_cache_kernel",
-                         "kivi_flush_kernel", "kivi_residual_kernel") if hasattr(kset.module, n)]
+                         "kivi_flush_kernel", "kivi_residual_kernel", "dequantize_kernel") if hasattr(kset.module, n)]
 
     class Capture:
         def __init__(self, name):
@@ -231,6 +232,51 @@ def count_write(name: str, tokens: int = 4096) -> dict:
                 warps=launch.get("num_warps", 4))
 
 
+def count_dequantize(name: str, seqs: int = 4, ctx: int = 8192, q_len: int = 2048) -> dict:
+    """dequantize_first's dequantize_kernel exactly as ``Format.attend(..., dequantize_first=True)`` launches it on
+    a GPU for bench.py's chunked prefill (``q_len`` new bf16 tokens on each of ``seqs`` sequences of ``ctx``; 8 KV
+    heads, head size 128): it has no loop, so every instruction counts, per (position, KV head) of a program."""
+    fmt = kvgen.load(name)
+    res = fmt.layout.RESIDUAL
+    block = res["group"] if res else 16
+    blocks_per_seq = -(-ctx // block)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache = fmt.allocate(seqs * blocks_per_seq, block, 8, 128, **({"max_seqs": seqs} if res else {}))
+    q = torch.zeros(seqs * q_len, 32, 128, dtype=torch.bfloat16)
+    table = torch.arange(seqs * blocks_per_seq, dtype=torch.int32).reshape(seqs, blocks_per_seq)
+    extra = {"seq_ids": torch.arange(seqs, dtype=torch.int32)} if res else {}
+    os.environ["TRITON_INTERPRET"] = "0"
+    dense = kvgen.load("bf16")
+    with stubbed_launches(dense), stubbed_launches(fmt) as captured:
+        fmt.attend(q, cache, table, torch.full((seqs,), ctx, dtype=torch.int32),
+                   torch.arange(seqs + 1, dtype=torch.int32) * q_len, max_query_len=q_len, max_seq_len=ctx,
+                   dequantize_first=True, **extra)
+    args, kwargs = captured["dequantize_kernel"]
+    src, launch = _bound_source(fmt._kernels.module.dequantize_kernel, args, kwargs)
+    _, sass, usage = compile_sm90(src, launch)
+    lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
+    ops = collections.Counter(opcode(line) for line in lines)
+    warps = launch.get("num_warps", 4)
+    moved = fmt.page_bytes(block, 8, 128) / block / 8 + 2 * 128 * 2  # the cell in, bf16 K and V out
+    per_position = len(lines) * warps / kwargs["BLOCK_N"]
+    return dict(format=name, per_position=per_position, bytes=moved, per_byte=per_position / moved,
+                regs=int(re.search(r"REG:(\d+)", usage).group(1)), spills=ops["STL"] + ops["LDL"],
+                mix=[(op, n * warps / kwargs["BLOCK_N"]) for op, n in ops.most_common(8)])
+
+
+def main_dequantize(names: list) -> int:
+    print("| format | warp instructions / position-head | bytes / position-head | per byte | registers | spill ld+st "
+          "| most frequent |")
+    print("|---|---|---|---|---|---|---|")
+    for name in names:
+        r = count_dequantize(name)
+        mix = ", ".join(f"{op} {n:.1f}" for op, n in r["mix"])
+        print(f"| {name} | {r['per_position']:.1f} | {r['bytes']:.0f} | {r['per_byte']:.3f} | {r['regs']} | "
+              f"{r['spills']} | {mix} |", flush=True)
+    return 0
+
+
 def count_write_streaming(name: str, seqs: int = 1, tokens: int = 32768) -> list:
     """KIVI's two write kernels (kivi_flush_kernel, kivi_residual_kernel) exactly as ``Format.write`` launches them
     on a GPU for a prefill of ``seqs`` sequences of ``tokens`` bf16 tokens (8 KV heads, head size 128, the group as
@@ -306,6 +352,8 @@ def main() -> int:
         return main_write_streaming(args[1:] or kvgen.shipped_names())
     if args[:1] == ["--write"]:  # the reshape-and-cache kernel instead
         return main_write(args[1:] or kvgen.shipped_names())
+    if args[:1] == ["--dequantize"]:  # dequantize_first's dequantize kernel
+        return main_dequantize(args[1:] or kvgen.shipped_names())
     precision = "auto"
     if args[:1] == ["--tiles"]:  # BLOCK_N/num_warps/num_stages[/maxnreg][p][c|n] for every kernel, as tune_tiles.py
         from tune_tiles import apply

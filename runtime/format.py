@@ -12,6 +12,7 @@ from typing import Optional, Union
 import torch
 
 from . import checks
+from .dequantize import DequantizedLaunch, dense_format_name
 from .kernels import DOT_PRECISIONS, KernelSet
 
 try:
@@ -386,7 +387,7 @@ class Format:
                sliding_window: Optional[int] = None, max_query_len: Optional[int] = None,
                out: Optional[torch.Tensor] = None, seq_ids: Optional[torch.Tensor] = None,
                dot_precision: str = "auto", max_seq_len: Optional[int] = None,
-               num_splits: Optional[int] = None) -> torch.Tensor:
+               num_splits: Optional[int] = None, dequantize_first: bool = False) -> torch.Tensor:
         """Causal paged attention of variable-length queries over the cache; returns ``[num_tokens, num_q_heads,
         head_size]`` in the query's dtype.
 
@@ -409,12 +410,22 @@ class Format:
         ``max_seq_len``
         (optional) bounds the KV length for splitting long sequences across programs (default: what the block table
         can address); ``num_splits`` overrides that split (1 = none).
+
+        ``dequantize_first=True`` (bf16 / fp16 queries): the positions the batch reads are first dequantized into a
+        dense scratch cache of the query's type, and attention runs there as on a bf16 / fp16 cache, so a chunked
+        prefill decodes each position once instead of once per tile of query rows. Each dequantized value is
+        rounded once to the query's type; ``dot_precision`` then applies to the dense attention. It reads
+        ``seq_lens``' largest entry to size the scratch unless ``max_seq_len`` is given (then it must bound every
+        sequence's length: positions past it are not read).
         """
         launch, ptrs = self._plan(query, cache, block_table, seq_lens, query_start_loc, sm_scale, sliding_window,
-                                  max_query_len, seq_ids, dot_precision, max_seq_len, num_splits, out)
+                                  max_query_len, seq_ids, dot_precision, max_seq_len, num_splits, out,
+                                  dequantize_first)
         if out is None:
             out = torch.empty_like(query)
-        if launch is not None:
+        if isinstance(launch, DequantizedLaunch):
+            launch.run(query, out, ptrs)
+        elif launch is not None:
             self._kernels.run_attend(launch, query, out, ptrs)
         return out
 
@@ -422,7 +433,8 @@ class Format:
                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, sm_scale: Optional[float] = None,
                        sliding_window: Optional[int] = None, max_query_len: Optional[int] = None,
                        seq_ids: Optional[torch.Tensor] = None, dot_precision: str = "auto",
-                       max_seq_len: Optional[int] = None, num_splits: Optional[int] = None) -> AttentionPlan:
+                       max_seq_len: Optional[int] = None, num_splits: Optional[int] = None,
+                       dequantize_first: bool = False) -> AttentionPlan:
         """``attend`` in two steps, for engines that run one batch through many layers: the batch's checks, tile,
         split and launch arguments once per step, then ``plan.run(query, cache)`` per layer, which checks only the
         query, the output and the cache against what was planned and launches. Arguments as for ``attend``;
@@ -432,18 +444,18 @@ class Format:
         read their contents at launch, so they may be updated in place, but a batch of other sizes (sequences,
         query tokens, the longest query, the block table's width) needs a new plan, and so do another
         ``sm_scale``, ``sliding_window`` or ``dot_precision`` (layers with and without a window: one plan each).
-        Runs of one plan share its scratch for split sequences, allocated on the stream current at planning: run
-        them on that stream, one after another (as layers run), and keep the plan alive while a CUDA graph that
-        captured one of its runs may replay.
+        Runs of one plan share its scratch for split sequences (and ``dequantize_first``'s dense cache), allocated
+        on the stream current at planning: run them on that stream, one after another (as layers run), and keep
+        the plan alive while a CUDA graph that captured one of its runs may replay.
         """
         return AttentionPlan(self, query, cache, *self._plan(
             query, cache, block_table, seq_lens, query_start_loc, sm_scale, sliding_window, max_query_len, seq_ids,
-            dot_precision, max_seq_len, num_splits, None))
+            dot_precision, max_seq_len, num_splits, None, dequantize_first))
 
     def _plan(self, query, cache, block_table, seq_lens, query_start_loc, sm_scale, sliding_window, max_query_len,
-              seq_ids, dot_precision, max_seq_len, num_splits, out) -> tuple:
-        """attend's checks (``out`` too, when given) and its launch: (KernelSet.plan_attend's AttentionLaunch, or
-        None for an empty batch; the cache's pointer arguments)."""
+              seq_ids, dot_precision, max_seq_len, num_splits, out, dequantize_first=False) -> tuple:
+        """attend's checks (``out`` too, when given) and its launch: (KernelSet.plan_attend's AttentionLaunch, a
+        DequantizedLaunch for ``dequantize_first``, or None for an empty batch; the cache's pointer arguments)."""
         self._check_cache(cache)
         dev = cache.device
         query = checks.tensor("query", query, dtypes=checks.INPUT_DTYPES, ndim=3, device=dev)
@@ -471,6 +483,10 @@ class Format:
         if dot_precision == "quantized" and not any(self.quantized_dot.values()):
             raise ValueError(f"dot_precision: 'quantized' needs int8 codes with no zero point and no block scales on "
                              f"the key or value side; format {self.name} has neither")
+        if not isinstance(dequantize_first, bool):
+            raise ValueError(f"dequantize_first: expected True or False, got {dequantize_first!r}")
+        if dequantize_first:
+            dense_format_name(query.dtype)  # bf16 / fp16 queries only
         max_seq_len = checks.optional_positive_int("max_seq_len", max_seq_len)
         num_splits = checks.optional_positive_int("num_splits", num_splits)
         max_query_len = checks.optional_positive_int("max_query_len", max_query_len)
@@ -506,6 +522,11 @@ class Format:
                          RING=residual["ring"])
         elif seq_ids is not None:
             raise ValueError(f"seq_ids: format {self.name} has no residual window")
+        if dequantize_first:
+            launch = DequantizedLaunch(self, query, cache, block_table, seq_lens, query_start_loc, seq_ids,
+                                       float(sm_scale), sliding_window, max_query_len, dot_precision, max_seq_len,
+                                       num_splits, consts)
+            return launch, ptrs
         launch = self._kernels.plan_attend(query, block_table, seq_lens, query_start_loc, qk_scale,
                                            sliding_window or 0, max_query_len, ptrs, consts, extra,
                                            dot_precision=dot_precision,
@@ -661,7 +682,8 @@ class AttentionPlan:
         self._query = (tuple(query.shape), query.dtype, query.device)
         self._pointers = _CachePointers(fmt, cache, ptrs)
         # the attention kernel's launch with the plan's arguments bound: a run specialises only its own arguments
-        self._bound = None if launch is None else fmt._kernels.bind_attend(launch)
+        self._bound = None if launch is None or isinstance(launch, DequantizedLaunch) else \
+            fmt._kernels.bind_attend(launch)
 
     def __repr__(self) -> str:
         shape, dtype, _ = self._query
@@ -673,7 +695,9 @@ class AttentionPlan:
         ptrs = self._pointers(cache)  # checked against the plan also for an empty batch
         _check_planned("query", query, self._query)
         out = torch.empty_like(query) if out is None else checks.output(out, query)
-        if self._launch is not None:
+        if isinstance(self._launch, DequantizedLaunch):
+            self._launch.run(query, out, ptrs)
+        elif self._launch is not None:
             self.format._kernels.run_attend(self._launch, query, out, ptrs, self._bound)
         return out
 

@@ -19,7 +19,8 @@ ROOT = Path(kvgen.__file__).resolve().parent
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the scripts would run")
 @pytest.mark.parametrize("script,args", [("bench.py", ["--formats", "bf16", "--no-sweep"]),
                                          ("tune_splits.py", ["bf16"]), ("tune_tiles.py", ["bf16", "--cuda-graphs"]),
-                                         ("variant_ab.py", ["generated", "fp8_e4m3"])])
+                                         ("variant_ab.py", ["generated", "fp8_e4m3"]),
+                                         ("dequantize_first.py", ["int8_per_token_head"])])
 def test_gpu_scripts_name_the_missing_gpu(script, args, tmp_path):
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args, *(
         ["--out", str(tmp_path)] if script == "bench.py" else [])], capture_output=True, text=True, timeout=300)

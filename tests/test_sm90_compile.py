@@ -58,6 +58,13 @@ def test_prefill_kernels_of_block_dot_formats_compile_for_sm90(tmp_path):
     assert rows[1:] == names, out
 
 
+def test_dequantize_kernels_compile_for_sm90(tmp_path):
+    """dequantize_first's kernel of every shipped format, as attend launches it for a chunked prefill."""
+    out = sass_count("--dequantize", cache=tmp_path / "cache")
+    rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[1:] == kvgen.shipped_names(), out
+
+
 def test_write_kernels_compile_for_sm90(tmp_path):
     out = sass_count("--write", cache=tmp_path / "cache")
     rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "---" not in line]

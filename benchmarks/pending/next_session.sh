@@ -4,6 +4,7 @@
 # `source benchmarks/device_env.sh`; outputs go to $OUT (the device tool's folder), each step's also to stdout.
 #
 #   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~260 s)
+#   bash benchmarks/pending/next_session.sh dequant    # dequantize_first: its GPU tests, then prefill times (~450 s)
 #   bash benchmarks/pending/next_session.sh rowspread  # row-spread.patch (v2): 128-row prefill at head size 256 (~350 s)
 #   bash benchmarks/pending/next_session.sh rowspread128  # its 128-row prefill at head size 128 (~250 s)
 #   bash benchmarks/pending/next_session.sh rowspreadtests  # the per-token formats' GPU tests on it (~250 s)
@@ -20,7 +21,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: tests, rowspread, rowspread128, rowspreadtests, kivicrash, cells, hs64prof, writes, bench1 or bench2"}
+step=${1:?"a step: tests, dequant, rowspread, rowspread128, rowspreadtests, kivicrash, cells, hs64prof, writes, bench1 or bench2"}
 start=$(date +%s)
 # a pending patch's kernels: this checkout copied to /tmp/var with the patch applied, the named formats built from
 # it into /tmp/variant (for benchmarks/variant_ab.py) and copied over /tmp/var's generated/ (for its tests)
@@ -55,6 +56,14 @@ case "$step" in
       tests/test_alignment.py tests/test_scale_words.py "tests/test_conformance.py::test_long_decode_many_tiles" \
       "tests/test_conformance.py::test_prefill_rows_128_conform" "tests/test_conformance.py::test_kivi_decode_256" \
       2>&1 | tee "$out/tests.txt" | tail -15
+    ;;
+  dequant)
+    # Format.attend(..., dequantize_first=True) (thirtieth session, CPU only): its GPU tests, then bench.py's chunked
+    # prefill fused against dequantize-first for every format (~10 s a format)
+    timeout 150 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_dequantize_first.py 2>&1 \
+      | tee "$out/dequant_tests.txt" | tail -3
+    timeout 420 python3 benchmarks/dequantize_first.py --out "$out/dequant.md" 2>&1 | tee "$out/dequant.txt" \
+      | grep -v "^$"
     ;;
   rowspread)
     # benchmarks/pending/row-spread.patch, v2 (twenty-ninth session): per-position scale words loaded as tiles of at
@@ -119,7 +128,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': tests, rowspread, rowspread128, rowspreadtests, kivicrash, cells, hs64prof, writes, bench1 or bench2" >&2
+    echo "unknown step '$step': tests, dequant, rowspread, rowspread128, rowspreadtests, kivicrash, cells, hs64prof, writes, bench1 or bench2" >&2
     exit 2
     ;;
 esac

@@ -610,3 +610,76 @@ def reduce_splits_kernel(
     omask = (qh < num_q_heads)[:, None] & (d < HEAD_SIZE)[None, :]
     tl.store(out_ptr + token * stride_ot + qh[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=omask)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# dequantize_kernel: one program per (sequence, BLOCK_N positions, KV head). Position n < seq_len of sequence seq is
+# read where attention would read it (block block_table[seq, n // BLOCK_SIZE]), dequantized to fp32
+# as the exact dots see it, rounded to the dense type and stored
+# in the dense cache: the chunked prefill that follows reads each value once per query tile without decoding it
+# again (each value rounded once to a 16-bit type, as engines that dequantize before attention do).
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def dense_bits(x, OUT_BF16: tl.constexpr, NATIVE: tl.constexpr):
+    # fp32 -> the 16-bit pattern of x rounded to nearest even in bf16 (OUT_BF16) or fp16. The interpreter's bf16
+    # cast truncates: there the bits round by integer arithmetic (NaN kept a quiet NaN)
+    if OUT_BF16:
+        if NATIVE:
+            return x.to(tl.bfloat16).to(tl.uint16, bitcast=True)
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16)
+        return tl.where(x != x, 0x7FC0, rounded).to(tl.uint16)
+    return x.to(tl.float16).to(tl.uint16, bitcast=True)
+
+
+@triton.jit
+def dequantize_kernel(
+    k_cache_ptr, v_cache_ptr, k_meta_ptr, v_meta_ptr, k_scale_ptr, v_scale_ptr, k_signs_ptr, v_signs_ptr,
+    out_ptr,  # uint16 view of the dense cache
+    block_table_ptr,  # int32 [num_seqs, max_blocks]
+    seq_lens_ptr,  # int32 [num_seqs]
+    out_blocks,  # dense blocks per sequence
+    stride_bt,
+    NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    K_LOG_B: tl.constexpr, V_LOG_B: tl.constexpr,
+    K_DATA_PAGE: tl.constexpr, K_DATA_BASE: tl.constexpr, K_DATA_CELL: tl.constexpr,
+    K_SCALE_PAGE: tl.constexpr, K_SCALE_BASE: tl.constexpr, K_SCALE_CELL: tl.constexpr,
+    K_ZP_PAGE: tl.constexpr, K_ZP_BASE: tl.constexpr, K_ZP_CELL: tl.constexpr,
+    V_DATA_PAGE: tl.constexpr, V_DATA_BASE: tl.constexpr, V_DATA_CELL: tl.constexpr,
+    V_SCALE_PAGE: tl.constexpr, V_SCALE_BASE: tl.constexpr, V_SCALE_CELL: tl.constexpr,
+    V_ZP_PAGE: tl.constexpr, V_ZP_BASE: tl.constexpr, V_ZP_CELL: tl.constexpr,
+    OUT_PAGE: tl.constexpr, OUT_CELL: tl.constexpr, OUT_K_BASE: tl.constexpr, OUT_V_BASE: tl.constexpr,
+    OUT_BF16: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE_CASTS: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    tile = tl.program_id(1)
+    head = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    if tile * BLOCK_N < seq_len:
+        n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        d = tl.arange(0, HEAD_PAD)
+        dmask = d < HEAD_SIZE
+        live = n < tl.minimum(seq_len, out_blocks * BLOCK_SIZE)  # (the dense blocks bound what is stored)
+        n_mask = live
+        blk = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        off = n % BLOCK_SIZE
+
+
+        k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
+        k_code = tl.load(k_row[:, None] + d[None, :], mask=n_mask[:, None] & dmask[None, :], other=0)
+        k_tile = k_decode(k_code)
+        k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
+        k_sidx = d // HEAD_PAD  # the scale of each element's group
+        k_scode = tl.load((k_srow[:, None] + k_sidx[None, :] * 4).to(tl.pointer_type(tl.uint32)), mask=n_mask[:, None] & dmask[None, :], other=0)
+        k_tile = k_tile * (k_scale_decode(k_scode))
+        v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
+        v_code = tl.load(v_row[:, None] + d[None, :], mask=n_mask[:, None] & dmask[None, :], other=0)
+        v_tile = v_decode(v_code)
+        v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
+        v_sidx = d // HEAD_PAD  # the scale of each element's group
+        v_scode = tl.load((v_srow[:, None] + v_sidx[None, :] * 4).to(tl.pointer_type(tl.uint32)), mask=n_mask[:, None] & dmask[None, :], other=0)
+        v_tile = v_tile * (v_scale_decode(v_scode))
+        out_row = ((seq * out_blocks + n // BLOCK_SIZE).to(tl.int64) * OUT_PAGE + (off * NUM_KV_HEADS + head) * OUT_CELL)
+        out_mask = live[:, None] & dmask[None, :]
+        tl.store(out_ptr + out_row[:, None] + OUT_K_BASE + d[None, :], dense_bits(k_tile, OUT_BF16, NATIVE_CASTS), mask=out_mask)
+        tl.store(out_ptr + out_row[:, None] + OUT_V_BASE + d[None, :], dense_bits(v_tile, OUT_BF16, NATIVE_CASTS), mask=out_mask)

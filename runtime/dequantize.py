@@ -1,0 +1,89 @@
+"""Dequantize-first attention (``Format.attend(..., dequantize_first=True)``).
+
+A chunked prefill reads every cached position once per tile of query rows: 16-32 times for a chunk of 2048 new
+tokens, and the fused kernel decodes the codes (and splits them into exact dot terms) each time. Dequantize-first
+decodes them once: the format's generated ``dequantize_kernel`` writes the positions the batch reads into a dense
+scratch cache of the query's 16-bit type (the shipped bf16 / fp16 format's layout, the sequences' blocks one after
+another), and the dense format's attention runs over it. Each dequantized value is rounded once to that type (as
+engines that dequantize before attention do), so the result has the accuracy of a bf16 / fp16 cache holding the
+dequantized values (docs/accuracy.md), not "auto"'s exact products.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .kernels import interpreting, native_fp8, triton_cdiv
+
+# positions per dequantize program (compiled; the interpreter takes whole sequences up to 256, fewer programs)
+DEQUANT_BLOCK_N = 32
+DEQUANT_WARPS = 4
+
+
+def dense_format_name(query_dtype: torch.dtype) -> str:
+    """The shipped dense format whose attention runs over the dequantized cache of a query of this dtype."""
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(query_dtype)
+    if name is None:
+        raise ValueError(f"dequantize_first: needs a bf16 or fp16 query (the dense cache takes its type), got "
+                         f"{query_dtype}")
+    return name
+
+
+class DequantizedLaunch:
+    """One dequantize-first call: the format's dequantize_kernel into a dense scratch cache, then the dense format's
+    planned attention over it. The scratch is allocated once per plan (on the stream current at planning): runs of
+    one plan share it, one after another, as layers run."""
+
+    def __init__(self, fmt, query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                 query_start_loc: torch.Tensor, seq_ids: Optional[torch.Tensor], sm_scale: float,
+                 sliding_window: Optional[int], max_query_len: int, dot_precision: str, max_seq_len: Optional[int],
+                 num_splits: Optional[int], consts: dict):
+        from .loader import load  # the shipped dense formats (loader imports this module's users)
+
+        if dot_precision == "quantized":
+            raise ValueError("dot_precision: 'quantized' computes on the cache's codes; dequantize_first runs on "
+                             "dequantized values (use 'auto', 'fast' or 'ieee')")
+        self.dense = load(dense_format_name(query.dtype))
+        num_seqs = seq_lens.shape[0]
+        bs = cache.block_size
+        if max_seq_len is None:  # one device-to-host read; pass max_seq_len to avoid it
+            max_seq_len = int(seq_lens.max()) if num_seqs else 0
+        out_blocks = max(1, min(triton_cdiv(max(max_seq_len, 1), bs), block_table.shape[1]))
+        self.scratch = self.dense.allocate(num_seqs * out_blocks, bs, cache.num_kv_heads, cache.head_size,
+                                           device=query.device)
+        self.table = torch.arange(num_seqs * out_blocks, dtype=torch.int32,
+                                  device=query.device).view(num_seqs, out_blocks)
+        self.plan = self.dense.plan_attention(query, self.scratch, self.table, seq_lens, query_start_loc,
+                                              sm_scale=sm_scale, sliding_window=sliding_window,
+                                              max_query_len=max_query_len, dot_precision=dot_precision,
+                                              max_seq_len=max_seq_len, num_splits=num_splits)
+        lay = self.dense.layout.page_layout(bs, cache.num_kv_heads, cache.head_size)
+        (tensor,) = lay["page_bytes"]  # the dense formats keep K and V in one tensor, [K | V] per cell
+        f_k, f_v = lay["fields"]["k_data"], lay["fields"]["v_data"]
+        block_n = min(256, 1 << max(max_seq_len - 1, 1).bit_length()) if interpreting() else DEQUANT_BLOCK_N
+        options = {} if interpreting() else {"num_warps": DEQUANT_WARPS, "enable_fp_fusion": False}
+        self._out = self.scratch.tensors[tensor].view(torch.uint16)
+        self._kernel = fmt._kernels.launch("dequantize_kernel")
+        self._grid = (num_seqs, triton_cdiv(out_blocks * bs, block_n), cache.num_kv_heads)
+        extra = {}
+        if fmt.layout.RESIDUAL is not None:
+            res = fmt.layout.RESIDUAL
+            extra = dict(seq_ids_ptr=seq_ids, TOKEN_GROUP=res["group"], RESIDUAL=res["tokens"], RING=res["ring"])
+        self._kwargs = dict(block_table_ptr=block_table, seq_lens_ptr=seq_lens, out_blocks=out_blocks,
+                            stride_bt=block_table.stride(0), **consts, **extra,
+                            OUT_PAGE=lay["page_bytes"][tensor] // 2, OUT_CELL=f_k["cell"] // 2,
+                            OUT_K_BASE=f_k["base"] // 2, OUT_V_BASE=f_v["base"] // 2,
+                            OUT_BF16=query.dtype == torch.bfloat16, BLOCK_N=block_n,
+                            NATIVE_CASTS=native_fp8(query.device), **options)
+        self.num_tokens = query.shape[0]
+
+    def dequantize(self, ptrs: dict) -> None:
+        """Fill the dense cache with the planned positions of the cache whose pointer arguments are ``ptrs``."""
+        self._kernel(self._grid, out_ptr=self._out, **ptrs, **self._kwargs)
+
+    def run(self, query: torch.Tensor, out: torch.Tensor, ptrs: dict) -> None:
+        """Dequantize, then attend over the dense cache into ``out``."""
+        self.dequantize(ptrs)
+        self.plan.run(query, self.scratch, out=out)

@@ -1,0 +1,181 @@
+"""Dequantize-first attention (Format.attend(..., dequantize_first=True)): the generated dequantize_kernel writes the
+positions a batch reads into a dense bf16 / fp16 cache, and the dense format's attention runs over it.
+
+- the dense cache holds the reference's dequantized values (reference.read / kivi_read, float64), each rounded to
+  nearest in the query's type: within half a unit in the last place of it (a truncating cast would not be);
+- attention matches float64 attention on the reference-decoded cache within the conformance tolerance widened by
+  dequantize_slack (conformance.run_case / run_stream with dequantize_first), for every shipped format;
+- a plan runs the same path per layer; bad arguments name what is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvgen
+from kvgen import reference as R
+from kvgen.conformance import Case, StreamCase, build_batch, cases, run_case, run_stream, static_scales, \
+    stream_cases
+
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
+PAGED = [n for n in kvgen.shipped_names() if not kvgen.load(n).spec.streaming]
+STREAMING = [n for n in kvgen.shipped_names() if kvgen.load(n).spec.streaming]
+EXAMPLES = int(os.environ.get("KVGEN_EXAMPLES", "30" if DEVICE == "cuda" else "20"))
+DENSE = {torch.bfloat16: ml_dtypes.bfloat16, torch.float16: np.float16}
+
+
+def sixteen_bit(case):
+    """The case with a bf16 or fp16 query (dequantize_first needs one), chosen by its seed."""
+    return dataclasses.replace(case, dtype=(torch.bfloat16, torch.float16)[case.seed % 2])
+
+
+@pytest.mark.parametrize("name", PAGED)
+def test_attention_conforms(name):
+    fmt = kvgen.load(name)
+
+    @settings(max_examples=max(EXAMPLES // 2, 3), deadline=None)
+    @given(case=cases(fmt))
+    def prop(case):
+        failures = {p: m for p, m in run_case(fmt, sixteen_bit(case), DEVICE, dequantize_first=True).items() if m}
+        assert not failures, failures
+
+    prop()
+
+
+@pytest.mark.parametrize("name", STREAMING)
+def test_streaming_attention_conforms(name):
+    fmt = kvgen.load(name)
+
+    @settings(max_examples=max(EXAMPLES // 2, 3), deadline=None)
+    @given(case=stream_cases(fmt))
+    def prop(case):
+        failures = {p: m for p, m in run_stream(fmt, sixteen_bit(case), DEVICE, dequantize_first=True).items() if m}
+        assert not failures, failures
+
+    prop()
+
+
+def _dense_values(plan, num_seqs: int, seq_lens, block_size: int, num_kv_heads: int, head_size: int):
+    """The dense cache a dequantize-first plan filled, as float64 ``[seq][position, head, dim]`` (K and V)."""
+    launch = plan._launch
+    (t,) = launch.scratch.tensors.values()
+    pages = t.cpu().float().numpy().reshape(num_seqs, -1, block_size, num_kv_heads, 2, head_size)
+    out = []
+    for s, n in enumerate(seq_lens):
+        flat = pages[s].reshape(-1, num_kv_heads, 2, head_size)[:n]
+        out.append((flat[:, :, 0].astype(np.float64), flat[:, :, 1].astype(np.float64)))
+    return out
+
+
+def _check_rounded(got: np.ndarray, want: np.ndarray, dtype, what: str, rotated: bool) -> None:
+    """got is want rounded to nearest in dtype: no farther from it than want's own nearest value in dtype (numpy's
+    rounding from float64), but for the fp32 dequantization's rounding (2**-22 relative), which can only decide
+    near-ties. Rotated sides are rotated back in fp32 (a Hadamard transform's sums): an absolute error up to
+    2**-16 of the row's largest value, however small the element."""
+    want_r = want.astype(dtype).astype(np.float64)
+    slack = 2.0 ** -22 * np.abs(want)
+    if rotated:
+        slack = slack + 2.0 ** -16 * np.abs(want).max(axis=-1, keepdims=True)
+    bad = np.abs(got - want) > np.abs(want_r - want) + slack
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.size} values not rounded to nearest; first at "
+                           f"{tuple(int(i) for i in np.argwhere(bad)[0])}: dense {got[bad][0]!r}, reference "
+                           f"{want[bad][0]!r}")
+
+
+@pytest.mark.parametrize("name", ["int8_per_token_head", "nvfp4", "int4_per_token_head", "q4_0", "fp8_e4m3_per_head",
+                                  "mxfp8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dense_cache_holds_rounded_reference_values(name, dtype):
+    fmt = kvgen.load(name)
+    head = 64
+    case = Case(head_size=head, block_size=4, num_kv_heads=2, group=2, seq_lens=[13, 30], q_lens=[13, 7],
+                dtype=dtype, window=None, holes=2, seed=3, k_scale=0.5, v_scale=2.0, magnitude=30.0)
+    rng = np.random.default_rng(case.seed)
+    num_blocks, table, slots, key, value = build_batch(case, rng)
+    scales = static_scales(fmt, case)
+    cache = fmt.allocate(num_blocks, case.block_size, 2, head, device=DEVICE, **scales)
+    fmt.write(cache, torch.from_numpy(key).to(dtype).to(DEVICE), torch.from_numpy(value).to(dtype).to(DEVICE),
+              torch.from_numpy(slots).to(DEVICE))
+    qsl = torch.tensor([0, 13, 20], dtype=torch.int32, device=DEVICE)
+    query = torch.randn(20, 4, head).to(dtype).to(DEVICE)
+    seq_lens = torch.tensor(case.seq_lens, dtype=torch.int32, device=DEVICE)
+    plan = fmt.plan_attention(query, cache, torch.from_numpy(table).to(DEVICE), seq_lens, qsl, dequantize_first=True)
+    plan.run(query, cache)
+    expected = R.new_cache(fmt.spec, num_blocks, case.block_size, 2, head)
+    R.write(fmt.spec, expected, torch.from_numpy(key).to(dtype).float().numpy(),
+            torch.from_numpy(value).to(dtype).float().numpy(), slots, k_scale=scales["k_scale"],
+            v_scale=scales["v_scale"])
+    k_deq, v_deq = R.read(fmt.spec, expected, scales["k_scale"], scales["v_scale"], head_size=head,
+                          block_size=case.block_size, num_kv_heads=2)
+    for s, (k_got, v_got) in enumerate(_dense_values(plan, 2, case.seq_lens, case.block_size, 2, head)):
+        j = np.arange(case.seq_lens[s])
+        blocks, offs = table[s, j // case.block_size], j % case.block_size
+        _check_rounded(k_got, k_deq[blocks, offs], DENSE[dtype], f"sequence {s} keys", fmt.spec.key.rotation is not None)
+        _check_rounded(v_got, v_deq[blocks, offs], DENSE[dtype], f"sequence {s} values",
+                       fmt.spec.value.rotation is not None)
+
+
+def test_plan_runs_each_layer_like_attend():
+    """One plan over two layers' caches: each run dequantizes its own cache (the shared dense cache is refilled)."""
+    fmt = kvgen.load("int8_per_token_head")
+    case = Case(head_size=32, block_size=4, num_kv_heads=2, group=2, seq_lens=[9, 21], q_lens=[9, 4],
+                dtype=torch.bfloat16, window=None, holes=0, seed=5, k_scale=1.0, v_scale=1.0, magnitude=1.0)
+    rng = np.random.default_rng(case.seed)
+    caches = []
+    for _ in range(2):
+        num_blocks, table, slots, key, value = build_batch(case, rng)
+        c = fmt.allocate(num_blocks, 4, 2, 32, device=DEVICE)
+        fmt.write(c, torch.from_numpy(key).bfloat16().to(DEVICE), torch.from_numpy(value).bfloat16().to(DEVICE),
+                  torch.from_numpy(slots).to(DEVICE))
+        caches.append(c)
+    table = torch.from_numpy(table).to(DEVICE)  # the same slots each time: build_batch's table for this seed
+    seq_lens = torch.tensor(case.seq_lens, dtype=torch.int32, device=DEVICE)
+    qsl = torch.tensor([0, 9, 13], dtype=torch.int32, device=DEVICE)
+    query = torch.randn(13, 4, 32).bfloat16().to(DEVICE)
+    plan = fmt.plan_attention(query, caches[0], table, seq_lens, qsl, dequantize_first=True)
+    outs = [plan.run(query, c) for c in caches]
+    for c, out in zip(caches, outs):
+        want = fmt.attend(query, c, table, seq_lens, qsl, dequantize_first=True)
+        assert torch.equal(out, want)
+    assert not torch.equal(outs[0], outs[1])
+
+
+def _small(fmt_name="int8_per_token_head", dtype=torch.bfloat16):
+    fmt = kvgen.load(fmt_name)
+    cache = fmt.allocate(4, 4, 1, 16, device=DEVICE)
+    query = torch.zeros(2, 1, 16, dtype=dtype, device=DEVICE)
+    table = torch.zeros(1, 4, dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor([3], dtype=torch.int32, device=DEVICE)
+    qsl = torch.tensor([0, 2], dtype=torch.int32, device=DEVICE)
+    return fmt, (query, cache, table, seq_lens, qsl)
+
+
+def test_needs_a_16_bit_query():
+    fmt, args = _small(dtype=torch.float32)
+    with pytest.raises(ValueError, match="dequantize_first: needs a bf16 or fp16 query"):
+        fmt.attend(*args, dequantize_first=True)
+
+
+def test_rejects_the_quantized_domain_and_non_bools():
+    fmt, args = _small()
+    with pytest.raises(ValueError, match="dot_precision: 'quantized'.*dequantize_first"):
+        fmt.attend(*args, dequantize_first=True, dot_precision="quantized")
+    with pytest.raises(ValueError, match="dequantize_first: expected True or False"):
+        fmt.attend(*args, dequantize_first="yes")
+
+
+def test_max_seq_len_bounds_the_dense_cache():
+    """A max_seq_len below a sequence's length: positions past it are neither read nor written out of bounds (the
+    dense cache has its blocks only); attention sees the first max_seq_len positions' worth of blocks."""
+    fmt, (query, cache, table, seq_lens, qsl) = _small()
+    plan = fmt.plan_attention(query, cache, table, seq_lens, qsl, dequantize_first=True, max_seq_len=3)
+    assert plan._launch.table.shape == (1, 1)  # one dense block of 4 positions
+    plan.run(query, cache)
