@@ -54,7 +54,14 @@ def _fmt_bytes(b: float) -> str:
                    "and probabilities quantized per row (formats without int8 codes run auto); fast: one fp16 / "
                    "bf16 term per operand (dequantized values rounded once, as engines do). The accuracy cost is "
                    "the difference to auto.")
-def eval_cmd(specs, contexts, seeds, as_json, png, backend, dot_precision):
+@click.option("--query-dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
+              help="With --backend kernels: the queries' type in the kernels' call. Default: fp32, or bf16 with "
+                   "--dequantize-first.")
+@click.option("--dequantize-first", is_flag=True,
+              help="With --backend kernels: attend(dequantize_first=True), the cache dequantized into a dense cache "
+                   "of the query's 16-bit type first (each value rounded once to it). Compare with --query-dtype "
+                   "of the same type without it for the cost.")
+def eval_cmd(specs, contexts, seeds, as_json, png, backend, dot_precision, query_dtype, dequantize_first):
     """Accuracy of KV-cache formats: attention error on synthetic K/V, through the kernels on a GPU, else the
     NumPy reference.
 
@@ -72,6 +79,7 @@ def eval_cmd(specs, contexts, seeds, as_json, png, backend, dot_precision):
       kvgen eval my_format.yaml int8_per_token_head --json
       kvgen eval --png accuracy.png
       kvgen eval int8_per_token_head --backend kernels --dot-precision quantized   # cost of the int8 domain
+      kvgen eval q4_0 --backend kernels --dequantize-first      # against: --backend kernels --query-dtype bf16
     """
     from .evaluate import draw_png, evaluate, resolve_backend, resolve_format
     from .runtime.loader import shipped_names
@@ -79,6 +87,7 @@ def eval_cmd(specs, contexts, seeds, as_json, png, backend, dot_precision):
     names = list(dict.fromkeys(specs)) or list(shipped_names())
     for n in names:  # fail fast, one line, before any work
         resolve_format(n)
+    query_dtype = query_dtype or ("bf16" if dequantize_first else "fp32")
     ctxs = list(dict.fromkeys(contexts)) or [1024, 4096]
     total = len(names) * len(ctxs) * seeds
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -88,17 +97,23 @@ def eval_cmd(specs, contexts, seeds, as_json, png, backend, dot_precision):
         def step(name, ctx, seed):
             prog.update(task, advance=1, description=f"{name} @ {ctx:,} seed {seed}")
 
-        rows = evaluate(names, ctxs, seeds, progress=step, backend=backend, dot_precision=dot_precision)
+        rows = evaluate(names, ctxs, seeds, progress=step, backend=backend, dot_precision=dot_precision,
+                        query_dtype=query_dtype, dequantize_first=dequantize_first)
     if png:
         draw_png(rows, png)
     if as_json:
         click.echo(json.dumps({"contexts": ctxs, "seeds": seeds, "backend": resolve_backend(backend),
-                               "dot_precision": dot_precision, "num_kv_heads": 8, "num_q_heads": 32,
+                               "dot_precision": dot_precision, "query_dtype": query_dtype,
+                               "dequantize_first": dequantize_first, "num_kv_heads": 8, "num_q_heads": 32,
                                "head_size": 128, "top_k": 8, "results": rows, "png": png}, indent=2))
         return
     where = "generated kernels" if resolve_backend(backend) == "kernels" else "NumPy reference"
     if dot_precision != "auto":
         where += f", dot_precision={dot_precision}"
+    if query_dtype != "fp32" and resolve_backend(backend) == "kernels":
+        where += f", {query_dtype} queries"
+    if dequantize_first:
+        where += ", dequantized first"
     t = Table(title=f"Attention accuracy vs fp32 K/V (synthetic, {seeds} seed(s); means; attention by the {where})")
     t.add_column("format", no_wrap=True)
     t.add_column("B/token-head", justify="right")

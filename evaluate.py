@@ -262,7 +262,7 @@ def resolve_backend(backend: str) -> str:
 
 def evaluate(formats: Optional[Sequence[str]] = None, contexts: Iterable[int] = (1024, 4096), seeds: int = 3,
              progress: Optional[Callable[[str, int, int], None]] = None, backend: str = "auto",
-             dot_precision: str = "auto") -> list[dict]:
+             dot_precision: str = "auto", query_dtype: str = "fp32", dequantize_first: bool = False) -> list[dict]:
     """One row per (format, context): ``format``, ``source``, ``backend``, ``bytes_per_token_head``, ``context``,
     ``seeds``, ``dot_precision`` (what the attention ran with, see :func:`ran_with`), the mean of every metric over seeds, ``per_seed`` (each metric per seed), and for KIVI
     ``quantized_fraction`` (the share of positions stored quantized; the rest are in the bf16 residual window).
@@ -272,8 +272,10 @@ def evaluate(formats: Optional[Sequence[str]] = None, contexts: Iterable[int] = 
     read by its paged attention, fp32 queries), while top-k agreement and the K / V errors still come from the
     reference decoding (the kernels store the same bytes: the conformance property); ``auto`` picks the kernels
     where a GPU is present. ``dot_precision`` (kernels only): the attention's dots, as ``Format.attend`` takes it;
-    "quantized" applies to the formats that offer it (the others run "auto"). ``progress(format, context, seed)``
-    is called after every format x context x seed step."""
+    "quantized" applies to the formats that offer it (the others run "auto"). ``query_dtype`` (kernels only): the
+    queries' type in the kernels' call, fp32, bf16 or fp16; ``dequantize_first`` (kernels only, 16-bit queries):
+    as ``Format.attend``. ``progress(format, context, seed)`` is called after every format x context x seed
+    step."""
     from . import reference as R
     from .runtime.loader import shipped_names
 
@@ -284,6 +286,15 @@ def evaluate(formats: Optional[Sequence[str]] = None, contexts: Iterable[int] = 
     if dot_precision != "auto" and backend != "kernels":
         raise EvalError(f"dot_precision: {dot_precision!r} applies to the kernels backend (--backend kernels); "
                         "the reference attends in float64")
+    from .evaluate_kernels import QUERY_DTYPES
+    if query_dtype not in QUERY_DTYPES:
+        raise EvalError(f"query_dtype: expected one of {', '.join(QUERY_DTYPES)}, got {query_dtype!r}")
+    if (query_dtype != "fp32" or dequantize_first) and backend != "kernels":
+        raise EvalError("query_dtype / dequantize_first apply to the kernels backend (--backend kernels); the "
+                        "reference attends in float64")
+    if dequantize_first and query_dtype == "fp32":
+        raise EvalError("dequantize_first: needs bf16 or fp16 queries (--query-dtype bf16 or fp16): the dense "
+                        "cache takes their type")
     names = list(formats) if formats else list(shipped_names())
     fmts = [resolve_format(n) for n in names]
     contexts = list(contexts)
@@ -298,7 +309,8 @@ def evaluate(formats: Optional[Sequence[str]] = None, contexts: Iterable[int] = 
                 if backend == "kernels":
                     from .evaluate_kernels import kernel_attention
 
-                    out = kernel_attention(f.source, q, k, v, dot_precision=dot_precision)
+                    out = kernel_attention(f.source, q, k, v, dot_precision=dot_precision,
+                                           query_dtype=query_dtype, dequantize_first=dequantize_first)
                 m = attention_metrics(out, top, out_ref, top_ref)
                 m["key_rel"] = rel_err(kq, k)
                 m["value_rel"] = rel_err(vq, v)
@@ -313,6 +325,7 @@ def evaluate(formats: Optional[Sequence[str]] = None, contexts: Iterable[int] = 
         f, ctx = fmts[fi], contexts[ci]
         row = {"format": f.name, "source": f.source, "backend": backend,
                "dot_precision": ran_with(f, backend, dot_precision),
+               "query_dtype": query_dtype if backend == "kernels" else "float64", "dequantize_first": dequantize_first,
                "bytes_per_token_head": bytes_per_token_head(f.spec),
                "context": ctx, "seeds": seeds}
         row.update({x: float(np.mean(r["per_seed"][x])) for x in METRICS})

@@ -15,7 +15,8 @@ from typing import Optional
 
 import torch
 
-from .kernels import interpreting, native_fp8, triton_cdiv
+from . import kernels
+from .kernels import triton_cdiv
 
 # positions per dequantize program (compiled; the interpreter takes whole sequences up to 256, fewer programs)
 DEQUANT_BLOCK_N = 32
@@ -62,8 +63,8 @@ class DequantizedLaunch:
         lay = self.dense.layout.page_layout(bs, cache.num_kv_heads, cache.head_size)
         (tensor,) = lay["page_bytes"]  # the dense formats keep K and V in one tensor, [K | V] per cell
         f_k, f_v = lay["fields"]["k_data"], lay["fields"]["v_data"]
-        block_n = min(256, 1 << max(max_seq_len - 1, 1).bit_length()) if interpreting() else DEQUANT_BLOCK_N
-        options = {} if interpreting() else {"num_warps": DEQUANT_WARPS, "enable_fp_fusion": False}
+        block_n = min(256, 1 << max(max_seq_len - 1, 1).bit_length()) if kernels.interpreting() else DEQUANT_BLOCK_N
+        options = {} if kernels.interpreting() else {"num_warps": DEQUANT_WARPS, "enable_fp_fusion": False}
         self._out = self.scratch.tensors[tensor].view(torch.uint16)
         self._kernel = fmt._kernels.launch("dequantize_kernel")
         self._grid = (num_seqs, triton_cdiv(out_blocks * bs, block_n), cache.num_kv_heads)
@@ -76,7 +77,7 @@ class DequantizedLaunch:
                             OUT_PAGE=lay["page_bytes"][tensor] // 2, OUT_CELL=f_k["cell"] // 2,
                             OUT_K_BASE=f_k["base"] // 2, OUT_V_BASE=f_v["base"] // 2,
                             OUT_BF16=query.dtype == torch.bfloat16, BLOCK_N=block_n,
-                            NATIVE_CASTS=native_fp8(query.device), **options)
+                            NATIVE_CASTS=kernels.native_fp8(query.device), **options)
         self.num_tokens = query.shape[0]
 
     def dequantize(self, ptrs: dict) -> None:

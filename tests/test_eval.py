@@ -167,3 +167,30 @@ def test_dot_precision_needs_the_kernel_backend():
     res = CliRunner().invoke(eval_cmd, ["int8_per_token_head", "--seeds", "1", "--backend", "reference",
                                         "--dot-precision", "quantized"])
     assert res.exit_code == 1 and "--backend kernels" in res.stderr
+
+
+def test_dequantize_first_costs_a_16_bit_rounding():
+    """--dequantize-first: the same format and bf16 queries, the cache rounded once to bf16 before attention: the
+    attention error moves by at most a few percent (bf16's 2**-9 relative rounding is far below int8's own error)
+    but does move (the rounding is real), and the rows record what ran."""
+    kw = dict(contexts=[160], seeds=1, backend="kernels", query_dtype="bf16")
+    plain = E.evaluate(["int8_per_token_head"], **kw)[0]
+    first = E.evaluate(["int8_per_token_head"], dequantize_first=True, **kw)[0]
+    ratio = first["attn_rel_l2"] / plain["attn_rel_l2"]
+    assert ratio != 1.0 and 0.95 < ratio < 1.1, ratio
+    assert first["dequantize_first"] and first["query_dtype"] == "bf16" and not plain["dequantize_first"]
+
+
+def test_dequantize_first_needs_the_kernel_backend_and_16_bit_queries():
+    with pytest.raises(E.EvalError, match="apply to the kernels backend"):
+        E.evaluate(["int8_per_token_head"], contexts=[160], seeds=1, backend="reference", dequantize_first=True)
+    with pytest.raises(E.EvalError, match="dequantize_first: needs bf16 or fp16 queries"):
+        E.evaluate(["int8_per_token_head"], contexts=[160], seeds=1, backend="kernels", dequantize_first=True)
+    res = CliRunner().invoke(eval_cmd, ["int8_per_token_head", "--seeds", "1", "--backend", "kernels",
+                                        "--dequantize-first", "--query-dtype", "fp32"])
+    assert res.exit_code == 1 and "--query-dtype bf16" in res.stderr
+    res = CliRunner().invoke(eval_cmd, ["int8_per_token_head", "--context", "64", "--seeds", "1", "--backend",
+                                        "kernels", "--dequantize-first", "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["dequantize_first"] and data["query_dtype"] == "bf16" and data["results"][0]["dequantize_first"]

@@ -435,10 +435,16 @@ def dequantize_kernel(
 
         k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
         k_code = tl.load(k_row.to(tl.pointer_type(tl.uint16))[:, None] + d[None, :], mask=n_mask[:, None] & dmask[None, :], other=0)
-        k_tile = k_decode(k_code)
+        if NATIVE_CASTS:
+            k_tile = k_decode_dot(k_code, NATIVE_CASTS).to(tl.float32)
+        else:
+            k_tile = k_decode(k_code)
         v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
         v_code = tl.load(v_row.to(tl.pointer_type(tl.uint16))[:, None] + d[None, :], mask=n_mask[:, None] & dmask[None, :], other=0)
-        v_tile = v_decode(v_code)
+        if NATIVE_CASTS:
+            v_tile = v_decode_dot(v_code, NATIVE_CASTS).to(tl.float32)
+        else:
+            v_tile = v_decode(v_code)
         out_row = ((seq * out_blocks + n // BLOCK_SIZE).to(tl.int64) * OUT_PAGE + (off * NUM_KV_HEADS + head) * OUT_CELL)
         out_mask = live[:, None] & dmask[None, :]
         tl.store(out_ptr + out_row[:, None] + OUT_K_BASE + d[None, :], dense_bits(k_tile, OUT_BF16, NATIVE_CASTS), mask=out_mask)

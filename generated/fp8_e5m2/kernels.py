@@ -544,11 +544,17 @@ def dequantize_kernel(
         v_eff = tl.load(v_scale_ptr)  # static value scale of the layer
         k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
         k_code = tl.load(k_row[:, None] + d[None, :], mask=n_mask[:, None] & dmask[None, :], other=0)
-        k_tile = k_decode(k_code)
+        if NATIVE_CASTS:
+            k_tile = k_decode_dot(k_code, NATIVE_CASTS).to(tl.float32)
+        else:
+            k_tile = k_decode(k_code)
         k_tile = k_tile * k_eff
         v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
         v_code = tl.load(v_row[:, None] + d[None, :], mask=n_mask[:, None] & dmask[None, :], other=0)
-        v_tile = v_decode(v_code)
+        if NATIVE_CASTS:
+            v_tile = v_decode_dot(v_code, NATIVE_CASTS).to(tl.float32)
+        else:
+            v_tile = v_decode(v_code)
         v_tile = v_tile * v_eff
         out_row = ((seq * out_blocks + n // BLOCK_SIZE).to(tl.int64) * OUT_PAGE + (off * NUM_KV_HEADS + head) * OUT_CELL)
         out_mask = live[:, None] & dmask[None, :]

@@ -1083,7 +1083,10 @@ def dequantize_kernel(
         k_c0 = (k_byte >> 0) & 15
         k_c1 = (k_byte >> 4) & 15
         k_code = tl.reshape(tl.join(k_c0, k_c1), [BLOCK_N, HEAD_PAD])
-        k_tile = k_decode(k_code)
+        if NATIVE_CASTS:
+            k_tile = k_decode_dot(k_code, NATIVE_CASTS).to(tl.float32)
+        else:
+            k_tile = k_decode(k_code)
         # one scale and minimum per channel for the group of 32 tokens each row belongs to (same page)
         k_grow = off // 32
         k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (k_grow * NUM_KV_HEADS + head) * K_SCALE_CELL
@@ -1102,7 +1105,10 @@ def dequantize_kernel(
         v_c0 = (v_byte >> 0) & 15
         v_c1 = (v_byte >> 4) & 15
         v_code = tl.reshape(tl.join(v_c0, v_c1), [BLOCK_N, HEAD_PAD])
-        v_tile = v_decode(v_code)
+        if NATIVE_CASTS:
+            v_tile = v_decode_dot(v_code, NATIVE_CASTS).to(tl.float32)
+        else:
+            v_tile = v_decode(v_code)
         v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
         v_sidx = d // 32  # the scale of each element's group
         v_scode = tl.load((v_srow[:, None] + v_sidx[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=n_mask[:, None] & dmask[None, :], other=0)

@@ -776,14 +776,20 @@ def dequantize_kernel(
 
         k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
         k_code = tl.load(k_row[:, None] + d[None, :], mask=n_mask[:, None] & dmask[None, :], other=0)
-        k_tile = k_decode(k_code)
+        if NATIVE_CASTS:
+            k_tile = k_decode_dot(k_code, NATIVE_CASTS).to(tl.float32)
+        else:
+            k_tile = k_decode(k_code)
         k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
         k_sidx = d // 32  # the scale of each element's group
         k_scode = tl.load((k_srow[:, None] + k_sidx[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=n_mask[:, None] & dmask[None, :], other=0)
         k_tile = k_tile * (k_scale_decode(k_scode))
         v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
         v_code = tl.load(v_row[:, None] + d[None, :], mask=n_mask[:, None] & dmask[None, :], other=0)
-        v_tile = v_decode(v_code)
+        if NATIVE_CASTS:
+            v_tile = v_decode_dot(v_code, NATIVE_CASTS).to(tl.float32)
+        else:
+            v_tile = v_decode(v_code)
         v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
         v_sidx = d // 32  # the scale of each element's group
         v_scode = tl.load((v_srow[:, None] + v_sidx[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=n_mask[:, None] & dmask[None, :], other=0)
