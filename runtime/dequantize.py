@@ -72,7 +72,8 @@ class DequantizedLaunch:
         if fmt.layout.RESIDUAL is not None:
             res = fmt.layout.RESIDUAL
             extra = dict(seq_ids_ptr=seq_ids, TOKEN_GROUP=res["group"], RESIDUAL=res["tokens"], RING=res["ring"])
-        self._kwargs = dict(block_table_ptr=block_table, seq_lens_ptr=seq_lens, out_blocks=out_blocks,
+        self._kwargs = dict(block_table_ptr=block_table, seq_lens_ptr=seq_lens, query_start_loc_ptr=query_start_loc,
+                            window=sliding_window or 0, out_blocks=out_blocks,
                             stride_bt=block_table.stride(0), **consts, **extra,
                             OUT_PAGE=lay["page_bytes"][tensor] // 2, OUT_CELL=f_k["cell"] // 2,
                             OUT_K_BASE=f_k["base"] // 2, OUT_V_BASE=f_v["base"] // 2,

@@ -798,11 +798,11 @@ def reduce_splits_kernel(
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# dequantize_kernel: one program per (sequence, BLOCK_N positions, KV head). Position n < seq_len of sequence seq is
-# read where attention would read it (block block_table[seq, n // BLOCK_SIZE]), dequantized to fp32
-# as the exact dots see it, rounded to the dense type and stored
-# in the dense cache: the chunked prefill that follows reads each value once per query tile without decoding it
-# again (each value rounded once to a 16-bit type, as engines that dequantize before attention do).
+# dequantize_kernel: one program per (sequence, BLOCK_N positions, KV head). Each position of the sequence that its
+# attention reads (from the first query's sliding window, if any, to seq_len) is read where the attention kernel
+# reads it: block block_table[seq, n // BLOCK_SIZE], offset n % BLOCK_SIZE. It is dequantized to fp32
+# as the exact dots see it, rounded once to the dense type and stored in the dense cache. The chunked
+# prefill that follows reads each value once per tile of query rows without decoding it again.
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
 def dense_bits(x, OUT_BF16: tl.constexpr, NATIVE: tl.constexpr):
@@ -823,6 +823,8 @@ def dequantize_kernel(
     out_ptr,  # uint16 view of the dense cache
     block_table_ptr,  # int32 [num_seqs, max_blocks]
     seq_lens_ptr,  # int32 [num_seqs]
+    query_start_loc_ptr,  # int32 [num_seqs + 1]
+    window,  # the attention's sliding window in tokens, 0 for none
     out_blocks,  # dense blocks per sequence
     stride_bt,
     NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -840,11 +842,15 @@ def dequantize_kernel(
     tile = tl.program_id(1)
     head = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    if tile * BLOCK_N < seq_len:
+    if tile * BLOCK_N < seq_len:  # (tiles wholly before the window store nothing: their masks are empty)
         n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         d = tl.arange(0, HEAD_PAD)
         dmask = d < HEAD_SIZE
-        live = n < tl.minimum(seq_len, out_blocks * BLOCK_SIZE)  # (the dense blocks bound what is stored)
+        # positions the attention reads: from the first query's window (query i sits at seq_len - q_len + i and sees
+        # the `window` newest positions up to it) to the sequence's end (and no further than the dense blocks go)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - tl.load(query_start_loc_ptr + seq)
+        lo = tl.where(window > 0, tl.maximum(seq_len - q_len - window + 1, 0), 0)
+        live = (n >= lo) & (n < tl.minimum(seq_len, out_blocks * BLOCK_SIZE))
         n_mask = live
         blk = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         off = n % BLOCK_SIZE
