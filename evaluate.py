@@ -292,6 +292,9 @@ def evaluate(formats: Optional[Sequence[str]] = None, contexts: Iterable[int] = 
     if (query_dtype != "fp32" or dequantize_first) and backend != "kernels":
         raise EvalError("query_dtype / dequantize_first apply to the kernels backend (--backend kernels); the "
                         "reference attends in float64")
+    if dequantize_first and dot_precision == "quantized":
+        raise EvalError("dequantize_first: runs on dequantized values; dot_precision 'quantized' computes on the "
+                        "codes (use auto, fast or ieee)")
     if dequantize_first and query_dtype == "fp32":
         raise EvalError("dequantize_first: needs bf16 or fp16 queries (--query-dtype bf16 or fp16): the dense "
                         "cache takes their type")

@@ -71,6 +71,6 @@ def kernel_attention(source: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, c
     out = fmt.attend(query, cache, table.expand(n, num_blocks).contiguous(),
                      torch.full((n,), T, dtype=torch.int32, device=device),
                      torch.arange(n + 1, dtype=torch.int32, device=device), max_query_len=1,
-                     dot_precision=fmt.runs_dot_precision(dot_precision), dequantize_first=dequantize_first,
-                     max_seq_len=T, **extra)
+                     dot_precision=fmt.runs_dot_precision(dot_precision),
+                     **(dict(dequantize_first=True, max_seq_len=T) if dequantize_first else {}), **extra)
     return out.double().cpu().numpy().transpose(1, 0, 2)

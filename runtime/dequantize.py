@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from . import kernels
+from . import checks, kernels
 from .kernels import triton_cdiv
 
 # positions per dequantize program (compiled; the interpreter takes whole sequences up to 256, fewer programs)
@@ -35,39 +35,51 @@ def dense_format_name(query_dtype: torch.dtype) -> str:
 class DequantizedLaunch:
     """One dequantize-first call: the format's dequantize_kernel into a dense scratch cache, then the dense format's
     planned attention over it. The scratch is allocated once per plan (on the stream current at planning): runs of
-    one plan share it, one after another, as layers run."""
+    one plan share it, one after another, as layers run.
+
+    The scratch holds ``cap`` positions per sequence (``num_seqs * cap`` in all): ``max_seq_len`` when given (the
+    caller's bound on every sequence's length), else, for ``attend``, the batch's longest sequence (one
+    device-to-host read) and, for a plan (whose ``seq_lens`` may grow in place between runs), what the block table
+    can address. The dense attention reads the sequences' lengths capped at ``cap``; where costly checks run (CPU
+    tensors, KVGEN_DEBUG=1) a longer sequence is an error naming max_seq_len."""
 
     def __init__(self, fmt, query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torch.Tensor,
                  query_start_loc: torch.Tensor, seq_ids: Optional[torch.Tensor], sm_scale: float,
                  sliding_window: Optional[int], max_query_len: int, dot_precision: str, max_seq_len: Optional[int],
-                 num_splits: Optional[int], consts: dict):
+                 num_splits: Optional[int], consts: dict, planned: bool):
         from .loader import load  # the shipped dense formats (loader imports this module's users)
 
-        if dot_precision == "quantized":
-            raise ValueError("dot_precision: 'quantized' computes on the cache's codes; dequantize_first runs on "
-                             "dequantized values (use 'auto', 'fast' or 'ieee')")
         self.dense = load(dense_format_name(query.dtype))
         num_seqs = seq_lens.shape[0]
         bs = cache.block_size
-        if max_seq_len is None:  # one device-to-host read; pass max_seq_len to avoid it
-            max_seq_len = int(seq_lens.max()) if num_seqs else 0
-        out_blocks = max(1, min(triton_cdiv(max(max_seq_len, 1), bs), block_table.shape[1]))
+        if max_seq_len is not None:
+            self.bound = "max_seq_len"
+        elif planned:
+            self.bound, max_seq_len = "the block table", block_table.shape[1] * bs
+        else:  # one device-to-host read; pass max_seq_len to avoid it
+            self.bound, max_seq_len = "the longest sequence", int(seq_lens.max())
+        out_blocks = max(1, min(triton_cdiv(max_seq_len, bs), block_table.shape[1]))
+        self.cap = out_blocks * bs
         self.scratch = self.dense.allocate(num_seqs * out_blocks, bs, cache.num_kv_heads, cache.head_size,
                                            device=query.device)
         self.table = torch.arange(num_seqs * out_blocks, dtype=torch.int32,
                                   device=query.device).view(num_seqs, out_blocks)
-        self.plan = self.dense.plan_attention(query, self.scratch, self.table, seq_lens, query_start_loc,
+        self._seq_lens = seq_lens
+        self._dense_lens = torch.empty_like(seq_lens)  # seq_lens capped at cap (no read past the dense blocks)
+        self._cap_lengths()
+        self.plan = self.dense.plan_attention(query, self.scratch, self.table, self._dense_lens, query_start_loc,
                                               sm_scale=sm_scale, sliding_window=sliding_window,
                                               max_query_len=max_query_len, dot_precision=dot_precision,
-                                              max_seq_len=max_seq_len, num_splits=num_splits)
+                                              max_seq_len=self.cap, num_splits=num_splits)
         lay = self.dense.layout.page_layout(bs, cache.num_kv_heads, cache.head_size)
         (tensor,) = lay["page_bytes"]  # the dense formats keep K and V in one tensor, [K | V] per cell
         f_k, f_v = lay["fields"]["k_data"], lay["fields"]["v_data"]
-        block_n = min(256, 1 << max(max_seq_len - 1, 1).bit_length()) if kernels.interpreting() else DEQUANT_BLOCK_N
+        block_n = min(256, 1 << max(self.cap - 1, 1).bit_length()) if kernels.interpreting() else DEQUANT_BLOCK_N
         options = {} if kernels.interpreting() else {"num_warps": DEQUANT_WARPS, "enable_fp_fusion": False}
         self._out = self.scratch.tensors[tensor].view(torch.uint16)
         self._kernel = fmt._kernels.launch("dequantize_kernel")
-        self._grid = (num_seqs, triton_cdiv(out_blocks * bs, block_n), cache.num_kv_heads)
+        # positions on the grid's first axis (up to 2**31 - 1 programs; the others take at most 65535)
+        self._grid = (triton_cdiv(self.cap, block_n), num_seqs, cache.num_kv_heads)
         extra = {}
         if fmt.layout.RESIDUAL is not None:
             res = fmt.layout.RESIDUAL
@@ -79,13 +91,24 @@ class DequantizedLaunch:
                             OUT_K_BASE=f_k["base"] // 2, OUT_V_BASE=f_v["base"] // 2,
                             OUT_BF16=query.dtype == torch.bfloat16, BLOCK_N=block_n,
                             NATIVE_CASTS=kernels.native_fp8(query.device), **options)
-        self.num_tokens = query.shape[0]
 
     def dequantize(self, ptrs: dict) -> None:
         """Fill the dense cache with the planned positions of the cache whose pointer arguments are ``ptrs``."""
         self._kernel(self._grid, out_ptr=self._out, **ptrs, **self._kwargs)
 
+    def _cap_lengths(self) -> None:
+        """The dense attention's lengths: seq_lens as they read now, capped at the dense cache's positions (a longer
+        sequence is an error where the costly checks run)."""
+        if checks.costly_checks_on(self._seq_lens) and self._seq_lens.numel():
+            longest = int(self._seq_lens.max())
+            if longest > self.cap:
+                raise ValueError(f"max_seq_len: a sequence of {longest} tokens is longer than the {self.cap} "
+                                 f"positions per sequence that dequantize_first's dense cache holds (sized by "
+                                 f"{self.bound}): pass a max_seq_len that bounds every sequence")
+        torch.clamp(self._seq_lens, max=self.cap, out=self._dense_lens)
+
     def run(self, query: torch.Tensor, out: torch.Tensor, ptrs: dict) -> None:
         """Dequantize, then attend over the dense cache into ``out``."""
+        self._cap_lengths()
         self.dequantize(ptrs)
         self.plan.run(query, self.scratch, out=out)

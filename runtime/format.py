@@ -414,13 +414,15 @@ class Format:
         ``dequantize_first=True`` (bf16 / fp16 queries): the positions the batch reads are first dequantized into a
         dense scratch cache of the query's type, and attention runs there as on a bf16 / fp16 cache, so a chunked
         prefill decodes each position once instead of once per tile of query rows. Each dequantized value is
-        rounded once to the query's type; ``dot_precision`` then applies to the dense attention. It reads
-        ``seq_lens``' largest entry to size the scratch unless ``max_seq_len`` is given (then it must bound every
-        sequence's length: positions past it are not read).
+        rounded once to the query's type; ``dot_precision`` then applies to the dense attention. The scratch holds
+        ``num_seqs x max_seq_len`` positions (2 x 2 bytes per position, KV head and element; ``attend`` reads
+        ``seq_lens``' largest entry without ``max_seq_len``, a plan takes what the block table addresses): meant
+        for batches of prefill chunks, not for batches with many decode sequences. With fp16 queries a value
+        beyond fp16's range (65504) becomes infinite in the scratch.
         """
         launch, ptrs = self._plan(query, cache, block_table, seq_lens, query_start_loc, sm_scale, sliding_window,
                                   max_query_len, seq_ids, dot_precision, max_seq_len, num_splits, out,
-                                  dequantize_first)
+                                  dequantize_first, planned=False)
         if out is None:
             out = torch.empty_like(query)
         if isinstance(launch, DequantizedLaunch):
@@ -450,10 +452,11 @@ class Format:
         """
         return AttentionPlan(self, query, cache, *self._plan(
             query, cache, block_table, seq_lens, query_start_loc, sm_scale, sliding_window, max_query_len, seq_ids,
-            dot_precision, max_seq_len, num_splits, None, dequantize_first))
+            dot_precision, max_seq_len, num_splits, None, dequantize_first, planned=True))
 
     def _plan(self, query, cache, block_table, seq_lens, query_start_loc, sm_scale, sliding_window, max_query_len,
-              seq_ids, dot_precision, max_seq_len, num_splits, out, dequantize_first=False) -> tuple:
+              seq_ids, dot_precision, max_seq_len, num_splits, out, dequantize_first=False,
+              planned=False) -> tuple:
         """attend's checks (``out`` too, when given) and its launch: (KernelSet.plan_attend's AttentionLaunch, a
         DequantizedLaunch for ``dequantize_first``, or None for an empty batch; the cache's pointer arguments)."""
         self._check_cache(cache)
@@ -487,6 +490,9 @@ class Format:
             raise ValueError(f"dequantize_first: expected True or False, got {dequantize_first!r}")
         if dequantize_first:
             dense_format_name(query.dtype)  # bf16 / fp16 queries only
+            if dot_precision == "quantized":
+                raise ValueError("dot_precision: 'quantized' computes on the cache's codes; dequantize_first runs on "
+                                 "dequantized values (use 'auto', 'fast' or 'ieee')")
         max_seq_len = checks.optional_positive_int("max_seq_len", max_seq_len)
         num_splits = checks.optional_positive_int("num_splits", num_splits)
         max_query_len = checks.optional_positive_int("max_query_len", max_query_len)
@@ -525,7 +531,7 @@ class Format:
         if dequantize_first:
             launch = DequantizedLaunch(self, query, cache, block_table, seq_lens, query_start_loc, seq_ids,
                                        float(sm_scale), sliding_window, max_query_len, dot_precision, max_seq_len,
-                                       num_splits, consts)
+                                       num_splits, consts, planned)
             return launch, ptrs
         launch = self._kernels.plan_attend(query, block_table, seq_lens, query_start_loc, qk_scale,
                                            sliding_window or 0, max_query_len, ptrs, consts, extra,

@@ -3,8 +3,9 @@ positions a batch reads into a dense bf16 / fp16 cache, and the dense format's a
 
 - the dense cache holds the reference's dequantized values (reference.read / kivi_read, float64), each rounded to
   nearest in the query's type: within half a unit in the last place of it (a truncating cast would not be);
-- attention matches float64 attention on the reference-decoded cache within the conformance tolerance widened by
-  dequantize_slack (conformance.run_case / run_stream with dequantize_first), for every shipped format;
+- attention matches float64 attention on the reference-decoded cache rounded the same way
+  (conformance.dense_attention) within the conformance tolerance (run_case / run_stream with dequantize_first),
+  for every shipped format;
 - a plan runs the same path per layer; bad arguments name what is wrong.
 """
 
@@ -91,7 +92,7 @@ def _check_rounded(got: np.ndarray, want: np.ndarray, dtype, what: str, rotated:
 
 
 @pytest.mark.parametrize("name", ["int8_per_token_head", "nvfp4", "int4_per_token_head", "q4_0", "fp8_e4m3_per_head",
-                                  "mxfp8"])
+                                  "mxfp8", "int8_per_token_head_hadamard_k"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_dense_cache_holds_rounded_reference_values(name, dtype):
     fmt = kvgen.load(name)
@@ -118,9 +119,48 @@ def test_dense_cache_holds_rounded_reference_values(name, dtype):
     for s, (k_got, v_got) in enumerate(_dense_values(plan, 2, case.seq_lens, case.block_size, 2, head)):
         j = np.arange(case.seq_lens[s])
         blocks, offs = table[s, j // case.block_size], j % case.block_size
-        _check_rounded(k_got, k_deq[blocks, offs], DENSE[dtype], f"sequence {s} keys", fmt.spec.key.rotation is not None)
+        _check_rounded(k_got, k_deq[blocks, offs], DENSE[dtype], f"sequence {s} keys",
+                       fmt.spec.key.rotation is not None)
         _check_rounded(v_got, v_deq[blocks, offs], DENSE[dtype], f"sequence {s} values",
                        fmt.spec.value.rotation is not None)
+
+
+@pytest.mark.parametrize("name", STREAMING)
+def test_dense_cache_holds_rounded_kivi_values(name):
+    """KIVI: the quantized groups from the pages and the newest tokens from the residual ring, each at its place."""
+    fmt = kvgen.load(name)
+    res = fmt.layout.RESIDUAL
+    g, head, bs, heads = res["group"], 32, res["group"], 2
+    lens = [3 * g + 5, res["tokens"] + 2 * g + 3]  # the second: flushed groups and a ring
+    blocks = [-(-n // bs) for n in lens]
+    table = np.zeros((2, max(blocks)), dtype=np.int32)
+    table[0, :blocks[0]] = np.arange(blocks[0])[::-1]
+    table[1, :blocks[1]] = blocks[0] + np.arange(blocks[1])
+    cache = fmt.allocate(sum(blocks), bs, heads, head, device=DEVICE, max_seqs=3)
+    expected = R.kivi_new_cache(fmt.spec, sum(blocks), bs, heads, head, 3)
+    rng = np.random.default_rng(1)
+    seq_ids = np.array([2, 0], dtype=np.int32)
+    for s, n in enumerate(lens):  # each sequence written as one prefill
+        key = rng.standard_normal((n, heads, head)).astype(np.float32)
+        value = rng.standard_normal((n, heads, head)).astype(np.float32)
+        pos = np.arange(n)
+        slots = table[s, pos // bs].astype(np.int64) * bs + pos % bs
+        meta = dict(seq_ids=seq_ids[s:s + 1], query_start_loc=np.array([0, n], dtype=np.int32),
+                    seq_lens=np.array([n], dtype=np.int32), block_table=table[s:s + 1])
+        k_t, v_t = torch.from_numpy(key).bfloat16(), torch.from_numpy(value).bfloat16()
+        fmt.write(cache, k_t.to(DEVICE), v_t.to(DEVICE), torch.from_numpy(slots).to(DEVICE),
+                  **{k: torch.from_numpy(np.ascontiguousarray(v)).to(DEVICE) for k, v in meta.items()})
+        R.kivi_write(fmt.spec, expected, k_t.float().numpy(), v_t.float().numpy(), slots, block_size=bs, **meta)
+    query = torch.randn(4, 2 * heads, head).bfloat16().to(DEVICE)
+    plan = fmt.plan_attention(query, cache, torch.from_numpy(table).to(DEVICE),
+                              torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+                              torch.tensor([0, 2, 4], dtype=torch.int32, device=DEVICE),
+                              seq_ids=torch.from_numpy(seq_ids).to(DEVICE), dequantize_first=True)
+    plan.run(query, cache)
+    for s, (k_got, v_got) in enumerate(_dense_values(plan, 2, lens, bs, heads, head)):
+        k_want, v_want = R.kivi_read(fmt.spec, expected, int(seq_ids[s]), lens[s], table[s], bs, heads, head)
+        _check_rounded(k_got, k_want, ml_dtypes.bfloat16, f"sequence {s} keys", False)
+        _check_rounded(v_got, v_want, ml_dtypes.bfloat16, f"sequence {s} values", False)
 
 
 def test_plan_runs_each_layer_like_attend():
@@ -168,14 +208,42 @@ def test_rejects_the_quantized_domain_and_non_bools():
     fmt, args = _small()
     with pytest.raises(ValueError, match="dot_precision: 'quantized'.*dequantize_first"):
         fmt.attend(*args, dequantize_first=True, dot_precision="quantized")
+    empty = (args[0][:0], args[1], args[2], args[3], torch.zeros_like(args[4]))
+    with pytest.raises(ValueError, match="dot_precision: 'quantized'.*dequantize_first"):
+        fmt.attend(*empty, dequantize_first=True, dot_precision="quantized")  # an empty batch too
     with pytest.raises(ValueError, match="dequantize_first: expected True or False"):
         fmt.attend(*args, dequantize_first="yes")
 
 
-def test_max_seq_len_bounds_the_dense_cache():
-    """A max_seq_len below a sequence's length: positions past it are neither read nor written out of bounds (the
-    dense cache has its blocks only); attention sees the first max_seq_len positions' worth of blocks."""
+def test_max_seq_len_must_bound_every_sequence():
+    """The dense cache holds max_seq_len positions per sequence (whole blocks): a longer sequence is an error that
+    names max_seq_len (where the costly checks run), never a read past the dense blocks."""
     fmt, (query, cache, table, seq_lens, qsl) = _small()
-    plan = fmt.plan_attention(query, cache, table, seq_lens, qsl, dequantize_first=True, max_seq_len=3)
-    assert plan._launch.table.shape == (1, 1)  # one dense block of 4 positions
+    seq_lens = torch.tensor([5], dtype=torch.int32, device=DEVICE)
+    plan = fmt.plan_attention(query, cache, table, seq_lens, qsl, dequantize_first=True, max_seq_len=5)
+    assert plan._launch.table.shape == (1, 2)  # two dense blocks of 4 positions
     plan.run(query, cache)
+    seq_lens[0] = 13  # grown in place past the plan's max_seq_len
+    with pytest.raises(ValueError, match="max_seq_len: a sequence of 13 tokens is longer than the 8 positions"):
+        plan.run(query, cache)
+    with pytest.raises(ValueError, match="max_seq_len: a sequence of 13 tokens"):
+        fmt.attend(query, cache, table, seq_lens, qsl, dequantize_first=True, max_seq_len=5)
+
+
+def test_plan_follows_sequences_that_grow_in_place():
+    """A plan without max_seq_len sizes its dense cache by what the block table addresses: seq_lens may grow in
+    place between runs, as for the fused plan."""
+    fmt = kvgen.load("int8_per_token_head")
+    cache = fmt.allocate(4, 4, 1, 16, device=DEVICE)
+    kv = torch.randn(16, 1, 16).bfloat16().to(DEVICE)
+    fmt.write(cache, kv, -kv, torch.arange(16, device=DEVICE))
+    table = torch.arange(4, dtype=torch.int32, device=DEVICE)[None]
+    seq_lens = torch.tensor([5], dtype=torch.int32, device=DEVICE)
+    qsl = torch.tensor([0, 2], dtype=torch.int32, device=DEVICE)
+    query = torch.randn(2, 2, 16).bfloat16().to(DEVICE)
+    plan = fmt.plan_attention(query, cache, table, seq_lens, qsl, dequantize_first=True)
+    first = plan.run(query, cache)
+    seq_lens[0] = 13
+    grown = plan.run(query, cache)
+    assert torch.equal(grown, fmt.attend(query, cache, table, seq_lens, qsl, dequantize_first=True))
+    assert not torch.equal(first, grown)

@@ -186,6 +186,9 @@ def test_dequantize_first_needs_the_kernel_backend_and_16_bit_queries():
         E.evaluate(["int8_per_token_head"], contexts=[160], seeds=1, backend="reference", dequantize_first=True)
     with pytest.raises(E.EvalError, match="dequantize_first: needs bf16 or fp16 queries"):
         E.evaluate(["int8_per_token_head"], contexts=[160], seeds=1, backend="kernels", dequantize_first=True)
+    with pytest.raises(E.EvalError, match="dequantize_first: runs on dequantized values"):
+        E.evaluate(["int8_per_token_head"], contexts=[160], seeds=1, backend="kernels", dequantize_first=True,
+                   query_dtype="bf16", dot_precision="quantized")
     res = CliRunner().invoke(eval_cmd, ["int8_per_token_head", "--seeds", "1", "--backend", "kernels",
                                         "--dequantize-first", "--query-dtype", "fp32"])
     assert res.exit_code == 1 and "--query-dtype bf16" in res.stderr

@@ -612,7 +612,7 @@ def reduce_splits_kernel(
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# dequantize_kernel: one program per (sequence, BLOCK_N positions, KV head). Each position of the sequence that its
+# dequantize_kernel: one program per (BLOCK_N positions, sequence, KV head). Each position of the sequence that its
 # attention reads (from the first query's sliding window, if any, to seq_len) is read where the attention kernel
 # reads it: block block_table[seq, n // BLOCK_SIZE], offset n % BLOCK_SIZE. It is dequantized to fp32
 # as the exact dots see it, rounded once to the dense type and stored in the dense cache. The chunked
@@ -620,8 +620,8 @@ def reduce_splits_kernel(
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
 def dense_bits(x, OUT_BF16: tl.constexpr, NATIVE: tl.constexpr):
-    # fp32 -> the 16-bit pattern of x rounded to nearest even in bf16 (OUT_BF16) or fp16. The interpreter's bf16
-    # cast truncates: there the bits round by integer arithmetic (NaN kept a quiet NaN)
+    # fp32 -> the 16-bit pattern of x rounded to nearest even in bf16 (OUT_BF16) or fp16. Without NATIVE (the
+    # interpreter, whose bf16 cast truncates) the bits round by integer arithmetic (NaN kept a quiet NaN)
     if OUT_BF16:
         if NATIVE:
             return x.to(tl.bfloat16).to(tl.uint16, bitcast=True)
@@ -652,8 +652,8 @@ def dequantize_kernel(
     OUT_PAGE: tl.constexpr, OUT_CELL: tl.constexpr, OUT_K_BASE: tl.constexpr, OUT_V_BASE: tl.constexpr,
     OUT_BF16: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE_CASTS: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    tile = tl.program_id(1)
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
     head = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     if tile * BLOCK_N < seq_len:  # (tiles wholly before the window store nothing: their masks are empty)
