@@ -62,18 +62,20 @@ def _dot_basis(side, x: np.ndarray) -> tuple:
 
 
 def dense_rounded(x: np.ndarray, dtype: torch.dtype) -> np.ndarray:
-    """x (float64) rounded to nearest in bf16 / fp16, as float64: what dequantize_first's dense cache holds of a
-    dequantized value (the kernel rounds its fp32 value, which can decide a near-tie otherwise: far inside the
-    attention tolerance)."""
+    """x (float64) rounded to nearest in fp32, then in bf16 / fp16 (``dtype``), as float64: what dequantize_first's
+    dense cache holds of a dequantized value. The kernels dequantize in fp32, and that first rounding decides ties:
+    an fp16 input on a bf16 midpoint (one in eight) comes back as code * scale a few fp32 ulps either side of it."""
     import ml_dtypes
 
-    return np.asarray(x).astype(ml_dtypes.bfloat16 if dtype == torch.bfloat16 else np.float16).astype(np.float64)
+    x32 = np.asarray(x).astype(np.float32)
+    return x32.astype(ml_dtypes.bfloat16 if dtype == torch.bfloat16 else np.float16).astype(np.float64)
 
 
 def dense_attention(q: np.ndarray, seqs: list, query_start_loc: np.ndarray, sm_scale: float,
                     window: Optional[int], dtype: torch.dtype) -> np.ndarray:
     """float64 attention as dequantize_first computes it: over each sequence's dequantized keys and values
-    (``seqs``: per sequence (K, V) ``[L, H, D]`` in the input basis) rounded once to the query's 16-bit type."""
+    (``seqs``: per sequence (K, V) ``[L, H, D]`` in the input basis) rounded once to the dense cache's 16-bit
+    ``dtype``."""
     out = np.zeros(q.shape, np.float64)
     for s, (k, v) in enumerate(seqs):
         a, b = int(query_start_loc[s]), int(query_start_loc[s + 1])
@@ -228,7 +230,7 @@ def static_scales(fmt: Format, case: Case) -> dict:
 
 
 def run_case(fmt: Format, case: Case, device: str = "cpu", dot_precision: str = "auto",
-             dequantize_first: bool = False) -> dict:
+             dequantize_first=False) -> dict:
     """Check every property on one case; property -> None when it holds, else a message. ``dot_precision`` and
     ``dequantize_first``: attention's (``"fast"`` widens the tolerance by fast_slack; dequantize_first compares
     with dense_attention, the reference-decoded values rounded to the query's type)."""
@@ -292,7 +294,8 @@ def run_case(fmt: Format, case: Case, device: str = "cpu", dot_precision: str = 
             j = np.arange(n)
             blocks, offs = block_table[s, j // case.block_size], j % case.block_size
             seqs.append((k_deq[blocks, offs], v_deq[blocks, offs]))
-        ref = dense_attention(query.double().numpy(), seqs, qsl, sm_scale, case.window, case.dtype)
+        ref = dense_attention(query.double().numpy(), seqs, qsl, sm_scale, case.window,
+                              case.dtype if dequantize_first is True else dequantize_first)
     else:
         ref = R.paged_attention(query.double().numpy(), k_deq, v_deq, block_table, np.array(case.seq_lens), qsl,
                                 sm_scale, case.window)
@@ -452,7 +455,7 @@ def stream_cases(draw, fmt: Format, max_prefill: Optional[int] = None) -> Stream
 
 
 def run_stream(fmt: Format, case: StreamCase, device: str = "cpu", dot_precision: str = "auto",
-               dequantize_first: bool = False) -> dict:
+               dequantize_first=False) -> dict:
     """Append the case's steps; after every write compare all stored bytes (pages and residual buffers) with the
     reference's simulation, then compare attention over the final state for each sequence's last new tokens
     (computed with ``dot_precision`` and ``dequantize_first``; ``"fast"`` widens the tolerance by fast_slack,
@@ -554,7 +557,8 @@ def run_stream(fmt: Format, case: StreamCase, device: str = "cpu", dot_precision
                      num_splits=case.splits, dot_precision=dot_precision, dequantize_first=dequantize_first).cpu()
     if dequantize_first:  # the reference of the dense cache: each dequantized value rounded to the query's type
         seqs = [R.kivi_read(spec, expected, int(seq_ids[s]), lens[s], table[s], bs, H, D) for s in batch]
-        ref = dense_attention(query.double().numpy(), seqs, qsl, sm_scale, case.window, case.dtype)
+        ref = dense_attention(query.double().numpy(), seqs, qsl, sm_scale, case.window,
+                              case.dtype if dequantize_first is True else dequantize_first)
     else:
         ref = R.kivi_attention(spec, expected, query.double().numpy(), seq_ids[batch], qsl, seq_lens, table[batch],
                                sm_scale, case.window, bs, num_kv_heads=H)

@@ -58,10 +58,13 @@ def _fmt_bytes(b: float) -> str:
               help="With --backend kernels: the queries' type in the kernels' call. Default: fp32, or bf16 with "
                    "--dequantize-first.")
 @click.option("--dequantize-first", is_flag=True,
-              help="With --backend kernels: attend(dequantize_first=True), the cache dequantized into a dense cache "
-                   "of the query's 16-bit type first (each value rounded once to it). Compare with --query-dtype "
-                   "of the same type without it for the cost.")
-def eval_cmd(specs, contexts, seeds, as_json, png, backend, dot_precision, query_dtype, dequantize_first):
+              help="With --backend kernels: attend(dequantize_first=...), the cache dequantized into a dense cache "
+                   "of the query's 16-bit type (or --dense-dtype) first, each value rounded once to it. Compare with "
+                   "the same --query-dtype without it for the cost.")
+@click.option("--dense-dtype", type=click.Choice(["bf16", "fp16"]), default=None,
+              help="With --dequantize-first: the dense cache's type (default: the query's).")
+def eval_cmd(specs, contexts, seeds, as_json, png, backend, dot_precision, query_dtype, dequantize_first,
+             dense_dtype):
     """Accuracy of KV-cache formats: attention error on synthetic K/V, through the kernels on a GPU, else the
     NumPy reference.
 
@@ -87,7 +90,11 @@ def eval_cmd(specs, contexts, seeds, as_json, png, backend, dot_precision, query
     names = list(dict.fromkeys(specs)) or list(shipped_names())
     for n in names:  # fail fast, one line, before any work
         resolve_format(n)
+    if dense_dtype and not dequantize_first:
+        raise click.UsageError("--dense-dtype goes with --dequantize-first")
     query_dtype = query_dtype or ("bf16" if dequantize_first else "fp32")
+    if dequantize_first and dense_dtype:
+        dequantize_first = dense_dtype
     ctxs = list(dict.fromkeys(contexts)) or [1024, 4096]
     total = len(names) * len(ctxs) * seeds
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -113,7 +120,7 @@ def eval_cmd(specs, contexts, seeds, as_json, png, backend, dot_precision, query
     if query_dtype != "fp32" and resolve_backend(backend) == "kernels":
         where += f", {query_dtype} queries"
     if dequantize_first:
-        where += ", dequantized first"
+        where += f", dequantized first{' into ' + dense_dtype if dense_dtype else ''}"
     t = Table(title=f"Attention accuracy vs fp32 K/V (synthetic, {seeds} seed(s); means; attention by the {where})")
     t.add_column("format", no_wrap=True)
     t.add_column("B/token-head", justify="right")

@@ -262,7 +262,7 @@ def resolve_backend(backend: str) -> str:
 
 def evaluate(formats: Optional[Sequence[str]] = None, contexts: Iterable[int] = (1024, 4096), seeds: int = 3,
              progress: Optional[Callable[[str, int, int], None]] = None, backend: str = "auto",
-             dot_precision: str = "auto", query_dtype: str = "fp32", dequantize_first: bool = False) -> list[dict]:
+             dot_precision: str = "auto", query_dtype: str = "fp32", dequantize_first=False) -> list[dict]:
     """One row per (format, context): ``format``, ``source``, ``backend``, ``bytes_per_token_head``, ``context``,
     ``seeds``, ``dot_precision`` (what the attention ran with, see :func:`ran_with`), the mean of every metric over seeds, ``per_seed`` (each metric per seed), and for KIVI
     ``quantized_fraction`` (the share of positions stored quantized; the rest are in the bf16 residual window).
@@ -273,8 +273,8 @@ def evaluate(formats: Optional[Sequence[str]] = None, contexts: Iterable[int] = 
     reference decoding (the kernels store the same bytes: the conformance property); ``auto`` picks the kernels
     where a GPU is present. ``dot_precision`` (kernels only): the attention's dots, as ``Format.attend`` takes it;
     "quantized" applies to the formats that offer it (the others run "auto"). ``query_dtype`` (kernels only): the
-    queries' type in the kernels' call, fp32, bf16 or fp16; ``dequantize_first`` (kernels only, 16-bit queries):
-    as ``Format.attend``. ``progress(format, context, seed)`` is called after every format x context x seed
+    queries' type in the kernels' call, fp32, bf16 or fp16; ``dequantize_first`` (kernels only): as
+    ``Format.attend``'s, True (a dense cache of the query's type: 16-bit queries) or "bf16" / "fp16" (that type). ``progress(format, context, seed)`` is called after every format x context x seed
     step."""
     from . import reference as R
     from .runtime.loader import shipped_names
@@ -295,7 +295,9 @@ def evaluate(formats: Optional[Sequence[str]] = None, contexts: Iterable[int] = 
     if dequantize_first and dot_precision == "quantized":
         raise EvalError("dequantize_first: runs on dequantized values; dot_precision 'quantized' computes on the "
                         "codes (use auto, fast or ieee)")
-    if dequantize_first and query_dtype == "fp32":
+    if dequantize_first not in (False, True, "bf16", "fp16"):
+        raise EvalError(f"dequantize_first: expected False, True, 'bf16' or 'fp16', got {dequantize_first!r}")
+    if dequantize_first is True and query_dtype == "fp32":
         raise EvalError("dequantize_first: needs bf16 or fp16 queries (--query-dtype bf16 or fp16): the dense "
                         "cache takes their type")
     names = list(formats) if formats else list(shipped_names())
@@ -328,7 +330,8 @@ def evaluate(formats: Optional[Sequence[str]] = None, contexts: Iterable[int] = 
         f, ctx = fmts[fi], contexts[ci]
         row = {"format": f.name, "source": f.source, "backend": backend,
                "dot_precision": ran_with(f, backend, dot_precision),
-               "query_dtype": query_dtype if backend == "kernels" else "float64", "dequantize_first": dequantize_first,
+               "query_dtype": query_dtype if backend == "kernels" else "float64",
+               "dequantize_first": dequantize_first,
                "bytes_per_token_head": bytes_per_token_head(f.spec),
                "context": ctx, "seeds": seeds}
         row.update({x: float(np.mean(r["per_seed"][x])) for x in METRICS})

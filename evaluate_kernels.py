@@ -26,11 +26,12 @@ QUERY_DTYPES = ("fp32", "bf16", "fp16")
 
 def kernel_attention(source: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, chunk: int = 4096,
                      device: str | None = None, dot_precision: str = "auto", query_dtype: str = "fp32",
-                     dequantize_first: bool = False) -> np.ndarray:
+                     dequantize_first=False) -> np.ndarray:
     """Attention output ``[Hq, n, D]`` (float64) of queries ``q`` ``[Hq, n, D]`` over all T positions of ``k`` /
     ``v`` ``[T, H, D]`` (float32), through the kernels of format ``source`` (name, directory or spec .yaml).
-    ``dot_precision`` and ``dequantize_first`` as ``Format.attend``; "quantized" falls back to "auto" for a format
-    that does not offer it. ``query_dtype``: the queries' type in the call (fp32, bf16 or fp16)."""
+    ``dot_precision`` as ``Format.attend``; "quantized" falls back to "auto" for a format that does not offer it.
+    ``query_dtype``: the queries' type in the call (fp32, bf16 or fp16). ``dequantize_first``: False, True (the
+    dense cache of the query's type) or "bf16" / "fp16" (that type), as ``Format.attend``'s."""
     import torch
 
     from .evaluate import calibrated_scale
@@ -66,11 +67,13 @@ def kernel_attention(source: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, c
         else:
             fmt.write(cache, key, value, slots)
     query = torch.from_numpy(np.ascontiguousarray(q.transpose(1, 0, 2)).astype(np.float32)).to(device)
-    query = query.to({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[query_dtype])
+    DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    query = query.to(DTYPES[query_dtype])
     extra = {"seq_ids": torch.zeros(n, dtype=torch.int32, device=device)} if residual else {}
     out = fmt.attend(query, cache, table.expand(n, num_blocks).contiguous(),
                      torch.full((n,), T, dtype=torch.int32, device=device),
                      torch.arange(n + 1, dtype=torch.int32, device=device), max_query_len=1,
                      dot_precision=fmt.runs_dot_precision(dot_precision),
-                     **(dict(dequantize_first=True, max_seq_len=T) if dequantize_first else {}), **extra)
+                     **(dict(dequantize_first=DTYPES.get(dequantize_first, dequantize_first), max_seq_len=T)
+                        if dequantize_first else {}), **extra)
     return out.double().cpu().numpy().transpose(1, 0, 2)

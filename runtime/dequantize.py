@@ -3,10 +3,11 @@
 A chunked prefill reads every cached position once per tile of query rows: 16-32 times for a chunk of 2048 new
 tokens, and the fused kernel decodes the codes (and splits them into exact dot terms) each time. Dequantize-first
 decodes them once: the format's generated ``dequantize_kernel`` writes the positions the batch reads into a dense
-scratch cache of the query's 16-bit type (the shipped bf16 / fp16 format's layout, the sequences' blocks one after
-another), and the dense format's attention runs over it. Each dequantized value is rounded once to that type (as
-engines that dequantize before attention do), so the result has the accuracy of a bf16 / fp16 cache holding the
-dequantized values (docs/accuracy.md), not "auto"'s exact products.
+scratch cache of a 16-bit type (the query's, or the one named; the shipped bf16 / fp16 format's layout, the
+sequences' blocks one after another), and the dense format's attention runs over it. Each dequantized value is
+rounded once to that type (as engines that dequantize before attention do), so the result has the accuracy of a
+bf16 / fp16 cache holding the dequantized values (docs/accuracy.md), not "auto"'s exact products: fp16 keeps 3
+more bits than bf16 (the int8 formats' values nearly exactly), bf16 the range.
 """
 
 from __future__ import annotations
@@ -23,13 +24,24 @@ DEQUANT_BLOCK_N = 32
 DEQUANT_WARPS = 4
 
 
-def dense_format_name(query_dtype: torch.dtype) -> str:
-    """The shipped dense format whose attention runs over the dequantized cache of a query of this dtype."""
-    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(query_dtype)
-    if name is None:
-        raise ValueError(f"dequantize_first: needs a bf16 or fp16 query (the dense cache takes its type), got "
-                         f"{query_dtype}")
-    return name
+DENSE_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def dense_dtype(dequantize_first, query_dtype: torch.dtype) -> Optional[torch.dtype]:
+    """The dense cache's type for attend's ``dequantize_first`` argument (None: the fused path): True takes the
+    query's type (bf16 / fp16), or a 16-bit torch dtype names it."""
+    if dequantize_first is False:
+        return None
+    if dequantize_first is True:
+        if query_dtype not in DENSE_FORMATS:
+            raise ValueError(f"dequantize_first: True takes the query's type for the dense cache, which must be bf16 "
+                             f"or fp16, got {query_dtype}; name the type instead (dequantize_first=torch.bfloat16 "
+                             "or torch.float16)")
+        return query_dtype
+    if dequantize_first in DENSE_FORMATS:
+        return dequantize_first
+    raise ValueError(f"dequantize_first: expected True, False, torch.bfloat16 or torch.float16, got "
+                     f"{dequantize_first!r}")
 
 
 class DequantizedLaunch:
@@ -46,10 +58,10 @@ class DequantizedLaunch:
     def __init__(self, fmt, query: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torch.Tensor,
                  query_start_loc: torch.Tensor, seq_ids: Optional[torch.Tensor], sm_scale: float,
                  sliding_window: Optional[int], max_query_len: int, dot_precision: str, max_seq_len: Optional[int],
-                 num_splits: Optional[int], consts: dict, planned: bool):
+                 num_splits: Optional[int], consts: dict, planned: bool, dtype: torch.dtype):
         from .loader import load  # the shipped dense formats (loader imports this module's users)
 
-        self.dense = load(dense_format_name(query.dtype))
+        self.dense = load(DENSE_FORMATS[dtype])
         num_seqs = seq_lens.shape[0]
         bs = cache.block_size
         if max_seq_len is not None:
@@ -89,7 +101,7 @@ class DequantizedLaunch:
                             stride_bt=block_table.stride(0), **consts, **extra,
                             OUT_PAGE=lay["page_bytes"][tensor] // 2, OUT_CELL=f_k["cell"] // 2,
                             OUT_K_BASE=f_k["base"] // 2, OUT_V_BASE=f_v["base"] // 2,
-                            OUT_BF16=query.dtype == torch.bfloat16, BLOCK_N=block_n,
+                            OUT_BF16=dtype == torch.bfloat16, BLOCK_N=block_n,
                             NATIVE_CASTS=kernels.native_fp8(query.device), **options)
 
     def dequantize(self, ptrs: dict) -> None:

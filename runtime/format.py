@@ -12,7 +12,7 @@ from typing import Optional, Union
 import torch
 
 from . import checks
-from .dequantize import DequantizedLaunch, dense_format_name
+from .dequantize import DequantizedLaunch, dense_dtype
 from .kernels import DOT_PRECISIONS, KernelSet
 
 try:
@@ -387,7 +387,8 @@ class Format:
                sliding_window: Optional[int] = None, max_query_len: Optional[int] = None,
                out: Optional[torch.Tensor] = None, seq_ids: Optional[torch.Tensor] = None,
                dot_precision: str = "auto", max_seq_len: Optional[int] = None,
-               num_splits: Optional[int] = None, dequantize_first: bool = False) -> torch.Tensor:
+               num_splits: Optional[int] = None,
+               dequantize_first: Union[bool, torch.dtype] = False) -> torch.Tensor:
         """Causal paged attention of variable-length queries over the cache; returns ``[num_tokens, num_q_heads,
         head_size]`` in the query's dtype.
 
@@ -414,11 +415,13 @@ class Format:
         ``dequantize_first=True`` (bf16 / fp16 queries): the positions the batch reads are first dequantized into a
         dense scratch cache of the query's type, and attention runs there as on a bf16 / fp16 cache, so a chunked
         prefill decodes each position once instead of once per tile of query rows. Each dequantized value is
-        rounded once to the query's type; ``dot_precision`` then applies to the dense attention. The scratch holds
+        rounded once to that type; ``dequantize_first=torch.float16`` (or ``torch.bfloat16``) names the type
+        instead (fp16 keeps 3 more bits, bf16 the range). ``dot_precision`` then applies to the dense attention,
+        which runs as the bf16 / fp16 format's on a query of this dtype. The scratch holds
         ``num_seqs x max_seq_len`` positions (2 x 2 bytes per position, KV head and element; ``attend`` reads
         ``seq_lens``' largest entry without ``max_seq_len``, a plan takes what the block table addresses): meant
-        for batches of prefill chunks, not for batches with many decode sequences. With fp16 queries a value
-        beyond fp16's range (65504) becomes infinite in the scratch.
+        for batches of prefill chunks, not for batches with many decode sequences. A value beyond fp16's range
+        (65504) becomes infinite in an fp16 scratch.
         """
         launch, ptrs = self._plan(query, cache, block_table, seq_lens, query_start_loc, sm_scale, sliding_window,
                                   max_query_len, seq_ids, dot_precision, max_seq_len, num_splits, out,
@@ -436,7 +439,7 @@ class Format:
                        sliding_window: Optional[int] = None, max_query_len: Optional[int] = None,
                        seq_ids: Optional[torch.Tensor] = None, dot_precision: str = "auto",
                        max_seq_len: Optional[int] = None, num_splits: Optional[int] = None,
-                       dequantize_first: bool = False) -> AttentionPlan:
+                       dequantize_first: Union[bool, torch.dtype] = False) -> AttentionPlan:
         """``attend`` in two steps, for engines that run one batch through many layers: the batch's checks, tile,
         split and launch arguments once per step, then ``plan.run(query, cache)`` per layer, which checks only the
         query, the output and the cache against what was planned and launches. Arguments as for ``attend``;
@@ -486,10 +489,8 @@ class Format:
         if dot_precision == "quantized" and not any(self.quantized_dot.values()):
             raise ValueError(f"dot_precision: 'quantized' needs int8 codes with no zero point and no block scales on "
                              f"the key or value side; format {self.name} has neither")
-        if not isinstance(dequantize_first, bool):
-            raise ValueError(f"dequantize_first: expected True or False, got {dequantize_first!r}")
-        if dequantize_first:
-            dense_format_name(query.dtype)  # bf16 / fp16 queries only
+        dense = dense_dtype(dequantize_first, query.dtype)
+        if dense is not None:
             if dot_precision == "quantized":
                 raise ValueError("dot_precision: 'quantized' computes on the cache's codes; dequantize_first runs on "
                                  "dequantized values (use 'auto', 'fast' or 'ieee')")
@@ -528,10 +529,10 @@ class Format:
                          RING=residual["ring"])
         elif seq_ids is not None:
             raise ValueError(f"seq_ids: format {self.name} has no residual window")
-        if dequantize_first:
+        if dense is not None:
             launch = DequantizedLaunch(self, query, cache, block_table, seq_lens, query_start_loc, seq_ids,
                                        float(sm_scale), sliding_window, max_query_len, dot_precision, max_seq_len,
-                                       num_splits, consts, planned)
+                                       num_splits, consts, planned, dense)
             return launch, ptrs
         launch = self._kernels.plan_attend(query, block_table, seq_lens, query_start_loc, qk_scale,
                                            sliding_window or 0, max_query_len, ptrs, consts, extra,

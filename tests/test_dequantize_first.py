@@ -34,8 +34,10 @@ DENSE = {torch.bfloat16: ml_dtypes.bfloat16, torch.float16: np.float16}
 
 
 def sixteen_bit(case):
-    """The case with a bf16 or fp16 query (dequantize_first needs one), chosen by its seed."""
-    return dataclasses.replace(case, dtype=(torch.bfloat16, torch.float16)[case.seed % 2])
+    """The case with a bf16 or fp16 query, and the dense cache's type (True: the query's; or bf16 / fp16 named),
+    chosen by its seed."""
+    return (dataclasses.replace(case, dtype=(torch.bfloat16, torch.float16)[case.seed % 2]),
+            (True, torch.float16, torch.bfloat16)[case.seed // 2 % 3])
 
 
 @pytest.mark.parametrize("name", PAGED)
@@ -45,7 +47,8 @@ def test_attention_conforms(name):
     @settings(max_examples=max(EXAMPLES // 2, 3), deadline=None)
     @given(case=cases(fmt))
     def prop(case):
-        failures = {p: m for p, m in run_case(fmt, sixteen_bit(case), DEVICE, dequantize_first=True).items() if m}
+        case, dense = sixteen_bit(case)
+        failures = {p: m for p, m in run_case(fmt, case, DEVICE, dequantize_first=dense).items() if m}
         assert not failures, failures
 
     prop()
@@ -58,7 +61,8 @@ def test_streaming_attention_conforms(name):
     @settings(max_examples=max(EXAMPLES // 2, 3), deadline=None)
     @given(case=stream_cases(fmt))
     def prop(case):
-        failures = {p: m for p, m in run_stream(fmt, sixteen_bit(case), DEVICE, dequantize_first=True).items() if m}
+        case, dense = sixteen_bit(case)
+        failures = {p: m for p, m in run_stream(fmt, case, DEVICE, dequantize_first=dense).items() if m}
         assert not failures, failures
 
     prop()
@@ -198,10 +202,17 @@ def _small(fmt_name="int8_per_token_head", dtype=torch.bfloat16):
     return fmt, (query, cache, table, seq_lens, qsl)
 
 
-def test_needs_a_16_bit_query():
+def test_true_takes_a_16_bit_query_and_a_named_type_any():
+    """True takes the query's type for the dense cache: an fp32 query must name one (then it runs, fp16 or bf16,
+    and matches float64 attention on the reference values rounded to it, as a bf16 / fp16 cache would hold them)."""
     fmt, args = _small(dtype=torch.float32)
-    with pytest.raises(ValueError, match="dequantize_first: needs a bf16 or fp16 query"):
+    with pytest.raises(ValueError, match="dequantize_first: True takes the query's type.*torch.float16"):
         fmt.attend(*args, dequantize_first=True)
+    case = Case(head_size=32, block_size=4, num_kv_heads=2, group=2, seq_lens=[11, 19], q_lens=[11, 5],
+                dtype=torch.float32, window=None, holes=1, seed=9, k_scale=0.5, v_scale=2.0, magnitude=1.0)
+    for dense in (torch.float16, torch.bfloat16):
+        failures = {p: m for p, m in run_case(fmt, case, DEVICE, dequantize_first=dense).items() if m}
+        assert not failures, (dense, failures)
 
 
 def test_rejects_the_quantized_domain_and_non_bools():
@@ -211,8 +222,9 @@ def test_rejects_the_quantized_domain_and_non_bools():
     empty = (args[0][:0], args[1], args[2], args[3], torch.zeros_like(args[4]))
     with pytest.raises(ValueError, match="dot_precision: 'quantized'.*dequantize_first"):
         fmt.attend(*empty, dequantize_first=True, dot_precision="quantized")  # an empty batch too
-    with pytest.raises(ValueError, match="dequantize_first: expected True or False"):
-        fmt.attend(*args, dequantize_first="yes")
+    for bad in ("yes", torch.float32, 1):
+        with pytest.raises(ValueError, match="dequantize_first: expected True, False, torch.bfloat16 or torch.float16"):
+            fmt.attend(*args, dequantize_first=bad)
 
 
 def test_max_seq_len_must_bound_every_sequence():

@@ -197,3 +197,17 @@ def test_dequantize_first_needs_the_kernel_backend_and_16_bit_queries():
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
     assert data["dequantize_first"] and data["query_dtype"] == "bf16" and data["results"][0]["dequantize_first"]
+    res = CliRunner().invoke(eval_cmd, ["int8_per_token_head", "--context", "64", "--seeds", "1", "--backend",
+                                        "kernels", "--dense-dtype", "fp16"])
+    assert res.exit_code != 0 and "--dense-dtype goes with --dequantize-first" in res.output
+
+
+def test_an_fp16_dense_cache_keeps_int8_values():
+    """--dense-dtype fp16 with bf16 queries: the int8 format's dequantized values keep 11 bits, so its attention
+    error moves less than with the bf16 dense cache (docs/accuracy.md)."""
+    kw = dict(contexts=[160], seeds=1, backend="kernels", query_dtype="bf16")
+    plain = E.evaluate(["int8_per_token_head"], **kw)[0]["attn_rel_l2"]
+    bf16 = E.evaluate(["int8_per_token_head"], dequantize_first=True, **kw)[0]["attn_rel_l2"]
+    fp16 = E.evaluate(["int8_per_token_head"], dequantize_first="fp16", **kw)[0]["attn_rel_l2"]
+    assert abs(fp16 - plain) < abs(bf16 - plain), (plain, bf16, fp16)
+
