@@ -38,7 +38,7 @@ def dense_dtype(dequantize_first, query_dtype: torch.dtype) -> Optional[torch.dt
                              f"or fp16, got {query_dtype}; name the type instead (dequantize_first=torch.bfloat16 "
                              "or torch.float16)")
         return query_dtype
-    if dequantize_first in DENSE_FORMATS:
+    if isinstance(dequantize_first, torch.dtype) and dequantize_first in DENSE_FORMATS:
         return dequantize_first
     raise ValueError(f"dequantize_first: expected True, False, torch.bfloat16 or torch.float16, got "
                      f"{dequantize_first!r}")

@@ -222,7 +222,7 @@ def test_rejects_the_quantized_domain_and_non_bools():
     empty = (args[0][:0], args[1], args[2], args[3], torch.zeros_like(args[4]))
     with pytest.raises(ValueError, match="dot_precision: 'quantized'.*dequantize_first"):
         fmt.attend(*empty, dequantize_first=True, dot_precision="quantized")  # an empty batch too
-    for bad in ("yes", torch.float32, 1):
+    for bad in ("yes", torch.float32, 1, [True]):
         with pytest.raises(ValueError, match="dequantize_first: expected True, False, torch.bfloat16 or torch.float16"):
             fmt.attend(*args, dequantize_first=bad)
 
