@@ -295,7 +295,10 @@ def doctor():
 @click.option("--examples", default=20, show_default=True, help="Random cases per format.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="auto: the GPU when one is present (compiled kernels), else the CPU interpreter.")
-def test_cmd(specs, examples, device):
+@click.option("--dequantize-first", is_flag=True,
+              help="Check attention through attend(dequantize_first=True) (the cache dequantized into a dense bf16 / "
+                   "fp16 cache first) against float64 attention on the reference's values rounded the same way.")
+def test_cmd(specs, examples, device, dequantize_first):
     """Run the conformance properties on your own specs (or shipped formats) and report pass/fail per property.
 
     Each SPEC (a .yaml file, a generated directory or a shipped name) is built, then random cases check: page bytes,
@@ -306,6 +309,7 @@ def test_cmd(specs, examples, device):
     Example:
       kvgen test my_format.yaml --examples 50
       kvgen test specs/nvfp4.yaml int8_per_token_head
+      kvgen test my_format.yaml --dequantize-first
     """
     import os
 
@@ -319,7 +323,8 @@ def test_cmd(specs, examples, device):
     from .conformance import PROPERTIES, check
     from .runtime.loader import load
 
-    t = Table(title=f"conformance on {device} ({examples} random cases per format)")
+    how = ", attention dequantized first" if dequantize_first else ""
+    t = Table(title=f"conformance on {device} ({examples} random cases per format{how})")
     t.add_column("format")
     for p in PROPERTIES:
         t.add_column(p)
@@ -329,7 +334,8 @@ def test_cmd(specs, examples, device):
         for spec in specs:
             fmt = load(spec)
             task = progress.add_task(f"{fmt.name}", total=examples)
-            report = check(fmt, examples, device, on_example=lambda n: progress.update(task, completed=n))
+            report = check(fmt, examples, device, on_example=lambda n: progress.update(task, completed=n),
+                           dequantize_first=dequantize_first)
             progress.remove_task(task)
             cells = ["[red]FAIL[/]" if report.failures[p] else "[green]pass[/]" for p in PROPERTIES]
             t.add_row(fmt.name, *cells)

@@ -330,8 +330,10 @@ class Report:
 
 
 def check(fmt: Format, examples: int = 20, device: str = "cpu",
-          on_example: Optional[Callable[[int], None]] = None) -> Report:
-    """Run the properties on ``examples`` random cases; a failure is shrunk by hypothesis to a minimal case."""
+          on_example: Optional[Callable[[int], None]] = None, dequantize_first=False) -> Report:
+    """Run the properties on ``examples`` random cases; a failure is shrunk by hypothesis to a minimal case.
+    ``dequantize_first``: attention through ``Format.attend(..., dequantize_first=...)`` (fp32 query cases take
+    bf16 queries where it is True, the query's type)."""
     seen = {"n": 0, "case": None, "result": None}
 
     streaming = fmt.spec.streaming
@@ -342,7 +344,9 @@ def check(fmt: Format, examples: int = 20, device: str = "cpu",
               suppress_health_check=list(HealthCheck), print_blob=False)
     @given(case=strategy)
     def prop(case):
-        result = run(fmt, case, device)
+        if dequantize_first is True and case.dtype == torch.float32:
+            case = dataclasses.replace(case, dtype=torch.bfloat16)
+        result = run(fmt, case, device, dequantize_first=dequantize_first)
         seen["n"] += 1
         if on_example:
             on_example(seen["n"])

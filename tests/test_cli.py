@@ -244,3 +244,13 @@ def test_console_width_follows_columns_set_after_it_was_made(monkeypatch):
     assert console.size.width == 220
     monkeypatch.delenv("COLUMNS")
     assert console.size.width == 160  # not a terminal: the pipe width
+
+
+@pytest.mark.parametrize("extra", [[], ["--dequantize-first"]])
+def test_conformance_command(extra):
+    """`kvgen test` on a shipped format, fused and with the cache dequantized first: every property passes."""
+    r = invoke("test", "q4_0", "--examples", "3", "--device", "cpu", *extra, TRITON_INTERPRET="1")
+    assert r.exit_code == 0, r.output
+    assert ("attention dequantized first" in r.stdout) == bool(extra), r.stdout
+    row = line_with(r.stdout, "q4_0")
+    assert row.count("pass") == 4 and "FAIL" not in row, r.stdout
