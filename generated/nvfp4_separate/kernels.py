@@ -855,9 +855,7 @@ def dequantize_kernel(
         blk = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         off = n % BLOCK_SIZE
         k_g = tl.load(k_scale_ptr)  # static key scale of the layer
-        k_fix = 128.0 * k_g  # the block ratios' shift and the global scale: one factor of the key dot
         v_g = tl.load(v_scale_ptr)  # static value scale of the layer
-        v_fix = 128.0 * v_g  # the block ratios' shift and the global scale: one factor of the value dot
         k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
         # 2 codes per byte: load the bytes, split them and interleave the codes back in element order
         k_db = tl.arange(0, HEAD_PAD // 2)
