@@ -233,7 +233,7 @@ def run_case(fmt: Format, case: Case, device: str = "cpu", dot_precision: str = 
              dequantize_first=False) -> dict:
     """Check every property on one case; property -> None when it holds, else a message. ``dot_precision`` and
     ``dequantize_first``: attention's (``"fast"`` widens the tolerance by fast_slack; dequantize_first compares
-    with dense_attention, the reference-decoded values rounded to the query's type)."""
+    with dense_attention, the reference-decoded values rounded to the dense type)."""
     result: dict = {p: None for p in PROPERTIES}
     rng = np.random.default_rng(case.seed)
     spec = fmt.spec
@@ -288,7 +288,7 @@ def run_case(fmt: Format, case: Case, device: str = "cpu", dot_precision: str = 
                      torch.tensor(case.seq_lens, dtype=torch.int32, device=device), torch.from_numpy(qsl).to(device),
                      sm_scale=sm_scale, sliding_window=case.window, num_splits=case.splits,
                      dot_precision=dot_precision, dequantize_first=dequantize_first).cpu()
-    if dequantize_first:  # the reference of the dense cache: each dequantized value rounded to the query's type
+    if dequantize_first:  # the reference of the dense cache: each dequantized value rounded to the dense type
         seqs = []
         for s, n in enumerate(case.seq_lens):
             j = np.arange(n)
@@ -559,7 +559,7 @@ def run_stream(fmt: Format, case: StreamCase, device: str = "cpu", dot_precision
                      torch.from_numpy(seq_lens).to(device), torch.from_numpy(qsl).to(device), sm_scale=sm_scale,
                      sliding_window=case.window, seq_ids=torch.from_numpy(seq_ids[batch]).to(device),
                      num_splits=case.splits, dot_precision=dot_precision, dequantize_first=dequantize_first).cpu()
-    if dequantize_first:  # the reference of the dense cache: each dequantized value rounded to the query's type
+    if dequantize_first:  # the reference of the dense cache: each dequantized value rounded to the dense type
         seqs = [R.kivi_read(spec, expected, int(seq_ids[s]), lens[s], table[s], bs, H, D) for s in batch]
         ref = dense_attention(query.double().numpy(), seqs, qsl, sm_scale, case.window,
                               case.dtype if dequantize_first is True else dequantize_first)

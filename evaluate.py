@@ -295,11 +295,11 @@ def evaluate(formats: Optional[Sequence[str]] = None, contexts: Iterable[int] = 
     if dequantize_first and dot_precision == "quantized":
         raise EvalError("dequantize_first: runs on dequantized values; dot_precision 'quantized' computes on the "
                         "codes (use auto, fast or ieee)")
-    if dequantize_first not in (False, True, "bf16", "fp16"):
+    if not (dequantize_first is False or dequantize_first is True or dequantize_first in ("bf16", "fp16")):
         raise EvalError(f"dequantize_first: expected False, True, 'bf16' or 'fp16', got {dequantize_first!r}")
     if dequantize_first is True and query_dtype == "fp32":
-        raise EvalError("dequantize_first: needs bf16 or fp16 queries (--query-dtype bf16 or fp16): the dense "
-                        "cache takes their type")
+        raise EvalError("dequantize_first: True takes the query's type for the dense cache, which needs bf16 or "
+                        "fp16 queries (--query-dtype bf16 or fp16), or name the type (--dense-dtype bf16 or fp16)")
     names = list(formats) if formats else list(shipped_names())
     fmts = [resolve_format(n) for n in names]
     contexts = list(contexts)

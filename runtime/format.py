@@ -416,8 +416,11 @@ class Format:
         dense scratch cache of the query's type, and attention runs there as on a bf16 / fp16 cache, so a chunked
         prefill decodes each position once instead of once per tile of query rows. Each dequantized value is
         rounded once to that type; ``dequantize_first=torch.float16`` (or ``torch.bfloat16``) names the type
-        instead (fp16 keeps 3 more bits, bf16 the range). ``dot_precision`` then applies to the dense attention,
-        which runs as the bf16 / fp16 format's on a query of this dtype. The scratch holds
+        instead (fp16 keeps 3 more bits, bf16 the range; an fp32 query then runs exact fp32 dots over a bf16
+        scratch, two fp16 terms over an fp16 one). ``dot_precision`` then applies to the dense attention,
+        which runs as the bf16 / fp16 format's on a query of this dtype. Here ``max_seq_len``, when given, must
+        bound every sequence's length: longer sequences are cut to it (an error where the costly checks run: CPU
+        tensors, KVGEN_DEBUG=1). The scratch holds
         ``num_seqs x max_seq_len`` positions (2 x 2 bytes per position, KV head and element; ``attend`` reads
         ``seq_lens``' largest entry without ``max_seq_len``, a plan takes what the block table addresses): meant
         for batches of prefill chunks, not for batches with many decode sequences. A value beyond fp16's range

@@ -2,7 +2,8 @@
 positions a batch reads into a dense bf16 / fp16 cache, and the dense format's attention runs over it.
 
 - the dense cache holds the reference's dequantized values (reference.read / kivi_read, float64), each rounded to
-  nearest in the query's type: within half a unit in the last place of it (a truncating cast would not be);
+  nearest in the dense type (the query's, or the one named): no farther from it than that rounding (a truncating
+  cast would be);
 - attention matches float64 attention on the reference-decoded cache rounded the same way
   (conformance.dense_attention) within the conformance tolerance (run_case / run_stream with dequantize_first),
   for every shipped format;

@@ -184,14 +184,16 @@ def test_dequantize_first_costs_a_16_bit_rounding():
 def test_dequantize_first_needs_the_kernel_backend_and_16_bit_queries():
     with pytest.raises(E.EvalError, match="apply to the kernels backend"):
         E.evaluate(["int8_per_token_head"], contexts=[160], seeds=1, backend="reference", dequantize_first=True)
-    with pytest.raises(E.EvalError, match="dequantize_first: needs bf16 or fp16 queries"):
+    with pytest.raises(E.EvalError, match="dequantize_first: True takes the query's type"):
         E.evaluate(["int8_per_token_head"], contexts=[160], seeds=1, backend="kernels", dequantize_first=True)
     with pytest.raises(E.EvalError, match="dequantize_first: runs on dequantized values"):
         E.evaluate(["int8_per_token_head"], contexts=[160], seeds=1, backend="kernels", dequantize_first=True,
                    query_dtype="bf16", dot_precision="quantized")
     res = CliRunner().invoke(eval_cmd, ["int8_per_token_head", "--seeds", "1", "--backend", "kernels",
                                         "--dequantize-first", "--query-dtype", "fp32"])
-    assert res.exit_code == 1 and "--query-dtype bf16" in res.stderr
+    assert res.exit_code == 1 and "--query-dtype bf16" in res.stderr and "--dense-dtype" in res.stderr
+    with pytest.raises(E.EvalError, match="expected False, True, 'bf16' or 'fp16', got 1"):
+        E.evaluate(["int8_per_token_head"], contexts=[160], seeds=1, backend="kernels", dequantize_first=1)
     res = CliRunner().invoke(eval_cmd, ["int8_per_token_head", "--context", "64", "--seeds", "1", "--backend",
                                         "kernels", "--dequantize-first", "--json"])
     assert res.exit_code == 0, res.output
