@@ -68,8 +68,8 @@ case "$step" in
     ;;
   maskfree)
     # benchmarks/pending/mask-free-steps.patch (thirtieth session, static only): the whole steps every row sees take
-    # no causal / window mask (static: decode 5-17% fewer instructions per position, prefill 17-43%); outputs must be
-    # bit-identical (max diff 0)
+    # no causal / window mask (static: decode 5-17% fewer instructions per position, prefill 17-43%); outputs equal
+    # up to the last bits of p (compiled, the unmasked loop's scale and max subtraction fuse into one FMA)
     MF_FORMATS="bf16 fp8_e4m3 int8_per_token_head int8_per_token_head_separate nvfp4 mxfp4 q4_0 kivi_2bit"
     variant mask-free-steps free_hi $MF_FORMATS || exit 1
     timeout 200 python3 benchmarks/variant_ab.py /tmp/variant $MF_FORMATS --shapes 64x8192 4x65536 --rounds 2 2>&1 \
