@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from . import reference as R
 from .codegen.spec import SCALE_BYTES
+from .runtime.dequantize import dense_dtype
 from .runtime.format import Format
 
 PROPERTIES = ("page_bytes", "bytes", "error_bound", "attention")
@@ -295,7 +296,7 @@ def run_case(fmt: Format, case: Case, device: str = "cpu", dot_precision: str = 
             blocks, offs = block_table[s, j // case.block_size], j % case.block_size
             seqs.append((k_deq[blocks, offs], v_deq[blocks, offs]))
         ref = dense_attention(query.double().numpy(), seqs, qsl, sm_scale, case.window,
-                              case.dtype if dequantize_first is True else dequantize_first)
+                              dense_dtype(dequantize_first, case.dtype))
     else:
         ref = R.paged_attention(query.double().numpy(), k_deq, v_deq, block_table, np.array(case.seq_lens), qsl,
                                 sm_scale, case.window)
@@ -562,7 +563,7 @@ def run_stream(fmt: Format, case: StreamCase, device: str = "cpu", dot_precision
     if dequantize_first:  # the reference of the dense cache: each dequantized value rounded to the dense type
         seqs = [R.kivi_read(spec, expected, int(seq_ids[s]), lens[s], table[s], bs, H, D) for s in batch]
         ref = dense_attention(query.double().numpy(), seqs, qsl, sm_scale, case.window,
-                              case.dtype if dequantize_first is True else dequantize_first)
+                              dense_dtype(dequantize_first, case.dtype))
     else:
         ref = R.kivi_attention(spec, expected, query.double().numpy(), seq_ids[batch], qsl, seq_lens, table[batch],
                                sm_scale, case.window, bs, num_kv_heads=H)

@@ -274,8 +274,8 @@ def evaluate(formats: Optional[Sequence[str]] = None, contexts: Iterable[int] = 
     where a GPU is present. ``dot_precision`` (kernels only): the attention's dots, as ``Format.attend`` takes it;
     "quantized" applies to the formats that offer it (the others run "auto"). ``query_dtype`` (kernels only): the
     queries' type in the kernels' call, fp32, bf16 or fp16; ``dequantize_first`` (kernels only): as
-    ``Format.attend``'s, True (a dense cache of the query's type: 16-bit queries) or "bf16" / "fp16" (that type). ``progress(format, context, seed)`` is called after every format x context x seed
-    step."""
+    ``Format.attend``'s, True (a dense cache of the query's type: 16-bit queries) or "bf16" / "fp16" (that type).
+    ``progress(format, context, seed)`` is called after every format x context x seed step."""
     from . import reference as R
     from .runtime.loader import shipped_names
 

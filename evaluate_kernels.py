@@ -21,6 +21,7 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# the queries' type in the kernels' call (also the dense cache's, named, for dequantize_first)
 QUERY_DTYPES = ("fp32", "bf16", "fp16")
 
 
@@ -66,14 +67,14 @@ def kernel_attention(source: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, c
                       max_query_len=b - a)
         else:
             fmt.write(cache, key, value, slots)
+    dtypes = dict(zip(QUERY_DTYPES, (torch.float32, torch.bfloat16, torch.float16)))
     query = torch.from_numpy(np.ascontiguousarray(q.transpose(1, 0, 2)).astype(np.float32)).to(device)
-    DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    query = query.to(DTYPES[query_dtype])
+    query = query.to(dtypes[query_dtype])
     extra = {"seq_ids": torch.zeros(n, dtype=torch.int32, device=device)} if residual else {}
+    if dequantize_first:  # True, or the dense cache's type by name
+        extra.update(dequantize_first=dtypes.get(dequantize_first, dequantize_first), max_seq_len=T)
     out = fmt.attend(query, cache, table.expand(n, num_blocks).contiguous(),
                      torch.full((n,), T, dtype=torch.int32, device=device),
                      torch.arange(n + 1, dtype=torch.int32, device=device), max_query_len=1,
-                     dot_precision=fmt.runs_dot_precision(dot_precision),
-                     **(dict(dequantize_first=DTYPES.get(dequantize_first, dequantize_first), max_seq_len=T)
-                        if dequantize_first else {}), **extra)
+                     dot_precision=fmt.runs_dot_precision(dot_precision), **extra)
     return out.double().cpu().numpy().transpose(1, 0, 2)

@@ -156,12 +156,9 @@ def _bound_source(fn, args, kwargs):
     return ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs), launch
 
 
-def runtime_source(fmt, seqs: int, ctx: int, block: int, dot_precision: str, q_len: int = 1, head_size: int = 128):
-    """The attention kernel exactly as the runtime would launch it on an H200 for a step of ``q_len`` new tokens
-    (1: decode) on each of ``seqs`` sequences of ``ctx`` tokens with bf16 queries: the launch is captured from
-    ``Format.attend`` (CPU tensors, the kernel call stubbed) and bound by Triton's own binder, so the constexprs, the
-    tile options and the argument specialisation (16-byte aligned pointers, integers divisible by 16 or equal to 1)
-    match a real launch. Returns (ASTSource, compile options, BLOCK_N)."""
+def attention_call(fmt, seqs: int, ctx: int, block: int, q_len: int, head_size: int = 128) -> tuple:
+    """``Format.attend``'s arguments (positional, keyword) for a step of ``q_len`` new bf16 tokens on each of
+    ``seqs`` sequences of ``ctx`` tokens (32 query heads over 8 KV heads), on CPU tensors."""
     res = fmt.layout.RESIDUAL
     blocks_per_seq = -(-ctx // block)
     with warnings.catch_warnings():
@@ -170,9 +167,18 @@ def runtime_source(fmt, seqs: int, ctx: int, block: int, dot_precision: str, q_l
     q = torch.zeros(seqs * q_len, 32, head_size, dtype=torch.bfloat16)
     table = torch.arange(seqs * blocks_per_seq, dtype=torch.int32).reshape(seqs, blocks_per_seq)
     extra = {"seq_ids": torch.arange(seqs, dtype=torch.int32)} if res else {}
-    launches = _captured(fmt, lambda: fmt.attend(
-        q, cache, table, torch.full((seqs,), ctx, dtype=torch.int32), torch.arange(seqs + 1, dtype=torch.int32) * q_len,
-        max_query_len=q_len, dot_precision=dot_precision, **extra))
+    return ((q, cache, table, torch.full((seqs,), ctx, dtype=torch.int32),
+             torch.arange(seqs + 1, dtype=torch.int32) * q_len), dict(max_query_len=q_len, **extra))
+
+
+def runtime_source(fmt, seqs: int, ctx: int, block: int, dot_precision: str, q_len: int = 1, head_size: int = 128):
+    """The attention kernel exactly as the runtime would launch it on an H200 for a step of ``q_len`` new tokens
+    (1: decode) on each of ``seqs`` sequences of ``ctx`` tokens with bf16 queries: the launch is captured from
+    ``Format.attend`` (CPU tensors, the kernel call stubbed) and bound by Triton's own binder, so the constexprs, the
+    tile options and the argument specialisation (16-byte aligned pointers, integers divisible by 16 or equal to 1)
+    match a real launch. Returns (ASTSource, compile options, BLOCK_N)."""
+    args, kw = attention_call(fmt, seqs, ctx, block, q_len, head_size)
+    launches = _captured(fmt, lambda: fmt.attend(*args, dot_precision=dot_precision, **kw))
     args, kwargs = launches["paged_attention_kernel"]
     src, launch = _bound_source(fmt._kernels.module.paged_attention_kernel, args, kwargs)
     return src, launch, kwargs["BLOCK_N"]
@@ -239,19 +245,10 @@ def count_dequantize(name: str, seqs: int = 4, ctx: int = 8192, q_len: int = 204
     fmt = kvgen.load(name)
     res = fmt.layout.RESIDUAL
     block = res["group"] if res else 16
-    blocks_per_seq = -(-ctx // block)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        cache = fmt.allocate(seqs * blocks_per_seq, block, 8, 128, **({"max_seqs": seqs} if res else {}))
-    q = torch.zeros(seqs * q_len, 32, 128, dtype=torch.bfloat16)
-    table = torch.arange(seqs * blocks_per_seq, dtype=torch.int32).reshape(seqs, blocks_per_seq)
-    extra = {"seq_ids": torch.arange(seqs, dtype=torch.int32)} if res else {}
     os.environ["TRITON_INTERPRET"] = "0"
-    dense = kvgen.load("bf16")
-    with stubbed_launches(dense), stubbed_launches(fmt) as captured:
-        fmt.attend(q, cache, table, torch.full((seqs,), ctx, dtype=torch.int32),
-                   torch.arange(seqs + 1, dtype=torch.int32) * q_len, max_query_len=q_len, max_seq_len=ctx,
-                   dequantize_first=True, **extra)
+    args, kw = attention_call(fmt, seqs, ctx, block, q_len)
+    with stubbed_launches(kvgen.load("bf16")), stubbed_launches(fmt) as captured:
+        fmt.attend(*args, max_seq_len=ctx, dequantize_first=True, **kw)
     args, kwargs = captured["dequantize_kernel"]
     src, launch = _bound_source(fmt._kernels.module.dequantize_kernel, args, kwargs)
     _, sass, usage = compile_sm90(src, launch)
