@@ -228,9 +228,11 @@ def test_rejects_the_quantized_domain_and_non_bools():
             fmt.attend(*args, dequantize_first=bad)
 
 
-def test_max_seq_len_must_bound_every_sequence():
+def test_max_seq_len_must_bound_every_sequence(monkeypatch):
     """The dense cache holds max_seq_len positions per sequence (whole blocks): a longer sequence is an error that
-    names max_seq_len (where the costly checks run), never a read past the dense blocks."""
+    names max_seq_len where the costly checks run (host tensors, or KVGEN_DEBUG on a GPU, as here), never a read
+    past the dense blocks."""
+    monkeypatch.setattr(kvgen.runtime.checks, "DEBUG", True)
     fmt, (query, cache, table, seq_lens, qsl) = _small()
     seq_lens = torch.tensor([5], dtype=torch.int32, device=DEVICE)
     plan = fmt.plan_attention(query, cache, table, seq_lens, qsl, dequantize_first=True, max_seq_len=5)
