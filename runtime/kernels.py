@@ -140,6 +140,13 @@ def _choose_mode() -> None:
 # 128/8/2 (64/8/2: 13524). Untimed, following it by its key: int8 separate's quantized domain (int8 dots, any query
 # type). int8 per token-head ran 15104 -> 13887 on 64/8/2 there, but its key admits fp8 per token-head, int8 asym and
 # mixed_k8_v4, untimed: no rule yet (benchmarks/pending/README.md).
+# Thirty-second session (benchmarks/RESULTS.md): with the per-position scale words spread over the program's threads
+# (load_per_position; `bash benchmarks/pending/next_session.sh rowspread` / `rowspread128`), 128-row programs on
+# 128/8/2 at head size 256 against the rules before: int8 per token-head 15031 -> 10622 us, fp8 per token-head 14373
+# -> 10492, int8 separate 11323 -> 8708, int8 asym 17126 -> 10769, Hadamard 19835 -> 13621, int4 per token-head
+# 21850 -> 14893, mixed_k8_v4 15710 -> 10261; at head size 128 int8 separate 4623 -> 4286 (its 64-row rule's time
+# from `benchmarks/dequantize_first.py` in the same session). int8 asym at 128 (6059 -> 4871) shares its key with
+# int8 / fp8 per token-head and mixed_k8_v4, which lost there (4757 -> 5066, 4587 -> 4854, 4747 -> 4989): 64 rows.
 # First matching rule wins (None matches anything). BLOCK_N: KV positions per step; maxnreg: a register cap (the
 # compiler otherwise takes 255 registers, two programs per SM); programs_per_sm: the split-KV target; convert_first
 # (optional): the rule's own V_CONVERT_FIRST, in place of convert_values_first's conditions. The tuned rules
@@ -148,6 +155,13 @@ def _choose_mode() -> None:
 # the configuration used before that measurement, also for the prefills not named. The interpreter takes 128
 # positions per step.
 DECODE_ROWS = 16
+# Programs of more query rows than this (prefill) run the whole steps every row sees in a loop of their own, without
+# the causal / window mask (the kernel's MASK_FREE_STEPS); decode programs keep one masked loop. H200, thirty-second
+# session (benchmarks/RESULTS.md; `bash benchmarks/pending/next_session.sh maskfree`, the loops for every program):
+# chunked prefill at 4 x 8192 with 2048 new tokens 0.82-0.95x the time for all eight formats timed (bf16 3960 ->
+# 3244 us), decode at 64 x 8192 / 4 x 65536 mixed: 0.96-0.99x for int8 separate, nvfp4, mxfp4, q4_0 and KIVI,
+# 1.01-1.02x for bf16 and fp8, 1.04-1.05x for int8 per token-head
+MASK_FREE_ROWS = DECODE_ROWS
 # attention's dot precisions (Format.attend): "auto" exact products on tensor cores where the operands allow, else
 # fp32; "ieee" exact fp32 dots; "quantized" int8 dots on int8 codes; "fast" one 16-bit term per operand
 DOT_PRECISIONS = ("auto", "ieee", "quantized", "fast")
@@ -176,7 +190,9 @@ ATTENTION_TILES = (
     ((16, 1, None, False, 64, 128, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4, prefetch_blocks=True)),  # bf16, prefill, hs 128
     ((4, 1, True, False, 64, 128, None, None, False), dict(BLOCK_N=128, num_warps=4, num_stages=3, programs_per_sm=4, prefetch_blocks=True)),  # nvfp4, mxfp4, prefill, hs 128
     ((8, 1, False, False, 128, (64, 128, 256), True, None, None, None, False), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # fp8 per tensor / per head / e5m2, prefill of 128 rows, hs 64-256
-    ((8, 1, False, False, 128, 256, True, None, None, None, True), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # int8 separate, prefill of 128 rows, hs 256
+    ((8, 1, False, False, 128, (128, 256), True, None, None, None, True), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # int8 separate, prefill of 128 rows, hs 128 / 256
+    ((8, 1, False, (0, 1), 128, 256, False, None, None, None, True), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # int8 / fp8 per token-head, int8 asym, Hadamard, mixed_k8_v4, prefill of 128 rows, hs 256
+    ((4, 1, False, 1, 128, 256, None, None, None), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # int4 per token-head, prefill of 128 rows, hs 256
     ((8, 1, True, False, 128, (128, 256), None, True, None), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # mxfp8, prefill of 128 rows, hs 128 / 256
     ((8, 2, True, False, 128, 128, None, None, None), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # q8_0, prefill of 128 rows, hs 128
     ((4, 1, False, 1, 128, (64, 128), None, None, None), dict(BLOCK_N=64, num_warps=8, num_stages=2, programs_per_sm=4)),  # int4 per token-head, prefill of 128 rows, hs 64 / 128
@@ -644,8 +660,8 @@ class KernelSet:
             block_table_ptr=block_table, seq_lens_ptr=seq_lens, query_start_loc_ptr=query_start_loc,
             qk_scale=qk_scale * LOG2E, window=window, num_q_tiles=num_q_tiles, stride_bt=block_table.stride(0),
             GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, OFFSETS_64=offsets_64,
-            PREFETCH_BLOCKS=prefetch_blocks, V_CONVERT_FIRST=convert_first, **dots, **consts,
-            **(extra or {}), **tiles,
+            PREFETCH_BLOCKS=prefetch_blocks, V_CONVERT_FIRST=convert_first,
+            MASK_FREE_STEPS=int(block_m > MASK_FREE_ROWS), **dots, **consts, **(extra or {}), **tiles,
         )
         if (ruled and WAVE_SPLITS and block_m <= DECODE_ROWS and not window and not interpreting() and query.is_cuda
                 and programs * num_splits >= self._sm_count(query.device)):

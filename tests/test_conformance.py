@@ -67,6 +67,28 @@ def test_conformance(name):
     prop()
 
 
+@pytest.mark.parametrize("name", ["int8_per_token_head", "nvfp4", "q4_0", "bf16"])
+def test_prefill_over_many_whole_steps(name, monkeypatch):
+    """Chunked prefill whose query tiles span several whole steps of 32 positions: steps every row sees whole (no
+    visibility mask), steps on the causal diagonal and steps on a sliding window's edge, each a loop of its own in
+    the kernel, with and without a window, with a split, and with tiles whose bounds fall on step boundaries."""
+    from kvgen.runtime import kernels
+
+    small_tiles(monkeypatch)
+    # block ids loaded one step ahead, carried from one loop into the next
+    monkeypatch.setattr(kernels, "INTERPRETER_TILES", {"BLOCK_N": 32, "prefetch_blocks": True})
+    fmt = kvgen.load(name)
+    case = Case(head_size=32, block_size=4, num_kv_heads=1, group=2, seq_lens=[230, 161], q_lens=[150, 161],
+                dtype=torch.float32, window=None, holes=0, seed=11, k_scale=0.5, v_scale=2.0, magnitude=1.0)
+    assert_conforms(fmt, case)
+    assert_conforms(fmt, dataclasses.replace(case, window=70, seed=12))
+    assert_conforms(fmt, dataclasses.replace(case, window=45, splits=2, seed=13))
+    # query tiles whose first position or window edge falls on a step boundary: a bound one position off fails
+    aligned = dataclasses.replace(case, seq_lens=[200, 230], q_lens=[170, 162], seed=14)
+    assert_conforms(fmt, aligned)
+    assert_conforms(fmt, dataclasses.replace(aligned, window=70, seed=15))
+
+
 @pytest.mark.parametrize("name", FORMATS)
 def test_long_context(name):
     """A decode step over a context longer than one attention tile, then a chunked-prefill step with a window."""
@@ -79,15 +101,19 @@ def test_long_context(name):
 
 # Chunked prefill in programs of 128 query rows on 8 warps, where the tile rules name them (kvgen.runtime.kernels.
 # RULED_PREFILL_ROWS; twenty-seventh session at head size 128, twenty-eighth at 64 and 256, twenty-ninth int8 separate
-# at 256). The interpreter always takes 128 rows; this runs the compiled kernels with the rules' tiles, and a format
-# whose rules keep 64 rows (int8 separate at head size 128) under PREFILL_ROWS = 128 forced.
+# at 256, thirty-second the per token-head formats at 256 and int8 separate at 128). The interpreter always takes 128
+# rows; this runs the compiled kernels with the rules' tiles, and a format whose rules keep 64 rows (int8 per
+# token-head at head size 128: inline-scale cells) under PREFILL_ROWS = 128 forced.
 @pytest.mark.skipif(DEVICE != "cuda", reason="compiled prefill programs of 128 rows: a GPU run")
 @pytest.mark.parametrize("name, head_size", [(n, 128) for n in (
     "fp8_e4m3", "mxfp8", "q8_0", "int4_per_token_head", "q4_0", "kivi_2bit", "kivi_4bit",
     "int8_per_token_head_separate")]
     + [(n, 256) for n in ("bf16", "fp8_e4m3", "mxfp8", "nvfp4", "mxfp4", "q4_0", "kivi_2bit", "kivi_4bit",
-                          "int8_per_token_head_separate")]
-    + [(n, 64) for n in ("fp8_e4m3", "int4_per_token_head", "q4_0", "kivi_4bit")])
+                          "int8_per_token_head_separate", "int8_per_token_head", "fp8_per_token_head",
+                          "int8_asym_per_token_head", "int8_per_token_head_hadamard_k", "int4_per_token_head",
+                          "mixed_k8_v4")]
+    + [(n, 64) for n in ("fp8_e4m3", "int4_per_token_head", "q4_0", "kivi_4bit")]
+    + [("int8_per_token_head", 128)])
 def test_prefill_rows_128_conform(name, head_size, monkeypatch):
     import warnings
 
@@ -101,7 +127,7 @@ def test_prefill_rows_128_conform(name, head_size, monkeypatch):
         cache = fmt.allocate(1, block, 2, head_size, **({"max_seqs": 1} if fmt.spec.streaming else {}))
     rows = fmt._kernels.query_rows(torch.bfloat16, "auto", fmt.spec.key.rotation is not None, 4, 700,
                                    fmt._kernel_args(cache)[1])
-    if (name, head_size) == ("int8_per_token_head_separate", 128):
+    if (name, head_size) == ("int8_per_token_head", 128):
         assert rows == 64
         monkeypatch.setattr(kernels, "PREFILL_ROWS", 128)
         monkeypatch.setattr(kernels, "TILE_OVERRIDE", {"BLOCK_N": 128, "num_warps": 8, "num_stages": 2})

@@ -3,29 +3,27 @@
 # that a machine taken back mid-session loses one step only. From the repository root on the lent H200, after
 # `source benchmarks/device_env.sh`; outputs go to $OUT (the device tool's folder), each step's also to stdout.
 #
+#   bash benchmarks/pending/next_session.sh verify     # the merged mask-free prefill and row-spread: GPU tests, times (~200 s)
 #   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~260 s)
-#   bash benchmarks/pending/next_session.sh dequant    # dequantize_first: its GPU tests, then prefill times (~450 s)
-#   bash benchmarks/pending/next_session.sh maskfree   # mask-free-steps.patch: A/B decode and prefill, its tests (~450 s)
-#   bash benchmarks/pending/next_session.sh rowspread  # row-spread.patch (v2): 128-row prefill at head size 256 (~350 s)
-#   bash benchmarks/pending/next_session.sh rowspread128  # its 128-row prefill at head size 128 (~250 s)
-#   bash benchmarks/pending/next_session.sh rowspreadtests  # the per-token formats' GPU tests on it (~250 s)
+#   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~200 s)
+#   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~370 s)
 #   bash benchmarks/pending/next_session.sh kivicrash  # KIVI's 32-position prefill crash: q4_0 / kivi_4bit too (~400 s)
 #   bash benchmarks/pending/next_session.sh cells      # profiles: the inline-scale cells converted first / 3 stages
 #   bash benchmarks/pending/next_session.sh hs64prof   # profiles at head size 64 (int8 / fp8 per token-head, bf16)
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs, KIVI's flush profile
-#   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~200 s)
-#   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~370 s)
 # Ran and removed (benchmarks/results_2026-12-04_h200_s28.md, _s29.md): rows128, hs256more, rules28, rules28b (s28);
-# hs256rest, kiviacc (merged) and the first rowspread (s29).
+# hs256rest, kiviacc (merged) and the first rowspread (s29); tests, dequant, maskfree, rowspread, rowspread128 and
+# rowspreadtests (s32, benchmarks/results_2026-12-05_h200_s32.md).
 #
 # Steps in priority order; each prints how long it took.
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: tests, dequant, maskfree, rowspread, rowspread128, rowspreadtests, kivicrash, cells, hs64prof, writes, bench1 or bench2"}
+step=${1:?"a step: verify, tests, bench1, bench2, kivicrash, cells, hs64prof or writes"}
 start=$(date +%s)
-# a pending patch's kernels: this checkout copied to /tmp/var with the patch applied, the named formats built from
-# it into /tmp/variant (for benchmarks/variant_ab.py) and copied over /tmp/var's generated/ (for its tests)
+# a pending patch's kernels (no step uses these now; kept for the next patch's A/B): this checkout copied to /tmp/var
+# with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
+# copied over /tmp/var's generated/ (for its tests)
 # (variant PATCH MARKER FORMAT...: MARKER, a name the patched kernels hold, checks the build is the patch's)
 variant() {
   local patch=$1 marker=$2; shift 2
@@ -41,8 +39,6 @@ variant() {
     rm -rf "/tmp/var/generated/$f" && cp -r "/tmp/variant/$f" /tmp/var/generated/
   done
 }
-ROW_SPREAD_FORMATS="int8_per_token_head fp8_per_token_head int8_per_token_head_separate int8_asym_per_token_head
-  int8_per_token_head_hadamard_k int4_per_token_head mixed_k8_v4"
 # the GPU tests named, run in /tmp/var on the variant's kernels: variant_tests NAME PYTEST_ARGS...
 variant_tests() {
   local name=$1; shift
@@ -50,6 +46,17 @@ variant_tests() {
     2>&1 | tee "$out/${name}_tests.txt" | tail -3)
 }
 case "$step" in
+  verify)
+    # the thirty-second session's merges on a GPU: the mask-free loop of prefill programs (MASK_FREE_STEPS) and the
+    # per-position scale words spread over the threads (load_per_position) with the new 128-row prefill rules, each
+    # timed alone there, never together: their conformance (128-row prefill at 64 / 128 / 256, the loops' bounds),
+    # then the rules' prefill and int8 asym's decode at head size 256 (row-spread v2's decode there is untimed)
+    timeout 130 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_conformance.py \
+      -k "prefill_rows_128 or many_whole" 2>&1 | tee "$out/verify_tests.txt" | tail -3
+    timeout 150 python3 benchmarks/tune_tiles.py bf16 int8_per_token_head int8_per_token_head_separate \
+      int8_asym_per_token_head mixed_k8_v4 --configs rt --shapes 4x8192q2048hs256 4x8192q2048 16x8192hs256 \
+      --cuda-graphs 2>&1 | tee "$out/verify_times.txt" | grep "^|"
+    ;;
   tests)
     timeout 560 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_tiles.py tests/test_attention_plan.py \
       tests/test_launch.py tests/test_quantized_domain.py tests/test_fast_dots.py tests/test_golden.py \
@@ -58,59 +65,12 @@ case "$step" in
       "tests/test_conformance.py::test_prefill_rows_128_conform" "tests/test_conformance.py::test_kivi_decode_256" \
       2>&1 | tee "$out/tests.txt" | tail -15
     ;;
-  dequant)
-    # Format.attend(..., dequantize_first=True) (thirtieth session, CPU only): its GPU tests, then bench.py's chunked
-    # prefill fused against dequantize-first for every format (~10 s a format)
-    timeout 150 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_dequantize_first.py 2>&1 \
-      | tee "$out/dequant_tests.txt" | tail -3
-    timeout 420 python3 benchmarks/dequantize_first.py --out "$out/dequant.md" 2>&1 | tee "$out/dequant.txt" \
-      | grep -v "^$"
-    ;;
-  maskfree)
-    # benchmarks/pending/mask-free-steps.patch (thirtieth session, static only): the whole steps every row sees take
-    # no causal / window mask (static: decode 5-17% fewer instructions per position, prefill 17-43%); outputs equal
-    # up to the last bits of p (compiled, the unmasked loop's scale and max subtraction fuse into one FMA)
-    MF_FORMATS="bf16 fp8_e4m3 int8_per_token_head int8_per_token_head_separate nvfp4 mxfp4 q4_0 kivi_2bit"
-    variant mask-free-steps free_hi $MF_FORMATS || exit 1
-    timeout 200 python3 benchmarks/variant_ab.py /tmp/variant $MF_FORMATS --shapes 64x8192 4x65536 --rounds 2 2>&1 \
-      | tee "$out/maskfree_decode.txt" | grep "^|"
-    timeout 150 python3 benchmarks/variant_ab.py /tmp/variant $MF_FORMATS --shapes 4x8192q2048 --rounds 1 2>&1 \
-      | tee "$out/maskfree_prefill.txt" | grep "^|"
-    variant_tests maskfree tests/test_conformance.py -k "many_whole or long_context or small_tiles"
-    ;;
-  rowspread)
-    # benchmarks/pending/row-spread.patch, v2 (twenty-ninth session): per-position scale words loaded as tiles of at
-    # least one element per thread where a step holds fewer positions than the program has threads; zero points
-    # load as before (v1 spread them too, and int8 asym ran 3.4x slower in 128-row prefill and 8.2x in decode at 256:
-    # static, a tile-wide layout conversion through shared memory, 29.5 -> 35.8 instructions per position; v2 30.2).
-    # v1 in 128-row prefill at head size 128: 0.54-0.66x the shipped kernels' time with 128 rows (int8 separate 4293
-    # us against its 64-row rule's 4645). Here head size 256, where int8 separate takes 128 rows now and int8 per
-    # token-head ran 13887 us on 64/8/2 with 128 rows against 15104 with its rule: the rules' time first (64 rows for
-    # the formats not ruled), then the A/B with 128 rows forced. Integer words: the max diff must be 0
-    timeout 90 python3 benchmarks/tune_tiles.py $ROW_SPREAD_FORMATS --configs rt --shapes 4x8192q2048hs256 \
-      --cuda-graphs 2>&1 | tee "$out/rowspread_rt256.txt" | grep "^|"
-    variant row-spread load_per_position $ROW_SPREAD_FORMATS || exit 1
-    timeout 400 python3 benchmarks/variant_ab.py /tmp/variant $ROW_SPREAD_FORMATS --configs 128/8/2 64/8/2 \
-      --prefill-rows 128 --shapes 4x8192q2048hs256 --rounds 1 2>&1 | tee "$out/rowspread_256.txt" | grep "^|"
-    ;;
-  rowspread128)
-    # v2 at head size 128 with 128 rows (v1's int8 asym cell again; 64/8/2, untimed with v1)
-    variant row-spread load_per_position $ROW_SPREAD_FORMATS || exit 1
-    timeout 400 python3 benchmarks/variant_ab.py /tmp/variant $ROW_SPREAD_FORMATS --configs 128/8/2 64/8/2 \
-      --prefill-rows 128 --shapes 4x8192q2048 --rounds 1 2>&1 | tee "$out/rowspread_128.txt" | grep "^|"
-    ;;
   kivicrash)
     # the illegal shared address of KIVI's prefill on 32-position tiles (twenty-ninth session, runs 4-7; no rule
     # takes such tiles): kivi_4bit's cases, and q4_0's (block-scaled two-term operands without a residual window),
     # to tell whether it is KIVI's or any two-term block-scaled kernel's
     timeout 280 bash benchmarks/pending/kivi_block32_crash.sh kivi_4bit 2>&1 | tee "$out/kivicrash.txt"
     timeout 280 bash benchmarks/pending/kivi_block32_crash.sh q4_0 2>&1 | tee -a "$out/kivicrash.txt"
-    ;;
-  rowspreadtests)
-    # the per-token formats' GPU conformance on row-spread.patch's kernels (the small-tile, long-decode at 256 and
-    # forced 128-row cases reach its new path)
-    variant row-spread load_per_position $ROW_SPREAD_FORMATS || exit 1
-    variant_tests rowspread tests/test_tiles.py tests/test_conformance.py -k "per_token_head or mixed"
     ;;
   bench1)
     timeout 500 python3 benchmarks/bench.py --cuda-graphs --out "$out/benchA" --formats bf16 fp16 fp8_e4m3 \
@@ -141,7 +101,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': tests, dequant, maskfree, rowspread, rowspread128, rowspreadtests, kivicrash, cells, hs64prof, writes, bench1 or bench2" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, kivicrash, cells, hs64prof or writes" >&2
     exit 2
     ;;
 esac

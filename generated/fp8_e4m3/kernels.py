@@ -328,6 +328,7 @@ def paged_attention_kernel(
     DOT_K: tl.constexpr, Q_TERMS: tl.constexpr, K_TERMS: tl.constexpr,
     DOT_V: tl.constexpr, P_TERMS: tl.constexpr, V_TERMS: tl.constexpr, NATIVE_CASTS: tl.constexpr,
     OFFSETS_64: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr, V_CONVERT_FIRST: tl.constexpr,
+    MASK_FREE_STEPS: tl.constexpr,
 ):
     seq = tl.program_id(0) // num_q_tiles
     tile = tl.program_id(0) % num_q_tiles
@@ -374,45 +375,170 @@ def paged_attention_kernel(
             n_first = lo + tl.arange(0, BLOCK_N)
             blk_next = tl.load(block_table_ptr + seq * stride_bt + n_first // BLOCK_SIZE, mask=n_first < full_hi,
                                other=0)
-        for start in range(lo, full_hi, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            if PREFETCH_BLOCKS:  # this step's block ids were loaded one step ahead; load the next step's
-                blk = blk_next
-                blk_next = tl.load(block_table_ptr + seq * stride_bt + (n + BLOCK_N) // BLOCK_SIZE,
-                                   mask=n + BLOCK_N < full_hi, other=0)
-            else:
-                blk = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE)
-            if OFFSETS_64:  # a cache tensor of 2 GiB or more: 64-bit byte offsets
-                blk = blk.to(tl.int64)
-            off = n % BLOCK_SIZE
-            k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
-            k_code = tl.load(k_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
-            if DOT_K != 0:  # tensor-core dots: the code's value in their type
-                k_tile = k_decode_dot(k_code, NATIVE_CASTS)
-            else:
-                k_tile = k_decode(k_code)
-            k_op = k_tile
-            scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
-            visible = (n[None, :] <= q_pos[:, None])
-            visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
-            scores = tl.where(visible, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay at zero
-            p = tl.exp2(scores - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
-            v_code = tl.load(v_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
-            if DOT_V != 0:  # tensor-core dots: the code's value in their type
-                v_tile = v_decode_dot(v_code, NATIVE_CASTS)
-            else:
-                v_tile = v_decode(v_code)
-            v_op = v_tile
-            if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
-                v_op = keep_layout(v_op)
-            pv = mma(p, v_op, DOT_V, P_TERMS, V_TERMS)
-            acc = acc * alpha[:, None] + pv
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
+        if MASK_FREE_STEPS:
+            # among them, the steps every row sees whole need no visibility mask: from the first step past the
+            # window's edge (positions before the last query's window) to the last step that ends at the first
+            # query's position
+            window_edge = context + last_q - window + 1
+            free_lo = tl.where(window > 0, lo + (tl.maximum(window_edge - lo, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N,
+                               lo)
+            free_lo = tl.minimum(free_lo, full_hi)
+            free_hi = lo + (tl.maximum(context + tile * BLOCK_Q + 1 - lo, 0) // BLOCK_N) * BLOCK_N
+            free_hi = tl.minimum(tl.maximum(free_hi, free_lo), full_hi)
+            for start in range(lo, free_lo, BLOCK_N):  # the window's edge
+                n = start + tl.arange(0, BLOCK_N)
+                if PREFETCH_BLOCKS:  # this step's block ids were loaded one step ahead; load the next step's
+                    blk = blk_next
+                    blk_next = tl.load(block_table_ptr + seq * stride_bt + (n + BLOCK_N) // BLOCK_SIZE,
+                                       mask=n + BLOCK_N < full_hi, other=0)
+                else:
+                    blk = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE)
+                if OFFSETS_64:  # a cache tensor of 2 GiB or more: 64-bit byte offsets
+                    blk = blk.to(tl.int64)
+                off = n % BLOCK_SIZE
+                k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
+                k_code = tl.load(k_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
+                if DOT_K != 0:  # tensor-core dots: the code's value in their type
+                    k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+                else:
+                    k_tile = k_decode(k_code)
+                k_op = k_tile
+                scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
+                visible = (n[None, :] <= q_pos[:, None])
+                visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
+                scores = tl.where(visible, scores, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay at zero
+                p = tl.exp2(scores - m_safe[:, None])
+                alpha = tl.exp2(m_i - m_safe)
+                v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
+                v_code = tl.load(v_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
+                if DOT_V != 0:  # tensor-core dots: the code's value in their type
+                    v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+                else:
+                    v_tile = v_decode(v_code)
+                v_op = v_tile
+                if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
+                    v_op = keep_layout(v_op)
+                pv = mma(p, v_op, DOT_V, P_TERMS, V_TERMS)
+                acc = acc * alpha[:, None] + pv
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                m_i = m_new
+            for start in range(free_lo, free_hi, BLOCK_N):  # every position visible to every row
+                n = start + tl.arange(0, BLOCK_N)
+                if PREFETCH_BLOCKS:  # this step's block ids were loaded one step ahead; load the next step's
+                    blk = blk_next
+                    blk_next = tl.load(block_table_ptr + seq * stride_bt + (n + BLOCK_N) // BLOCK_SIZE,
+                                       mask=n + BLOCK_N < full_hi, other=0)
+                else:
+                    blk = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE)
+                if OFFSETS_64:  # a cache tensor of 2 GiB or more: 64-bit byte offsets
+                    blk = blk.to(tl.int64)
+                off = n % BLOCK_SIZE
+                k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
+                k_code = tl.load(k_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
+                if DOT_K != 0:  # tensor-core dots: the code's value in their type
+                    k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+                else:
+                    k_tile = k_decode(k_code)
+                k_op = k_tile
+                scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
+                m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay at zero
+                p = tl.exp2(scores - m_safe[:, None])
+                alpha = tl.exp2(m_i - m_safe)
+                v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
+                v_code = tl.load(v_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
+                if DOT_V != 0:  # tensor-core dots: the code's value in their type
+                    v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+                else:
+                    v_tile = v_decode(v_code)
+                v_op = v_tile
+                if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
+                    v_op = keep_layout(v_op)
+                pv = mma(p, v_op, DOT_V, P_TERMS, V_TERMS)
+                acc = acc * alpha[:, None] + pv
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                m_i = m_new
+            for start in range(free_hi, full_hi, BLOCK_N):  # the causal diagonal
+                n = start + tl.arange(0, BLOCK_N)
+                if PREFETCH_BLOCKS:  # this step's block ids were loaded one step ahead; load the next step's
+                    blk = blk_next
+                    blk_next = tl.load(block_table_ptr + seq * stride_bt + (n + BLOCK_N) // BLOCK_SIZE,
+                                       mask=n + BLOCK_N < full_hi, other=0)
+                else:
+                    blk = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE)
+                if OFFSETS_64:  # a cache tensor of 2 GiB or more: 64-bit byte offsets
+                    blk = blk.to(tl.int64)
+                off = n % BLOCK_SIZE
+                k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
+                k_code = tl.load(k_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
+                if DOT_K != 0:  # tensor-core dots: the code's value in their type
+                    k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+                else:
+                    k_tile = k_decode(k_code)
+                k_op = k_tile
+                scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
+                visible = (n[None, :] <= q_pos[:, None])
+                visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
+                scores = tl.where(visible, scores, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay at zero
+                p = tl.exp2(scores - m_safe[:, None])
+                alpha = tl.exp2(m_i - m_safe)
+                v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
+                v_code = tl.load(v_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
+                if DOT_V != 0:  # tensor-core dots: the code's value in their type
+                    v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+                else:
+                    v_tile = v_decode(v_code)
+                v_op = v_tile
+                if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
+                    v_op = keep_layout(v_op)
+                pv = mma(p, v_op, DOT_V, P_TERMS, V_TERMS)
+                acc = acc * alpha[:, None] + pv
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                m_i = m_new
+        else:
+            for start in range(lo, full_hi, BLOCK_N):
+                n = start + tl.arange(0, BLOCK_N)
+                if PREFETCH_BLOCKS:  # this step's block ids were loaded one step ahead; load the next step's
+                    blk = blk_next
+                    blk_next = tl.load(block_table_ptr + seq * stride_bt + (n + BLOCK_N) // BLOCK_SIZE,
+                                       mask=n + BLOCK_N < full_hi, other=0)
+                else:
+                    blk = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE)
+                if OFFSETS_64:  # a cache tensor of 2 GiB or more: 64-bit byte offsets
+                    blk = blk.to(tl.int64)
+                off = n % BLOCK_SIZE
+                k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
+                k_code = tl.load(k_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
+                if DOT_K != 0:  # tensor-core dots: the code's value in their type
+                    k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+                else:
+                    k_tile = k_decode(k_code)
+                k_op = k_tile
+                scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
+                visible = (n[None, :] <= q_pos[:, None])
+                visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
+                scores = tl.where(visible, scores, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay at zero
+                p = tl.exp2(scores - m_safe[:, None])
+                alpha = tl.exp2(m_i - m_safe)
+                v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
+                v_code = tl.load(v_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
+                if DOT_V != 0:  # tensor-core dots: the code's value in their type
+                    v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+                else:
+                    v_tile = v_decode(v_code)
+                v_op = v_tile
+                if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
+                    v_op = keep_layout(v_op)
+                pv = mma(p, v_op, DOT_V, P_TERMS, V_TERMS)
+                acc = acc * alpha[:, None] + pv
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                m_i = m_new
         for start in range(full_hi, paged_hi, BLOCK_N):  # at most one step
             n = start + tl.arange(0, BLOCK_N)
             n_mask = n < paged_hi

@@ -9,6 +9,7 @@
 #   0.85% on RoPE'd keys with outlier channels.
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import num_threads  # compiled code only (load_per_position)
 
 # Attention operands per side: the tensor-core type that holds them exactly, in how many terms ("", 0: exact fp32
 # dots only), and the smallest padded head size they are used at (sub-byte codes: 32; at 16 the H200 build of
@@ -364,6 +365,23 @@ def mma(a, b, DOT: tl.constexpr, A_TERMS: tl.constexpr, B_TERMS: tl.constexpr):
 
 
 @triton.jit
+def load_per_position(ptrs, mask, SPREAD_LOADS: tl.constexpr):
+    # one unsigned word per KV position of the step ([N]: per-position scales or zero points). SPREAD_LOADS (compiled
+    # code: NATIVE_CASTS), where the program's threads outnumber the positions, as an [N, T / N] tile of which one
+    # column reads memory (the others masked: no access) and is summed back (exact: one word plus zeros): an [N]
+    # tensor spread over more threads than it has elements is replicated, and Triton's pipeliner leaves such loads
+    # waited on (LDG) where it copies the rest ahead (LDGSTS). T and N are powers of two
+    tl.static_assert(ptrs.dtype.element_ty.is_int_unsigned(), "load_per_position: unsigned words only")
+    if SPREAD_LOADS:
+        SPREAD: tl.constexpr = num_threads() // ptrs.shape[0]
+        if SPREAD > 1:
+            r = tl.arange(0, SPREAD)
+            w = tl.load(ptrs[:, None] + 0 * r[None, :], mask=(r == 0)[None, :] & mask[:, None], other=0)
+            return tl.sum(w, axis=1).to(w.dtype)
+    return tl.load(ptrs, mask=mask, other=0)
+
+
+@triton.jit
 def pow2_floor(x):
     # the largest power of two <= x for positive normal x (its exponent bits); 1.0 for 0, subnormals, inf and NaN
     e = x.to(tl.uint32, bitcast=True) & 0x7F800000
@@ -422,6 +440,7 @@ def paged_attention_kernel(
     DOT_K: tl.constexpr, Q_TERMS: tl.constexpr, K_TERMS: tl.constexpr,
     DOT_V: tl.constexpr, P_TERMS: tl.constexpr, V_TERMS: tl.constexpr, NATIVE_CASTS: tl.constexpr,
     OFFSETS_64: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr, V_CONVERT_FIRST: tl.constexpr,
+    MASK_FREE_STEPS: tl.constexpr,
 ):
     seq = tl.program_id(0) // num_q_tiles
     tile = tl.program_id(0) % num_q_tiles
@@ -477,73 +496,282 @@ def paged_attention_kernel(
             n_first = lo + tl.arange(0, BLOCK_N)
             blk_next = tl.load(block_table_ptr + seq * stride_bt + n_first // BLOCK_SIZE, mask=n_first < full_hi,
                                other=0)
-        for start in range(lo, full_hi, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            if PREFETCH_BLOCKS:  # this step's block ids were loaded one step ahead; load the next step's
-                blk = blk_next
-                blk_next = tl.load(block_table_ptr + seq * stride_bt + (n + BLOCK_N) // BLOCK_SIZE,
-                                   mask=n + BLOCK_N < full_hi, other=0)
-            else:
-                blk = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE)
-            if OFFSETS_64:  # a cache tensor of 2 GiB or more: 64-bit byte offsets
-                blk = blk.to(tl.int64)
-            off = n % BLOCK_SIZE
-            k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
-            k_code = tl.load(k_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
-            if DOT_K >= 3:  # quantized domain: the codes themselves are the operand
-                k_tile = k_as_qdot(k_code)
-            elif DOT_K != 0:  # tensor-core dots: the code's value in their type
-                k_tile = k_decode_dot(k_code, NATIVE_CASTS)
-            else:
-                k_tile = k_decode(k_code)
-            k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
-            # one scale per row: it multiplies the row after the dot
-            k_scode = tl.load(k_srow.to(tl.pointer_type(tl.uint32)))
-            k_op = k_tile
-            k_tok = k_scale_decode(k_scode)
-            scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
-            scores = scores * k_tok[None, :]
-            visible = (n[None, :] <= q_pos[:, None])
-            visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
-            scores = tl.where(visible, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay at zero
-            p = tl.exp2(scores - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
-            v_code = tl.load(v_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
-            if DOT_V >= 3:  # quantized domain: the codes themselves are the operand
-                v_tile = v_as_qdot(v_code)
-            elif DOT_V != 0:  # tensor-core dots: the code's value in their type
-                v_tile = v_decode_dot(v_code, NATIVE_CASTS)
-            else:
-                v_tile = v_decode(v_code)
-            v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
-            # one scale per row: it multiplies the row after the dot
-            v_scode = tl.load(v_srow.to(tl.pointer_type(tl.uint32)))
-            v_op = v_tile
-            v_tok = v_scale_decode(v_scode)
-            if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
-                v_op = keep_layout(v_op)
-            if DOT_V >= 3:
-                # quantized domain: the probabilities times the per-position value scales in int8, per query row
-                # and step: the row's largest maps to 127.0; an int8 dot with the value codes, then the row's step
-                pw = p * v_tok[None, :]
-                pw_top = tl.max(pw, axis=1)
-                pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
-                # (1 / top stays finite for a normal top; 127 / top need not, so the row is normalised first)
-                p_code = v_as_qdot(v_encode((pw * tl.math.div_rn(1.0, pw_top)[:, None]) * 127.0))
-                pv = mma(p_code, v_op, DOT_V, 1, 1) * (pw_top * 0.007874015748031496)[:, None]
-            else:
-                # the per-position value factors enter the probabilities, relative to each query row's largest weight
-                # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
-                pw = p * v_tok[None, :]
-                pw_top = tl.max(pw, axis=1)
-                pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
-                pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
-            acc = acc * alpha[:, None] + pv
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
+        if MASK_FREE_STEPS:
+            # among them, the steps every row sees whole need no visibility mask: from the first step past the
+            # window's edge (positions before the last query's window) to the last step that ends at the first
+            # query's position
+            window_edge = context + last_q - window + 1
+            free_lo = tl.where(window > 0, lo + (tl.maximum(window_edge - lo, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N,
+                               lo)
+            free_lo = tl.minimum(free_lo, full_hi)
+            free_hi = lo + (tl.maximum(context + tile * BLOCK_Q + 1 - lo, 0) // BLOCK_N) * BLOCK_N
+            free_hi = tl.minimum(tl.maximum(free_hi, free_lo), full_hi)
+            for start in range(lo, free_lo, BLOCK_N):  # the window's edge
+                n = start + tl.arange(0, BLOCK_N)
+                if PREFETCH_BLOCKS:  # this step's block ids were loaded one step ahead; load the next step's
+                    blk = blk_next
+                    blk_next = tl.load(block_table_ptr + seq * stride_bt + (n + BLOCK_N) // BLOCK_SIZE,
+                                       mask=n + BLOCK_N < full_hi, other=0)
+                else:
+                    blk = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE)
+                if OFFSETS_64:  # a cache tensor of 2 GiB or more: 64-bit byte offsets
+                    blk = blk.to(tl.int64)
+                off = n % BLOCK_SIZE
+                k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
+                k_code = tl.load(k_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
+                if DOT_K >= 3:  # quantized domain: the codes themselves are the operand
+                    k_tile = k_as_qdot(k_code)
+                elif DOT_K != 0:  # tensor-core dots: the code's value in their type
+                    k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+                else:
+                    k_tile = k_decode(k_code)
+                k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
+                # one scale per row: it multiplies the row after the dot
+                k_scode = load_per_position(k_srow.to(tl.pointer_type(tl.uint32)), off >= 0, NATIVE_CASTS)
+                k_op = k_tile
+                k_tok = k_scale_decode(k_scode)
+                scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
+                scores = scores * k_tok[None, :]
+                visible = (n[None, :] <= q_pos[:, None])
+                visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
+                scores = tl.where(visible, scores, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay at zero
+                p = tl.exp2(scores - m_safe[:, None])
+                alpha = tl.exp2(m_i - m_safe)
+                v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
+                v_code = tl.load(v_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
+                if DOT_V >= 3:  # quantized domain: the codes themselves are the operand
+                    v_tile = v_as_qdot(v_code)
+                elif DOT_V != 0:  # tensor-core dots: the code's value in their type
+                    v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+                else:
+                    v_tile = v_decode(v_code)
+                v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
+                # one scale per row: it multiplies the row after the dot
+                v_scode = load_per_position(v_srow.to(tl.pointer_type(tl.uint32)), off >= 0, NATIVE_CASTS)
+                v_op = v_tile
+                v_tok = v_scale_decode(v_scode)
+                if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
+                    v_op = keep_layout(v_op)
+                if DOT_V >= 3:
+                    # quantized domain: the probabilities times the per-position value scales in int8, per query row
+                    # and step: the row's largest maps to 127.0; an int8 dot with the value codes, then the row's step
+                    pw = p * v_tok[None, :]
+                    pw_top = tl.max(pw, axis=1)
+                    pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
+                    # (1 / top stays finite for a normal top; 127 / top need not, so the row is normalised first)
+                    p_code = v_as_qdot(v_encode((pw * tl.math.div_rn(1.0, pw_top)[:, None]) * 127.0))
+                    pv = mma(p_code, v_op, DOT_V, 1, 1) * (pw_top * 0.007874015748031496)[:, None]
+                else:
+                    # the per-position value factors enter the probabilities, relative to each query row's largest weight
+                    # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
+                    pw = p * v_tok[None, :]
+                    pw_top = tl.max(pw, axis=1)
+                    pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
+                    pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
+                acc = acc * alpha[:, None] + pv
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                m_i = m_new
+            for start in range(free_lo, free_hi, BLOCK_N):  # every position visible to every row
+                n = start + tl.arange(0, BLOCK_N)
+                if PREFETCH_BLOCKS:  # this step's block ids were loaded one step ahead; load the next step's
+                    blk = blk_next
+                    blk_next = tl.load(block_table_ptr + seq * stride_bt + (n + BLOCK_N) // BLOCK_SIZE,
+                                       mask=n + BLOCK_N < full_hi, other=0)
+                else:
+                    blk = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE)
+                if OFFSETS_64:  # a cache tensor of 2 GiB or more: 64-bit byte offsets
+                    blk = blk.to(tl.int64)
+                off = n % BLOCK_SIZE
+                k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
+                k_code = tl.load(k_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
+                if DOT_K >= 3:  # quantized domain: the codes themselves are the operand
+                    k_tile = k_as_qdot(k_code)
+                elif DOT_K != 0:  # tensor-core dots: the code's value in their type
+                    k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+                else:
+                    k_tile = k_decode(k_code)
+                k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
+                # one scale per row: it multiplies the row after the dot
+                k_scode = load_per_position(k_srow.to(tl.pointer_type(tl.uint32)), off >= 0, NATIVE_CASTS)
+                k_op = k_tile
+                k_tok = k_scale_decode(k_scode)
+                scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
+                scores = scores * k_tok[None, :]
+                m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay at zero
+                p = tl.exp2(scores - m_safe[:, None])
+                alpha = tl.exp2(m_i - m_safe)
+                v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
+                v_code = tl.load(v_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
+                if DOT_V >= 3:  # quantized domain: the codes themselves are the operand
+                    v_tile = v_as_qdot(v_code)
+                elif DOT_V != 0:  # tensor-core dots: the code's value in their type
+                    v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+                else:
+                    v_tile = v_decode(v_code)
+                v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
+                # one scale per row: it multiplies the row after the dot
+                v_scode = load_per_position(v_srow.to(tl.pointer_type(tl.uint32)), off >= 0, NATIVE_CASTS)
+                v_op = v_tile
+                v_tok = v_scale_decode(v_scode)
+                if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
+                    v_op = keep_layout(v_op)
+                if DOT_V >= 3:
+                    # quantized domain: the probabilities times the per-position value scales in int8, per query row
+                    # and step: the row's largest maps to 127.0; an int8 dot with the value codes, then the row's step
+                    pw = p * v_tok[None, :]
+                    pw_top = tl.max(pw, axis=1)
+                    pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
+                    # (1 / top stays finite for a normal top; 127 / top need not, so the row is normalised first)
+                    p_code = v_as_qdot(v_encode((pw * tl.math.div_rn(1.0, pw_top)[:, None]) * 127.0))
+                    pv = mma(p_code, v_op, DOT_V, 1, 1) * (pw_top * 0.007874015748031496)[:, None]
+                else:
+                    # the per-position value factors enter the probabilities, relative to each query row's largest weight
+                    # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
+                    pw = p * v_tok[None, :]
+                    pw_top = tl.max(pw, axis=1)
+                    pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
+                    pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
+                acc = acc * alpha[:, None] + pv
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                m_i = m_new
+            for start in range(free_hi, full_hi, BLOCK_N):  # the causal diagonal
+                n = start + tl.arange(0, BLOCK_N)
+                if PREFETCH_BLOCKS:  # this step's block ids were loaded one step ahead; load the next step's
+                    blk = blk_next
+                    blk_next = tl.load(block_table_ptr + seq * stride_bt + (n + BLOCK_N) // BLOCK_SIZE,
+                                       mask=n + BLOCK_N < full_hi, other=0)
+                else:
+                    blk = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE)
+                if OFFSETS_64:  # a cache tensor of 2 GiB or more: 64-bit byte offsets
+                    blk = blk.to(tl.int64)
+                off = n % BLOCK_SIZE
+                k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
+                k_code = tl.load(k_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
+                if DOT_K >= 3:  # quantized domain: the codes themselves are the operand
+                    k_tile = k_as_qdot(k_code)
+                elif DOT_K != 0:  # tensor-core dots: the code's value in their type
+                    k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+                else:
+                    k_tile = k_decode(k_code)
+                k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
+                # one scale per row: it multiplies the row after the dot
+                k_scode = load_per_position(k_srow.to(tl.pointer_type(tl.uint32)), off >= 0, NATIVE_CASTS)
+                k_op = k_tile
+                k_tok = k_scale_decode(k_scode)
+                scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
+                scores = scores * k_tok[None, :]
+                visible = (n[None, :] <= q_pos[:, None])
+                visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
+                scores = tl.where(visible, scores, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay at zero
+                p = tl.exp2(scores - m_safe[:, None])
+                alpha = tl.exp2(m_i - m_safe)
+                v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
+                v_code = tl.load(v_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
+                if DOT_V >= 3:  # quantized domain: the codes themselves are the operand
+                    v_tile = v_as_qdot(v_code)
+                elif DOT_V != 0:  # tensor-core dots: the code's value in their type
+                    v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+                else:
+                    v_tile = v_decode(v_code)
+                v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
+                # one scale per row: it multiplies the row after the dot
+                v_scode = load_per_position(v_srow.to(tl.pointer_type(tl.uint32)), off >= 0, NATIVE_CASTS)
+                v_op = v_tile
+                v_tok = v_scale_decode(v_scode)
+                if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
+                    v_op = keep_layout(v_op)
+                if DOT_V >= 3:
+                    # quantized domain: the probabilities times the per-position value scales in int8, per query row
+                    # and step: the row's largest maps to 127.0; an int8 dot with the value codes, then the row's step
+                    pw = p * v_tok[None, :]
+                    pw_top = tl.max(pw, axis=1)
+                    pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
+                    # (1 / top stays finite for a normal top; 127 / top need not, so the row is normalised first)
+                    p_code = v_as_qdot(v_encode((pw * tl.math.div_rn(1.0, pw_top)[:, None]) * 127.0))
+                    pv = mma(p_code, v_op, DOT_V, 1, 1) * (pw_top * 0.007874015748031496)[:, None]
+                else:
+                    # the per-position value factors enter the probabilities, relative to each query row's largest weight
+                    # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
+                    pw = p * v_tok[None, :]
+                    pw_top = tl.max(pw, axis=1)
+                    pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
+                    pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
+                acc = acc * alpha[:, None] + pv
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                m_i = m_new
+        else:
+            for start in range(lo, full_hi, BLOCK_N):
+                n = start + tl.arange(0, BLOCK_N)
+                if PREFETCH_BLOCKS:  # this step's block ids were loaded one step ahead; load the next step's
+                    blk = blk_next
+                    blk_next = tl.load(block_table_ptr + seq * stride_bt + (n + BLOCK_N) // BLOCK_SIZE,
+                                       mask=n + BLOCK_N < full_hi, other=0)
+                else:
+                    blk = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE)
+                if OFFSETS_64:  # a cache tensor of 2 GiB or more: 64-bit byte offsets
+                    blk = blk.to(tl.int64)
+                off = n % BLOCK_SIZE
+                k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
+                k_code = tl.load(k_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
+                if DOT_K >= 3:  # quantized domain: the codes themselves are the operand
+                    k_tile = k_as_qdot(k_code)
+                elif DOT_K != 0:  # tensor-core dots: the code's value in their type
+                    k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+                else:
+                    k_tile = k_decode(k_code)
+                k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
+                # one scale per row: it multiplies the row after the dot
+                k_scode = load_per_position(k_srow.to(tl.pointer_type(tl.uint32)), off >= 0, NATIVE_CASTS)
+                k_op = k_tile
+                k_tok = k_scale_decode(k_scode)
+                scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
+                scores = scores * k_tok[None, :]
+                visible = (n[None, :] <= q_pos[:, None])
+                visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
+                scores = tl.where(visible, scores, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay at zero
+                p = tl.exp2(scores - m_safe[:, None])
+                alpha = tl.exp2(m_i - m_safe)
+                v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
+                v_code = tl.load(v_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
+                if DOT_V >= 3:  # quantized domain: the codes themselves are the operand
+                    v_tile = v_as_qdot(v_code)
+                elif DOT_V != 0:  # tensor-core dots: the code's value in their type
+                    v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+                else:
+                    v_tile = v_decode(v_code)
+                v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
+                # one scale per row: it multiplies the row after the dot
+                v_scode = load_per_position(v_srow.to(tl.pointer_type(tl.uint32)), off >= 0, NATIVE_CASTS)
+                v_op = v_tile
+                v_tok = v_scale_decode(v_scode)
+                if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
+                    v_op = keep_layout(v_op)
+                if DOT_V >= 3:
+                    # quantized domain: the probabilities times the per-position value scales in int8, per query row
+                    # and step: the row's largest maps to 127.0; an int8 dot with the value codes, then the row's step
+                    pw = p * v_tok[None, :]
+                    pw_top = tl.max(pw, axis=1)
+                    pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
+                    # (1 / top stays finite for a normal top; 127 / top need not, so the row is normalised first)
+                    p_code = v_as_qdot(v_encode((pw * tl.math.div_rn(1.0, pw_top)[:, None]) * 127.0))
+                    pv = mma(p_code, v_op, DOT_V, 1, 1) * (pw_top * 0.007874015748031496)[:, None]
+                else:
+                    # the per-position value factors enter the probabilities, relative to each query row's largest weight
+                    # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
+                    pw = p * v_tok[None, :]
+                    pw_top = tl.max(pw, axis=1)
+                    pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
+                    pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
+                acc = acc * alpha[:, None] + pv
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                m_i = m_new
         for start in range(full_hi, paged_hi, BLOCK_N):  # at most one step
             n = start + tl.arange(0, BLOCK_N)
             n_mask = n < paged_hi
@@ -561,7 +789,7 @@ def paged_attention_kernel(
                 k_tile = k_decode(k_code)
             k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
             # one scale per row: it multiplies the row after the dot
-            k_scode = tl.load(k_srow.to(tl.pointer_type(tl.uint32)), mask=n_mask, other=0)
+            k_scode = load_per_position(k_srow.to(tl.pointer_type(tl.uint32)), n_mask, NATIVE_CASTS)
             k_op = k_tile
             k_tok = k_scale_decode(k_scode)
             scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
@@ -583,7 +811,7 @@ def paged_attention_kernel(
                 v_tile = v_decode(v_code)
             v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
             # one scale per row: it multiplies the row after the dot
-            v_scode = tl.load(v_srow.to(tl.pointer_type(tl.uint32)), mask=n_mask, other=0)
+            v_scode = load_per_position(v_srow.to(tl.pointer_type(tl.uint32)), n_mask, NATIVE_CASTS)
             v_op = v_tile
             v_tok = v_scale_decode(v_scode)
             if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout

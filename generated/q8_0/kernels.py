@@ -422,6 +422,7 @@ def paged_attention_kernel(
     DOT_K: tl.constexpr, Q_TERMS: tl.constexpr, K_TERMS: tl.constexpr,
     DOT_V: tl.constexpr, P_TERMS: tl.constexpr, V_TERMS: tl.constexpr, NATIVE_CASTS: tl.constexpr,
     OFFSETS_64: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr, V_CONVERT_FIRST: tl.constexpr,
+    MASK_FREE_STEPS: tl.constexpr,
     BLOCK_DOTS: tl.constexpr,
 ):
     seq = tl.program_id(0) // num_q_tiles
@@ -469,113 +470,442 @@ def paged_attention_kernel(
             n_first = lo + tl.arange(0, BLOCK_N)
             blk_next = tl.load(block_table_ptr + seq * stride_bt + n_first // BLOCK_SIZE, mask=n_first < full_hi,
                                other=0)
-        for start in range(lo, full_hi, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            if PREFETCH_BLOCKS:  # this step's block ids were loaded one step ahead; load the next step's
-                blk = blk_next
-                blk_next = tl.load(block_table_ptr + seq * stride_bt + (n + BLOCK_N) // BLOCK_SIZE,
-                                   mask=n + BLOCK_N < full_hi, other=0)
-            else:
-                blk = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE)
-            if OFFSETS_64:  # a cache tensor of 2 GiB or more: 64-bit byte offsets
-                blk = blk.to(tl.int64)
-            off = n % BLOCK_SIZE
-            k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
-            k_code = tl.load(k_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
-            if DOT_K != 0:  # tensor-core dots: the code's value in their type
-                k_tile = k_decode_dot(k_code, NATIVE_CASTS)
-            else:
-                k_tile = k_decode(k_code)
-            k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
-            # one scale per 32 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
-            k_gi = tl.arange(0, HEAD_PAD // 32)
-            k_gmask = (k_gi < HEAD_SIZE // 32)[None, :]
+        if MASK_FREE_STEPS:
+            # among them, the steps every row sees whole need no visibility mask: from the first step past the
+            # window's edge (positions before the last query's window) to the last step that ends at the first
+            # query's position
+            window_edge = context + last_q - window + 1
+            free_lo = tl.where(window > 0, lo + (tl.maximum(window_edge - lo, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N,
+                               lo)
+            free_lo = tl.minimum(free_lo, full_hi)
+            free_hi = lo + (tl.maximum(context + tile * BLOCK_Q + 1 - lo, 0) // BLOCK_N) * BLOCK_N
+            free_hi = tl.minimum(tl.maximum(free_hi, free_lo), full_hi)
+            for start in range(lo, free_lo, BLOCK_N):  # the window's edge
+                n = start + tl.arange(0, BLOCK_N)
+                if PREFETCH_BLOCKS:  # this step's block ids were loaded one step ahead; load the next step's
+                    blk = blk_next
+                    blk_next = tl.load(block_table_ptr + seq * stride_bt + (n + BLOCK_N) // BLOCK_SIZE,
+                                       mask=n + BLOCK_N < full_hi, other=0)
+                else:
+                    blk = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE)
+                if OFFSETS_64:  # a cache tensor of 2 GiB or more: 64-bit byte offsets
+                    blk = blk.to(tl.int64)
+                off = n % BLOCK_SIZE
+                k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
+                k_code = tl.load(k_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
+                if DOT_K != 0:  # tensor-core dots: the code's value in their type
+                    k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+                else:
+                    k_tile = k_decode(k_code)
+                k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
+                # one scale per 32 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
+                k_gi = tl.arange(0, HEAD_PAD // 32)
+                k_gmask = (k_gi < HEAD_SIZE // 32)[None, :]
 
-            if ((HEAD_PAD // 32 * 2) < 4) & (K_SCALE_PAGE % 4 == 0) & (K_SCALE_BASE % (HEAD_PAD // 32 * 2) == 0) & (K_SCALE_CELL % (HEAD_PAD // 32 * 2) == 0) & ((NUM_KV_HEADS * K_SCALE_CELL) % 4 == 0):
-                # the row's place in its word is the head's alone (whole words per position): one shift per scale, no
-                # per-row offsets; every scale loads its row's word (the tile keeps the layout of a load of the scales)
-                k_sword = tl.load(k_cache_ptr.to(tl.pointer_type(tl.uint32)) + ((blk * K_SCALE_PAGE + (K_SCALE_BASE - K_SCALE_BASE % 4) + off * NUM_KV_HEADS * K_SCALE_CELL + (head * K_SCALE_CELL + K_SCALE_BASE % 4) // 4 * 4) // 4)[:, None] + 0 * k_gi[None, :], mask=k_gmask, other=0)
-                k_sshift = 8 * ((head * K_SCALE_CELL + K_SCALE_BASE) % 4) + 16 * k_gi
-                k_scode = ((k_sword >> k_sshift.to(tl.uint32)[None, :]) & 65535).to(tl.uint16)  # little-endian
-            else:
-                k_scode = tl.load(k_srow.to(tl.pointer_type(tl.uint16))[:, None] + k_gi[None, :], mask=k_gmask, other=0)
-            k_bs = k_scale_decode(k_scode)
-            if BLOCK_DOTS:
-                # decode: one dot per block on the codes themselves (one fp16 term); k_bs [BLOCK_N, blocks] multiplies
-                # each block's result (block_scores / block_pv)
-                k_op = k_tile
-            else:
-                k_tok = pow2_floor(tl.max(k_bs, axis=1))
-                k_ratio = k_bs * pow2_inv(k_tok)[:, None]
-                if (DOT_K != 0) & (K_TERMS == 1):
-                    # one dot term (dot_precision="fast"): the ratios (at most 2) in the tile's type, two elements per multiply;
-                    # each product rounds once, as the dot's conversion of the exact fp32 product would (ratios of fp16's normal
-                    # range; a smaller one rounds first)
-                    k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio.to(k_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
-                else:  # two terms (hi + lo: exact products) or exact fp32 dots
-                    k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
-            if BLOCK_DOTS:  # one dot per block of 32 elements on the codes, each block's result times its scales
-                scores = block_scores(q, k_op, k_bs, HEAD_PAD // 32, DOT_K, Q_TERMS)
-                scores = scores * row_scale[:, None]
-            else:
-                scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None] * k_tok[None, :]
-            visible = (n[None, :] <= q_pos[:, None])
-            visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
-            scores = tl.where(visible, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay at zero
-            p = tl.exp2(scores - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
-            v_code = tl.load(v_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
-            if DOT_V != 0:  # tensor-core dots: the code's value in their type
-                v_tile = v_decode_dot(v_code, NATIVE_CASTS)
-            else:
-                v_tile = v_decode(v_code)
-            v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
-            # one scale per 32 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
-            v_gi = tl.arange(0, HEAD_PAD // 32)
-            v_gmask = (v_gi < HEAD_SIZE // 32)[None, :]
+                if ((HEAD_PAD // 32 * 2) < 4) & (K_SCALE_PAGE % 4 == 0) & (K_SCALE_BASE % (HEAD_PAD // 32 * 2) == 0) & (K_SCALE_CELL % (HEAD_PAD // 32 * 2) == 0) & ((NUM_KV_HEADS * K_SCALE_CELL) % 4 == 0):
+                    # the row's place in its word is the head's alone (whole words per position): one shift per scale, no
+                    # per-row offsets; every scale loads its row's word (the tile keeps the layout of a load of the scales)
+                    k_sword = tl.load(k_cache_ptr.to(tl.pointer_type(tl.uint32)) + ((blk * K_SCALE_PAGE + (K_SCALE_BASE - K_SCALE_BASE % 4) + off * NUM_KV_HEADS * K_SCALE_CELL + (head * K_SCALE_CELL + K_SCALE_BASE % 4) // 4 * 4) // 4)[:, None] + 0 * k_gi[None, :], mask=k_gmask, other=0)
+                    k_sshift = 8 * ((head * K_SCALE_CELL + K_SCALE_BASE) % 4) + 16 * k_gi
+                    k_scode = ((k_sword >> k_sshift.to(tl.uint32)[None, :]) & 65535).to(tl.uint16)  # little-endian
+                else:
+                    k_scode = tl.load(k_srow.to(tl.pointer_type(tl.uint16))[:, None] + k_gi[None, :], mask=k_gmask, other=0)
+                k_bs = k_scale_decode(k_scode)
+                if BLOCK_DOTS:
+                    # decode: one dot per block on the codes themselves (one fp16 term); k_bs [BLOCK_N, blocks] multiplies
+                    # each block's result (block_scores / block_pv)
+                    k_op = k_tile
+                else:
+                    k_tok = pow2_floor(tl.max(k_bs, axis=1))
+                    k_ratio = k_bs * pow2_inv(k_tok)[:, None]
+                    if (DOT_K != 0) & (K_TERMS == 1):
+                        # one dot term (dot_precision="fast"): the ratios (at most 2) in the tile's type, two elements per multiply;
+                        # each product rounds once, as the dot's conversion of the exact fp32 product would (ratios of fp16's normal
+                        # range; a smaller one rounds first)
+                        k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio.to(k_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+                    else:  # two terms (hi + lo: exact products) or exact fp32 dots
+                        k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+                if BLOCK_DOTS:  # one dot per block of 32 elements on the codes, each block's result times its scales
+                    scores = block_scores(q, k_op, k_bs, HEAD_PAD // 32, DOT_K, Q_TERMS)
+                    scores = scores * row_scale[:, None]
+                else:
+                    scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None] * k_tok[None, :]
+                visible = (n[None, :] <= q_pos[:, None])
+                visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
+                scores = tl.where(visible, scores, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay at zero
+                p = tl.exp2(scores - m_safe[:, None])
+                alpha = tl.exp2(m_i - m_safe)
+                v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
+                v_code = tl.load(v_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
+                if DOT_V != 0:  # tensor-core dots: the code's value in their type
+                    v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+                else:
+                    v_tile = v_decode(v_code)
+                v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
+                # one scale per 32 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
+                v_gi = tl.arange(0, HEAD_PAD // 32)
+                v_gmask = (v_gi < HEAD_SIZE // 32)[None, :]
 
-            if ((HEAD_PAD // 32 * 2) < 4) & (V_SCALE_PAGE % 4 == 0) & (V_SCALE_BASE % (HEAD_PAD // 32 * 2) == 0) & (V_SCALE_CELL % (HEAD_PAD // 32 * 2) == 0) & ((NUM_KV_HEADS * V_SCALE_CELL) % 4 == 0):
-                # the row's place in its word is the head's alone (whole words per position): one shift per scale, no
-                # per-row offsets; every scale loads its row's word (the tile keeps the layout of a load of the scales)
-                v_sword = tl.load(v_cache_ptr.to(tl.pointer_type(tl.uint32)) + ((blk * V_SCALE_PAGE + (V_SCALE_BASE - V_SCALE_BASE % 4) + off * NUM_KV_HEADS * V_SCALE_CELL + (head * V_SCALE_CELL + V_SCALE_BASE % 4) // 4 * 4) // 4)[:, None] + 0 * v_gi[None, :], mask=v_gmask, other=0)
-                v_sshift = 8 * ((head * V_SCALE_CELL + V_SCALE_BASE) % 4) + 16 * v_gi
-                v_scode = ((v_sword >> v_sshift.to(tl.uint32)[None, :]) & 65535).to(tl.uint16)  # little-endian
-            else:
-                v_scode = tl.load(v_srow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], mask=v_gmask, other=0)
-            v_bs = v_scale_decode(v_scode)
-            if BLOCK_DOTS:
-                # decode: one dot per block on the codes themselves (one fp16 term); v_bs [BLOCK_N, blocks] multiplies
-                # each block's result (block_scores / block_pv)
-                v_op = v_tile
-            else:
-                v_tok = pow2_floor(tl.max(v_bs, axis=1))
-                v_ratio = v_bs * pow2_inv(v_tok)[:, None]
-                if (DOT_V != 0) & (V_TERMS == 1):
-                    # one dot term (dot_precision="fast"): the ratios (at most 2) in the tile's type, two elements per multiply;
-                    # each product rounds once, as the dot's conversion of the exact fp32 product would (ratios of fp16's normal
-                    # range; a smaller one rounds first)
-                    v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio.to(v_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
-                else:  # two terms (hi + lo: exact products) or exact fp32 dots
-                    v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
-            if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
-                v_op = keep_layout(v_op)
-            if BLOCK_DOTS:
-                # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
-                # relative to each query row's largest of them in the block (block_pv)
-                pv = block_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS)
-            else:
-                # the per-position value factors enter the probabilities, relative to each query row's largest weight
-                # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
-                pw = p * v_tok[None, :]
-                pw_top = tl.max(pw, axis=1)
-                pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
-                pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
-            acc = acc * alpha[:, None] + pv
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
+                if ((HEAD_PAD // 32 * 2) < 4) & (V_SCALE_PAGE % 4 == 0) & (V_SCALE_BASE % (HEAD_PAD // 32 * 2) == 0) & (V_SCALE_CELL % (HEAD_PAD // 32 * 2) == 0) & ((NUM_KV_HEADS * V_SCALE_CELL) % 4 == 0):
+                    # the row's place in its word is the head's alone (whole words per position): one shift per scale, no
+                    # per-row offsets; every scale loads its row's word (the tile keeps the layout of a load of the scales)
+                    v_sword = tl.load(v_cache_ptr.to(tl.pointer_type(tl.uint32)) + ((blk * V_SCALE_PAGE + (V_SCALE_BASE - V_SCALE_BASE % 4) + off * NUM_KV_HEADS * V_SCALE_CELL + (head * V_SCALE_CELL + V_SCALE_BASE % 4) // 4 * 4) // 4)[:, None] + 0 * v_gi[None, :], mask=v_gmask, other=0)
+                    v_sshift = 8 * ((head * V_SCALE_CELL + V_SCALE_BASE) % 4) + 16 * v_gi
+                    v_scode = ((v_sword >> v_sshift.to(tl.uint32)[None, :]) & 65535).to(tl.uint16)  # little-endian
+                else:
+                    v_scode = tl.load(v_srow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], mask=v_gmask, other=0)
+                v_bs = v_scale_decode(v_scode)
+                if BLOCK_DOTS:
+                    # decode: one dot per block on the codes themselves (one fp16 term); v_bs [BLOCK_N, blocks] multiplies
+                    # each block's result (block_scores / block_pv)
+                    v_op = v_tile
+                else:
+                    v_tok = pow2_floor(tl.max(v_bs, axis=1))
+                    v_ratio = v_bs * pow2_inv(v_tok)[:, None]
+                    if (DOT_V != 0) & (V_TERMS == 1):
+                        # one dot term (dot_precision="fast"): the ratios (at most 2) in the tile's type, two elements per multiply;
+                        # each product rounds once, as the dot's conversion of the exact fp32 product would (ratios of fp16's normal
+                        # range; a smaller one rounds first)
+                        v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio.to(v_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+                    else:  # two terms (hi + lo: exact products) or exact fp32 dots
+                        v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+                if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
+                    v_op = keep_layout(v_op)
+                if BLOCK_DOTS:
+                    # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
+                    # relative to each query row's largest of them in the block (block_pv)
+                    pv = block_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS)
+                else:
+                    # the per-position value factors enter the probabilities, relative to each query row's largest weight
+                    # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
+                    pw = p * v_tok[None, :]
+                    pw_top = tl.max(pw, axis=1)
+                    pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
+                    pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
+                acc = acc * alpha[:, None] + pv
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                m_i = m_new
+            for start in range(free_lo, free_hi, BLOCK_N):  # every position visible to every row
+                n = start + tl.arange(0, BLOCK_N)
+                if PREFETCH_BLOCKS:  # this step's block ids were loaded one step ahead; load the next step's
+                    blk = blk_next
+                    blk_next = tl.load(block_table_ptr + seq * stride_bt + (n + BLOCK_N) // BLOCK_SIZE,
+                                       mask=n + BLOCK_N < full_hi, other=0)
+                else:
+                    blk = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE)
+                if OFFSETS_64:  # a cache tensor of 2 GiB or more: 64-bit byte offsets
+                    blk = blk.to(tl.int64)
+                off = n % BLOCK_SIZE
+                k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
+                k_code = tl.load(k_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
+                if DOT_K != 0:  # tensor-core dots: the code's value in their type
+                    k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+                else:
+                    k_tile = k_decode(k_code)
+                k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
+                # one scale per 32 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
+                k_gi = tl.arange(0, HEAD_PAD // 32)
+                k_gmask = (k_gi < HEAD_SIZE // 32)[None, :]
+
+                if ((HEAD_PAD // 32 * 2) < 4) & (K_SCALE_PAGE % 4 == 0) & (K_SCALE_BASE % (HEAD_PAD // 32 * 2) == 0) & (K_SCALE_CELL % (HEAD_PAD // 32 * 2) == 0) & ((NUM_KV_HEADS * K_SCALE_CELL) % 4 == 0):
+                    # the row's place in its word is the head's alone (whole words per position): one shift per scale, no
+                    # per-row offsets; every scale loads its row's word (the tile keeps the layout of a load of the scales)
+                    k_sword = tl.load(k_cache_ptr.to(tl.pointer_type(tl.uint32)) + ((blk * K_SCALE_PAGE + (K_SCALE_BASE - K_SCALE_BASE % 4) + off * NUM_KV_HEADS * K_SCALE_CELL + (head * K_SCALE_CELL + K_SCALE_BASE % 4) // 4 * 4) // 4)[:, None] + 0 * k_gi[None, :], mask=k_gmask, other=0)
+                    k_sshift = 8 * ((head * K_SCALE_CELL + K_SCALE_BASE) % 4) + 16 * k_gi
+                    k_scode = ((k_sword >> k_sshift.to(tl.uint32)[None, :]) & 65535).to(tl.uint16)  # little-endian
+                else:
+                    k_scode = tl.load(k_srow.to(tl.pointer_type(tl.uint16))[:, None] + k_gi[None, :], mask=k_gmask, other=0)
+                k_bs = k_scale_decode(k_scode)
+                if BLOCK_DOTS:
+                    # decode: one dot per block on the codes themselves (one fp16 term); k_bs [BLOCK_N, blocks] multiplies
+                    # each block's result (block_scores / block_pv)
+                    k_op = k_tile
+                else:
+                    k_tok = pow2_floor(tl.max(k_bs, axis=1))
+                    k_ratio = k_bs * pow2_inv(k_tok)[:, None]
+                    if (DOT_K != 0) & (K_TERMS == 1):
+                        # one dot term (dot_precision="fast"): the ratios (at most 2) in the tile's type, two elements per multiply;
+                        # each product rounds once, as the dot's conversion of the exact fp32 product would (ratios of fp16's normal
+                        # range; a smaller one rounds first)
+                        k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio.to(k_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+                    else:  # two terms (hi + lo: exact products) or exact fp32 dots
+                        k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+                if BLOCK_DOTS:  # one dot per block of 32 elements on the codes, each block's result times its scales
+                    scores = block_scores(q, k_op, k_bs, HEAD_PAD // 32, DOT_K, Q_TERMS)
+                    scores = scores * row_scale[:, None]
+                else:
+                    scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None] * k_tok[None, :]
+                m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay at zero
+                p = tl.exp2(scores - m_safe[:, None])
+                alpha = tl.exp2(m_i - m_safe)
+                v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
+                v_code = tl.load(v_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
+                if DOT_V != 0:  # tensor-core dots: the code's value in their type
+                    v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+                else:
+                    v_tile = v_decode(v_code)
+                v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
+                # one scale per 32 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
+                v_gi = tl.arange(0, HEAD_PAD // 32)
+                v_gmask = (v_gi < HEAD_SIZE // 32)[None, :]
+
+                if ((HEAD_PAD // 32 * 2) < 4) & (V_SCALE_PAGE % 4 == 0) & (V_SCALE_BASE % (HEAD_PAD // 32 * 2) == 0) & (V_SCALE_CELL % (HEAD_PAD // 32 * 2) == 0) & ((NUM_KV_HEADS * V_SCALE_CELL) % 4 == 0):
+                    # the row's place in its word is the head's alone (whole words per position): one shift per scale, no
+                    # per-row offsets; every scale loads its row's word (the tile keeps the layout of a load of the scales)
+                    v_sword = tl.load(v_cache_ptr.to(tl.pointer_type(tl.uint32)) + ((blk * V_SCALE_PAGE + (V_SCALE_BASE - V_SCALE_BASE % 4) + off * NUM_KV_HEADS * V_SCALE_CELL + (head * V_SCALE_CELL + V_SCALE_BASE % 4) // 4 * 4) // 4)[:, None] + 0 * v_gi[None, :], mask=v_gmask, other=0)
+                    v_sshift = 8 * ((head * V_SCALE_CELL + V_SCALE_BASE) % 4) + 16 * v_gi
+                    v_scode = ((v_sword >> v_sshift.to(tl.uint32)[None, :]) & 65535).to(tl.uint16)  # little-endian
+                else:
+                    v_scode = tl.load(v_srow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], mask=v_gmask, other=0)
+                v_bs = v_scale_decode(v_scode)
+                if BLOCK_DOTS:
+                    # decode: one dot per block on the codes themselves (one fp16 term); v_bs [BLOCK_N, blocks] multiplies
+                    # each block's result (block_scores / block_pv)
+                    v_op = v_tile
+                else:
+                    v_tok = pow2_floor(tl.max(v_bs, axis=1))
+                    v_ratio = v_bs * pow2_inv(v_tok)[:, None]
+                    if (DOT_V != 0) & (V_TERMS == 1):
+                        # one dot term (dot_precision="fast"): the ratios (at most 2) in the tile's type, two elements per multiply;
+                        # each product rounds once, as the dot's conversion of the exact fp32 product would (ratios of fp16's normal
+                        # range; a smaller one rounds first)
+                        v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio.to(v_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+                    else:  # two terms (hi + lo: exact products) or exact fp32 dots
+                        v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+                if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
+                    v_op = keep_layout(v_op)
+                if BLOCK_DOTS:
+                    # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
+                    # relative to each query row's largest of them in the block (block_pv)
+                    pv = block_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS)
+                else:
+                    # the per-position value factors enter the probabilities, relative to each query row's largest weight
+                    # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
+                    pw = p * v_tok[None, :]
+                    pw_top = tl.max(pw, axis=1)
+                    pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
+                    pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
+                acc = acc * alpha[:, None] + pv
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                m_i = m_new
+            for start in range(free_hi, full_hi, BLOCK_N):  # the causal diagonal
+                n = start + tl.arange(0, BLOCK_N)
+                if PREFETCH_BLOCKS:  # this step's block ids were loaded one step ahead; load the next step's
+                    blk = blk_next
+                    blk_next = tl.load(block_table_ptr + seq * stride_bt + (n + BLOCK_N) // BLOCK_SIZE,
+                                       mask=n + BLOCK_N < full_hi, other=0)
+                else:
+                    blk = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE)
+                if OFFSETS_64:  # a cache tensor of 2 GiB or more: 64-bit byte offsets
+                    blk = blk.to(tl.int64)
+                off = n % BLOCK_SIZE
+                k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
+                k_code = tl.load(k_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
+                if DOT_K != 0:  # tensor-core dots: the code's value in their type
+                    k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+                else:
+                    k_tile = k_decode(k_code)
+                k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
+                # one scale per 32 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
+                k_gi = tl.arange(0, HEAD_PAD // 32)
+                k_gmask = (k_gi < HEAD_SIZE // 32)[None, :]
+
+                if ((HEAD_PAD // 32 * 2) < 4) & (K_SCALE_PAGE % 4 == 0) & (K_SCALE_BASE % (HEAD_PAD // 32 * 2) == 0) & (K_SCALE_CELL % (HEAD_PAD // 32 * 2) == 0) & ((NUM_KV_HEADS * K_SCALE_CELL) % 4 == 0):
+                    # the row's place in its word is the head's alone (whole words per position): one shift per scale, no
+                    # per-row offsets; every scale loads its row's word (the tile keeps the layout of a load of the scales)
+                    k_sword = tl.load(k_cache_ptr.to(tl.pointer_type(tl.uint32)) + ((blk * K_SCALE_PAGE + (K_SCALE_BASE - K_SCALE_BASE % 4) + off * NUM_KV_HEADS * K_SCALE_CELL + (head * K_SCALE_CELL + K_SCALE_BASE % 4) // 4 * 4) // 4)[:, None] + 0 * k_gi[None, :], mask=k_gmask, other=0)
+                    k_sshift = 8 * ((head * K_SCALE_CELL + K_SCALE_BASE) % 4) + 16 * k_gi
+                    k_scode = ((k_sword >> k_sshift.to(tl.uint32)[None, :]) & 65535).to(tl.uint16)  # little-endian
+                else:
+                    k_scode = tl.load(k_srow.to(tl.pointer_type(tl.uint16))[:, None] + k_gi[None, :], mask=k_gmask, other=0)
+                k_bs = k_scale_decode(k_scode)
+                if BLOCK_DOTS:
+                    # decode: one dot per block on the codes themselves (one fp16 term); k_bs [BLOCK_N, blocks] multiplies
+                    # each block's result (block_scores / block_pv)
+                    k_op = k_tile
+                else:
+                    k_tok = pow2_floor(tl.max(k_bs, axis=1))
+                    k_ratio = k_bs * pow2_inv(k_tok)[:, None]
+                    if (DOT_K != 0) & (K_TERMS == 1):
+                        # one dot term (dot_precision="fast"): the ratios (at most 2) in the tile's type, two elements per multiply;
+                        # each product rounds once, as the dot's conversion of the exact fp32 product would (ratios of fp16's normal
+                        # range; a smaller one rounds first)
+                        k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio.to(k_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+                    else:  # two terms (hi + lo: exact products) or exact fp32 dots
+                        k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+                if BLOCK_DOTS:  # one dot per block of 32 elements on the codes, each block's result times its scales
+                    scores = block_scores(q, k_op, k_bs, HEAD_PAD // 32, DOT_K, Q_TERMS)
+                    scores = scores * row_scale[:, None]
+                else:
+                    scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None] * k_tok[None, :]
+                visible = (n[None, :] <= q_pos[:, None])
+                visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
+                scores = tl.where(visible, scores, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay at zero
+                p = tl.exp2(scores - m_safe[:, None])
+                alpha = tl.exp2(m_i - m_safe)
+                v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
+                v_code = tl.load(v_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
+                if DOT_V != 0:  # tensor-core dots: the code's value in their type
+                    v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+                else:
+                    v_tile = v_decode(v_code)
+                v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
+                # one scale per 32 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
+                v_gi = tl.arange(0, HEAD_PAD // 32)
+                v_gmask = (v_gi < HEAD_SIZE // 32)[None, :]
+
+                if ((HEAD_PAD // 32 * 2) < 4) & (V_SCALE_PAGE % 4 == 0) & (V_SCALE_BASE % (HEAD_PAD // 32 * 2) == 0) & (V_SCALE_CELL % (HEAD_PAD // 32 * 2) == 0) & ((NUM_KV_HEADS * V_SCALE_CELL) % 4 == 0):
+                    # the row's place in its word is the head's alone (whole words per position): one shift per scale, no
+                    # per-row offsets; every scale loads its row's word (the tile keeps the layout of a load of the scales)
+                    v_sword = tl.load(v_cache_ptr.to(tl.pointer_type(tl.uint32)) + ((blk * V_SCALE_PAGE + (V_SCALE_BASE - V_SCALE_BASE % 4) + off * NUM_KV_HEADS * V_SCALE_CELL + (head * V_SCALE_CELL + V_SCALE_BASE % 4) // 4 * 4) // 4)[:, None] + 0 * v_gi[None, :], mask=v_gmask, other=0)
+                    v_sshift = 8 * ((head * V_SCALE_CELL + V_SCALE_BASE) % 4) + 16 * v_gi
+                    v_scode = ((v_sword >> v_sshift.to(tl.uint32)[None, :]) & 65535).to(tl.uint16)  # little-endian
+                else:
+                    v_scode = tl.load(v_srow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], mask=v_gmask, other=0)
+                v_bs = v_scale_decode(v_scode)
+                if BLOCK_DOTS:
+                    # decode: one dot per block on the codes themselves (one fp16 term); v_bs [BLOCK_N, blocks] multiplies
+                    # each block's result (block_scores / block_pv)
+                    v_op = v_tile
+                else:
+                    v_tok = pow2_floor(tl.max(v_bs, axis=1))
+                    v_ratio = v_bs * pow2_inv(v_tok)[:, None]
+                    if (DOT_V != 0) & (V_TERMS == 1):
+                        # one dot term (dot_precision="fast"): the ratios (at most 2) in the tile's type, two elements per multiply;
+                        # each product rounds once, as the dot's conversion of the exact fp32 product would (ratios of fp16's normal
+                        # range; a smaller one rounds first)
+                        v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio.to(v_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+                    else:  # two terms (hi + lo: exact products) or exact fp32 dots
+                        v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+                if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
+                    v_op = keep_layout(v_op)
+                if BLOCK_DOTS:
+                    # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
+                    # relative to each query row's largest of them in the block (block_pv)
+                    pv = block_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS)
+                else:
+                    # the per-position value factors enter the probabilities, relative to each query row's largest weight
+                    # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
+                    pw = p * v_tok[None, :]
+                    pw_top = tl.max(pw, axis=1)
+                    pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
+                    pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
+                acc = acc * alpha[:, None] + pv
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                m_i = m_new
+        else:
+            for start in range(lo, full_hi, BLOCK_N):
+                n = start + tl.arange(0, BLOCK_N)
+                if PREFETCH_BLOCKS:  # this step's block ids were loaded one step ahead; load the next step's
+                    blk = blk_next
+                    blk_next = tl.load(block_table_ptr + seq * stride_bt + (n + BLOCK_N) // BLOCK_SIZE,
+                                       mask=n + BLOCK_N < full_hi, other=0)
+                else:
+                    blk = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE)
+                if OFFSETS_64:  # a cache tensor of 2 GiB or more: 64-bit byte offsets
+                    blk = blk.to(tl.int64)
+                off = n % BLOCK_SIZE
+                k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
+                k_code = tl.load(k_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
+                if DOT_K != 0:  # tensor-core dots: the code's value in their type
+                    k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+                else:
+                    k_tile = k_decode(k_code)
+                k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
+                # one scale per 32 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
+                k_gi = tl.arange(0, HEAD_PAD // 32)
+                k_gmask = (k_gi < HEAD_SIZE // 32)[None, :]
+
+                if ((HEAD_PAD // 32 * 2) < 4) & (K_SCALE_PAGE % 4 == 0) & (K_SCALE_BASE % (HEAD_PAD // 32 * 2) == 0) & (K_SCALE_CELL % (HEAD_PAD // 32 * 2) == 0) & ((NUM_KV_HEADS * K_SCALE_CELL) % 4 == 0):
+                    # the row's place in its word is the head's alone (whole words per position): one shift per scale, no
+                    # per-row offsets; every scale loads its row's word (the tile keeps the layout of a load of the scales)
+                    k_sword = tl.load(k_cache_ptr.to(tl.pointer_type(tl.uint32)) + ((blk * K_SCALE_PAGE + (K_SCALE_BASE - K_SCALE_BASE % 4) + off * NUM_KV_HEADS * K_SCALE_CELL + (head * K_SCALE_CELL + K_SCALE_BASE % 4) // 4 * 4) // 4)[:, None] + 0 * k_gi[None, :], mask=k_gmask, other=0)
+                    k_sshift = 8 * ((head * K_SCALE_CELL + K_SCALE_BASE) % 4) + 16 * k_gi
+                    k_scode = ((k_sword >> k_sshift.to(tl.uint32)[None, :]) & 65535).to(tl.uint16)  # little-endian
+                else:
+                    k_scode = tl.load(k_srow.to(tl.pointer_type(tl.uint16))[:, None] + k_gi[None, :], mask=k_gmask, other=0)
+                k_bs = k_scale_decode(k_scode)
+                if BLOCK_DOTS:
+                    # decode: one dot per block on the codes themselves (one fp16 term); k_bs [BLOCK_N, blocks] multiplies
+                    # each block's result (block_scores / block_pv)
+                    k_op = k_tile
+                else:
+                    k_tok = pow2_floor(tl.max(k_bs, axis=1))
+                    k_ratio = k_bs * pow2_inv(k_tok)[:, None]
+                    if (DOT_K != 0) & (K_TERMS == 1):
+                        # one dot term (dot_precision="fast"): the ratios (at most 2) in the tile's type, two elements per multiply;
+                        # each product rounds once, as the dot's conversion of the exact fp32 product would (ratios of fp16's normal
+                        # range; a smaller one rounds first)
+                        k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio.to(k_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+                    else:  # two terms (hi + lo: exact products) or exact fp32 dots
+                        k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+                if BLOCK_DOTS:  # one dot per block of 32 elements on the codes, each block's result times its scales
+                    scores = block_scores(q, k_op, k_bs, HEAD_PAD // 32, DOT_K, Q_TERMS)
+                    scores = scores * row_scale[:, None]
+                else:
+                    scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None] * k_tok[None, :]
+                visible = (n[None, :] <= q_pos[:, None])
+                visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
+                scores = tl.where(visible, scores, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay at zero
+                p = tl.exp2(scores - m_safe[:, None])
+                alpha = tl.exp2(m_i - m_safe)
+                v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
+                v_code = tl.load(v_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
+                if DOT_V != 0:  # tensor-core dots: the code's value in their type
+                    v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+                else:
+                    v_tile = v_decode(v_code)
+                v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
+                # one scale per 32 elements: the operand keeps scale / 2**e (exact), e per row from its largest scale
+                v_gi = tl.arange(0, HEAD_PAD // 32)
+                v_gmask = (v_gi < HEAD_SIZE // 32)[None, :]
+
+                if ((HEAD_PAD // 32 * 2) < 4) & (V_SCALE_PAGE % 4 == 0) & (V_SCALE_BASE % (HEAD_PAD // 32 * 2) == 0) & (V_SCALE_CELL % (HEAD_PAD // 32 * 2) == 0) & ((NUM_KV_HEADS * V_SCALE_CELL) % 4 == 0):
+                    # the row's place in its word is the head's alone (whole words per position): one shift per scale, no
+                    # per-row offsets; every scale loads its row's word (the tile keeps the layout of a load of the scales)
+                    v_sword = tl.load(v_cache_ptr.to(tl.pointer_type(tl.uint32)) + ((blk * V_SCALE_PAGE + (V_SCALE_BASE - V_SCALE_BASE % 4) + off * NUM_KV_HEADS * V_SCALE_CELL + (head * V_SCALE_CELL + V_SCALE_BASE % 4) // 4 * 4) // 4)[:, None] + 0 * v_gi[None, :], mask=v_gmask, other=0)
+                    v_sshift = 8 * ((head * V_SCALE_CELL + V_SCALE_BASE) % 4) + 16 * v_gi
+                    v_scode = ((v_sword >> v_sshift.to(tl.uint32)[None, :]) & 65535).to(tl.uint16)  # little-endian
+                else:
+                    v_scode = tl.load(v_srow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], mask=v_gmask, other=0)
+                v_bs = v_scale_decode(v_scode)
+                if BLOCK_DOTS:
+                    # decode: one dot per block on the codes themselves (one fp16 term); v_bs [BLOCK_N, blocks] multiplies
+                    # each block's result (block_scores / block_pv)
+                    v_op = v_tile
+                else:
+                    v_tok = pow2_floor(tl.max(v_bs, axis=1))
+                    v_ratio = v_bs * pow2_inv(v_tok)[:, None]
+                    if (DOT_V != 0) & (V_TERMS == 1):
+                        # one dot term (dot_precision="fast"): the ratios (at most 2) in the tile's type, two elements per multiply;
+                        # each product rounds once, as the dot's conversion of the exact fp32 product would (ratios of fp16's normal
+                        # range; a smaller one rounds first)
+                        v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio.to(v_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+                    else:  # two terms (hi + lo: exact products) or exact fp32 dots
+                        v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+                if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
+                    v_op = keep_layout(v_op)
+                if BLOCK_DOTS:
+                    # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
+                    # relative to each query row's largest of them in the block (block_pv)
+                    pv = block_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS)
+                else:
+                    # the per-position value factors enter the probabilities, relative to each query row's largest weight
+                    # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
+                    pw = p * v_tok[None, :]
+                    pw_top = tl.max(pw, axis=1)
+                    pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
+                    pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
+                acc = acc * alpha[:, None] + pv
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                m_i = m_new
         for start in range(full_hi, paged_hi, BLOCK_N):  # at most one step
             n = start + tl.arange(0, BLOCK_N)
             n_mask = n < paged_hi
