@@ -46,9 +46,11 @@ from kvgen.runtime.kernels import attention_tiles  # noqa: E402
 from kvgen.runtime.occupancy import resident_programs  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-def main_loop(sass: str) -> list[str]:
-    """Instruction lines of the main loop: the first loop (a backward branch, to a label or an address) of more than
-    200 instructions in code order (with a separate masked last tile, the unmasked whole-tile loop comes first)."""
+def main_loop(sass: str, index: int = 0) -> list[str]:
+    """Instruction lines of the main loop: the ``index``-th loop (a backward branch, to a label or an address) of
+    more than 200 instructions in code order (with a separate masked last tile, the unmasked whole-tile loop comes
+    first; prefill programs, MASK_FREE_STEPS, run the window's edge, then the steps every row sees whole, then the
+    causal diagonal: the second is where a long prefix spends its time)."""
     lines = sass.splitlines()
     addr, label_at, pending = {}, {}, None
     for i, line in enumerate(lines):
@@ -68,7 +70,8 @@ def main_loop(sass: str) -> list[str]:
         target = label_at.get(m.group(1), 1 << 62) if m.group(1) else int(m.group(2), 16)
         if target < addr[i] and (addr[i] - target) // 16 > 200:
             loops.append((target, addr[i]))
-    lo, hi = min(loops) if loops else (0, 1 << 62)
+    loops.sort()
+    lo, hi = loops[min(index, len(loops) - 1)] if loops else (0, 1 << 62)
     return [line for i, line in enumerate(lines) if i in addr and lo <= addr[i] <= hi]
 
 
@@ -176,12 +179,13 @@ def runtime_source(fmt, seqs: int, ctx: int, block: int, dot_precision: str, q_l
     (1: decode) on each of ``seqs`` sequences of ``ctx`` tokens with bf16 queries: the launch is captured from
     ``Format.attend`` (CPU tensors, the kernel call stubbed) and bound by Triton's own binder, so the constexprs, the
     tile options and the argument specialisation (16-byte aligned pointers, integers divisible by 16 or equal to 1)
-    match a real launch. Returns (ASTSource, compile options, BLOCK_N)."""
+    match a real launch. Returns (ASTSource, compile options, BLOCK_N, the loop main_loop takes: 1 where the
+    whole steps every row sees run apart, MASK_FREE_STEPS, else 0)."""
     args, kw = attention_call(fmt, seqs, ctx, block, q_len, head_size)
     launches = _captured(fmt, lambda: fmt.attend(*args, dot_precision=dot_precision, **kw))
     args, kwargs = launches["paged_attention_kernel"]
     src, launch = _bound_source(fmt._kernels.module.paged_attention_kernel, args, kwargs)
-    return src, launch, kwargs["BLOCK_N"]
+    return src, launch, kwargs["BLOCK_N"], int(bool(kwargs.get("MASK_FREE_STEPS")))
 
 
 def count(name: str, dot_precision: str = "auto", seqs: int = 64, ctx: int = 8192, q_len: int = 1,
@@ -190,9 +194,9 @@ def count(name: str, dot_precision: str = "auto", seqs: int = 64, ctx: int = 819
     res = fmt.layout.RESIDUAL
     block = res["group"] if res else 16
     os.environ["TRITON_INTERPRET"] = "0"
-    src, tiles, block_n = runtime_source(fmt, seqs, ctx, block, dot_precision, q_len, head_size)
+    src, tiles, block_n, loop_index = runtime_source(fmt, seqs, ctx, block, dot_precision, q_len, head_size)
     kernel, sass, usage = compile_sm90(src, tiles)
-    loop = main_loop(sass)
+    loop = main_loop(sass, loop_index)
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     smem = kernel.metadata.shared
     warps = tiles.get("num_warps", 4)
