@@ -64,6 +64,7 @@ class SideContext:
     sunit_bytes: int
     meta_ptr: str
     rotate: bool
+    rotation_seed: Optional[int]  # the rotation's sign seed (None without rotation): equal seeds, the same rotation
     nan_as_zero: bool  # integer and fp4 codes have no NaN: NaN inputs are stored as 0.0
     native_nan_zero: bool  # ... which compiled writes leave to encode_native (NaN -> code 0): sides without zero point
     cast_input: bool  # the write's input cast to fp32 as is: unrotated fp64 divisions (ptxas fuses bf16 -> fp64)
@@ -437,6 +438,7 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
         sunit=scodec.unit if scodec else "tl.uint8", sunit_bytes=scodec.unit_bytes if scodec else 1,
         meta_ptr=f"{p}_meta_ptr" if dynamic and sc.placement == Placement.separate else f"{p}_cache_ptr",
         rotate=side.rotation is not None,
+        rotation_seed=side.rotation.seed if side.rotation is not None else None,
         nan_as_zero=nan_as_zero,
         native_nan_zero=native_nan_zero,
         cast_input=fp64 and side.rotation is None,

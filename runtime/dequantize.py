@@ -59,6 +59,7 @@ class DequantizedLaunch:
                  query_start_loc: torch.Tensor, seq_ids: Optional[torch.Tensor], sm_scale: float,
                  sliding_window: Optional[int], max_query_len: int, dot_precision: str, max_seq_len: Optional[int],
                  num_splits: Optional[int], consts: dict, planned: bool, dtype: torch.dtype):
+        from .format import rotation_back  # (format imports this module)
         from .loader import load  # the shipped dense formats (loader imports this module's users)
 
         self.dense = load(DENSE_FORMATS[dtype])
@@ -93,9 +94,14 @@ class DequantizedLaunch:
         # positions on the grid's first axis (up to 2**31 - 1 programs; the others take at most 65535)
         self._grid = (triton_cdiv(self.cap, block_n), num_seqs, cache.num_kv_heads)
         extra = {}
+        rotations = {p: fmt.spec.side(side).rotation for p, side in (("k", "key"), ("v", "value"))}
+        if any(rotations.values()):  # R of each rotated side (the other's pointer is unused)
+            mats = {p: rotation_back(rot.seed, cache.head_size, consts["HEAD_PAD"], query.device)
+                    for p, rot in rotations.items() if rot}
+            extra = {f"{p}_rot_ptr": mats.get(p, next(iter(mats.values()))) for p in rotations}
         if fmt.layout.RESIDUAL is not None:
             res = fmt.layout.RESIDUAL
-            extra = dict(seq_ids_ptr=seq_ids, TOKEN_GROUP=res["group"], RESIDUAL=res["tokens"], RING=res["ring"])
+            extra.update(seq_ids_ptr=seq_ids, TOKEN_GROUP=res["group"], RESIDUAL=res["tokens"], RING=res["ring"])
         self._kwargs = dict(block_table_ptr=block_table, seq_lens_ptr=seq_lens, query_start_loc_ptr=query_start_loc,
                             window=sliding_window or 0, out_blocks=out_blocks,
                             stride_bt=block_table.stride(0), **consts, **extra,

@@ -601,6 +601,7 @@ def rotation_log_b(head_size: int) -> int:
 
 
 _SIGNS: dict = {}
+_ROTATIONS_BACK: dict = {}
 _UNIT_SCALES: dict = {}
 
 
@@ -622,6 +623,30 @@ def rotation_signs(seed: int, head_size: int, device: torch.device) -> torch.Ten
         bits = np.random.default_rng(seed).integers(0, 2, size=head_size)
         _SIGNS[key] = torch.from_numpy((1 - 2 * bits).astype(np.float32)).to(device)
     return _SIGNS[key]
+
+
+def rotation_back(seed: int, head_size: int, head_pad: int, device: torch.device) -> torch.Tensor:
+    """R, fp16 [head_pad, head_pad]: a stored rotated row x' (x' = FWHT_b(x * signs), docs/SEMANTICS.md) back to the
+    input basis as x = x' @ R, i.e. R[i, j] = H_b[i mod b, j mod b] * signs[j] / b where i and j share a block of b
+    = 2**rotation_log_b(head_size) elements (H_b Sylvester's Hadamard matrix, the unnormalized transform's: entries
+    (-1)**popcount(i & j)), zero elsewhere and in the padding. Entries +-1 / b, a power of two: exact in fp16. The
+    dequantize kernels' tensor-core path for rotated sides (codegen/templates/dequantize.py.jinja)."""
+    key = (seed, head_size, head_pad, str(device))
+    if key not in _ROTATIONS_BACK:
+        import numpy as np
+
+        b = 1 << rotation_log_b(head_size)
+        i = np.arange(head_pad)
+        both = (i[:, None] % b) & (i[None, :] % b)
+        parity = np.zeros_like(both)
+        for bit in range(rotation_log_b(head_size)):
+            parity ^= (both >> bit) & 1
+        inside = (i[:, None] // b == i[None, :] // b) & (i[:, None] < head_size) & (i[None, :] < head_size)
+        signs = np.ones(head_pad)
+        signs[:head_size] = rotation_signs(seed, head_size, torch.device("cpu")).numpy()
+        r = np.where(inside, (1.0 - 2.0 * parity) * signs[None, :] / b, 0.0)
+        _ROTATIONS_BACK[key] = torch.from_numpy(r.astype(np.float16)).to(device)
+    return _ROTATIONS_BACK[key]
 
 
 class _CachePointers:

@@ -3,7 +3,7 @@
 # that a machine taken back mid-session loses one step only. From the repository root on the lent H200, after
 # `source benchmarks/device_env.sh`; outputs go to $OUT (the device tool's folder), each step's also to stdout.
 #
-#   bash benchmarks/pending/next_session.sh verify     # the merged mask-free prefill and row-spread: GPU tests, times (~200 s)
+#   bash benchmarks/pending/next_session.sh verify     # the s32 merges (mask-free prefill, row-spread, rotation dots) (~400 s)
 #   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~260 s)
 #   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~200 s)
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~370 s)
@@ -56,6 +56,12 @@ case "$step" in
     timeout 150 python3 benchmarks/tune_tiles.py bf16 int8_per_token_head int8_per_token_head_separate \
       int8_asym_per_token_head mixed_k8_v4 --configs rt --shapes 4x8192q2048hs256 4x8192q2048 16x8192hs256 \
       --cuda-graphs 2>&1 | tee "$out/verify_times.txt" | grep "^|"
+    # the rotated formats' dequantize kernels rotate back by tensor-core dots (thirty-second session, CPU only;
+    # before: 602 / 1164 us, 8% / 3% of copy bandwidth): their GPU tests, then their times beside int8 per token-head's
+    timeout 100 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_dequantize_first.py 2>&1 \
+      | tee "$out/verify_dequant_tests.txt" | tail -3
+    timeout 120 python3 benchmarks/dequantize_first.py int8_per_token_head int8_per_token_head_hadamard_k \
+      int4_per_token_head 2>&1 | tee "$out/verify_dequant.txt" | grep "^|"
     ;;
   tests)
     timeout 560 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_tiles.py tests/test_attention_plan.py \

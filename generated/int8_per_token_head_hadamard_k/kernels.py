@@ -901,6 +901,7 @@ def dense_bits(x, OUT_BF16: tl.constexpr, NATIVE: tl.constexpr):
 @triton.jit
 def dequantize_kernel(
     k_cache_ptr, v_cache_ptr, k_meta_ptr, v_meta_ptr, k_scale_ptr, v_scale_ptr, k_signs_ptr, v_signs_ptr,
+    k_rot_ptr, v_rot_ptr,  # fp16 [HEAD_PAD, HEAD_PAD]: R of a rotated side (x = x' @ R), unused for the other
     out_ptr,  # uint16 view of the dense cache
     block_table_ptr,  # int32 [num_seqs, max_blocks]
     seq_lens_ptr,  # int32 [num_seqs]
@@ -943,12 +944,11 @@ def dequantize_kernel(
             k_tile = k_decode_dot(k_code, NATIVE_CASTS).to(tl.float32)
         else:
             k_tile = k_decode(k_code)
+        # one scale per row (s.tok token), returned apart
         k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
-        k_sidx = d // HEAD_PAD  # the scale of each element's group
-        k_scode = tl.load((k_srow[:, None] + k_sidx[None, :] * 4).to(tl.pointer_type(tl.uint32)), mask=n_mask[:, None] & dmask[None, :], other=0)
-        k_tile = k_tile * (k_scale_decode(k_scode))
-        # stored rotated: back to the input basis
-        k_tile = fwht_inplace(k_tile, BLOCK_N, HEAD_PAD, K_LOG_B) * (tl.load(k_signs_ptr + d, mask=dmask, other=0.0) / (1 << K_LOG_B))[None, :]
+        k_scode = tl.load(k_srow.to(tl.pointer_type(tl.uint32)), mask=n_mask, other=0)
+        k_rowscale = k_scale_decode(k_scode)
+        k_op = k_tile.to(tl.float16)  # the codes less their zero point: fp16 integers, rotated below
         v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
         v_code = tl.load(v_row[:, None] + d[None, :], mask=n_mask[:, None] & dmask[None, :], other=0)
         if NATIVE_CASTS:
@@ -961,5 +961,14 @@ def dequantize_kernel(
         v_tile = v_tile * (v_scale_decode(v_scode))
         out_row = ((seq * out_blocks + n // BLOCK_SIZE).to(tl.int64) * OUT_PAGE + (off * NUM_KV_HEADS + head) * OUT_CELL)
         out_mask = live[:, None] & dmask[None, :]
-        tl.store(out_ptr + out_row[:, None] + OUT_K_BASE + d[None, :], dense_bits(k_tile, OUT_BF16, NATIVE_CASTS), mask=out_mask)
         tl.store(out_ptr + out_row[:, None] + OUT_V_BASE + d[None, :], dense_bits(v_tile, OUT_BF16, NATIVE_CASTS), mask=out_mask)
+        # stored rotated: back to the input basis as tensor-core dots of the codes with R (x = x' @ R: codes times
+        # +-1 / b, summed exactly in fp32), then the row's scale, ROT_COLS output columns at a time (a whole R would
+        # hold a [HEAD_PAD, HEAD_PAD] operand in registers)
+        ROT_COLS: tl.constexpr = 32 if HEAD_PAD >= 32 else HEAD_PAD
+        for c in tl.static_range(HEAD_PAD // ROT_COLS):
+            dc = c * ROT_COLS + tl.arange(0, ROT_COLS)
+            cmask = live[:, None] & (dc < HEAD_SIZE)[None, :]
+            k_rc = tl.load(k_rot_ptr + d[:, None] * HEAD_PAD + dc[None, :])
+            k_part = tl.dot(k_op, k_rc, out_dtype=tl.float32) * k_rowscale[:, None]
+            tl.store(out_ptr + out_row[:, None] + OUT_K_BASE + dc[None, :], dense_bits(k_part, OUT_BF16, NATIVE_CASTS), mask=cmask)
