@@ -56,12 +56,13 @@ case "$step" in
     timeout 150 python3 benchmarks/tune_tiles.py bf16 int8_per_token_head int8_per_token_head_separate \
       int8_asym_per_token_head mixed_k8_v4 --configs rt --shapes 4x8192q2048hs256 4x8192q2048 16x8192hs256 \
       --cuda-graphs 2>&1 | tee "$out/verify_times.txt" | grep "^|"
-    # the rotated formats' dequantize kernels rotate back by tensor-core dots (thirty-second session, CPU only;
-    # before: 602 / 1164 us, 8% / 3% of copy bandwidth): their GPU tests, then their times beside int8 per token-head's
+    # the rotated formats' dequantize kernels rotate back by tensor-core dots and per-row scales load once a row
+    # (thirty-second session, CPU only; before: Hadamard 602 us, int4 per token-head 1164, int8 asym 321, int8 per
+    # token-head 65): the dequantize-first GPU tests, then those formats' times
     timeout 100 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_dequantize_first.py 2>&1 \
       | tee "$out/verify_dequant_tests.txt" | tail -3
-    timeout 120 python3 benchmarks/dequantize_first.py int8_per_token_head int8_per_token_head_hadamard_k \
-      int4_per_token_head 2>&1 | tee "$out/verify_dequant.txt" | grep "^|"
+    timeout 150 python3 benchmarks/dequantize_first.py int8_per_token_head int8_asym_per_token_head \
+      int8_per_token_head_hadamard_k int4_per_token_head 2>&1 | tee "$out/verify_dequant.txt" | grep "^|"
     ;;
   tests)
     timeout 560 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_tiles.py tests/test_attention_plan.py \

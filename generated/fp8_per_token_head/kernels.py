@@ -828,20 +828,22 @@ def dequantize_kernel(
             k_tile = k_decode_dot(k_code, NATIVE_CASTS).to(tl.float32)
         else:
             k_tile = k_decode(k_code)
+        # one scale per row (per token and head), loaded once per row
         k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
-        k_sidx = d // HEAD_PAD  # the scale of each element's group
-        k_scode = tl.load((k_srow[:, None] + k_sidx[None, :] * 4).to(tl.pointer_type(tl.uint32)), mask=n_mask[:, None] & dmask[None, :], other=0)
-        k_tile = k_tile * (k_scale_decode(k_scode))
+        k_scode = tl.load(k_srow.to(tl.pointer_type(tl.uint32)), mask=n_mask, other=0)
+        k_rowscale = k_scale_decode(k_scode)
+        k_tile = k_tile * k_rowscale[:, None]
         v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
         v_code = tl.load(v_row[:, None] + d[None, :], mask=n_mask[:, None] & dmask[None, :], other=0)
         if NATIVE_CASTS:
             v_tile = v_decode_dot(v_code, NATIVE_CASTS).to(tl.float32)
         else:
             v_tile = v_decode(v_code)
+        # one scale per row (per token and head), loaded once per row
         v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
-        v_sidx = d // HEAD_PAD  # the scale of each element's group
-        v_scode = tl.load((v_srow[:, None] + v_sidx[None, :] * 4).to(tl.pointer_type(tl.uint32)), mask=n_mask[:, None] & dmask[None, :], other=0)
-        v_tile = v_tile * (v_scale_decode(v_scode))
+        v_scode = tl.load(v_srow.to(tl.pointer_type(tl.uint32)), mask=n_mask, other=0)
+        v_rowscale = v_scale_decode(v_scode)
+        v_tile = v_tile * v_rowscale[:, None]
         out_row = ((seq * out_blocks + n // BLOCK_SIZE).to(tl.int64) * OUT_PAGE + (off * NUM_KV_HEADS + head) * OUT_CELL)
         out_mask = live[:, None] & dmask[None, :]
         tl.store(out_ptr + out_row[:, None] + OUT_K_BASE + d[None, :], dense_bits(k_tile, OUT_BF16, NATIVE_CASTS), mask=out_mask)

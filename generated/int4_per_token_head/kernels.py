@@ -978,7 +978,7 @@ def dequantize_kernel(
             k_tile = k_decode_dot(k_code, NATIVE_CASTS).to(tl.float32)
         else:
             k_tile = k_decode(k_code)
-        # one scale per row (s.tok token), returned apart
+        # one scale per row (per token and head), loaded once per row and returned apart
         k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
         k_scode = tl.load(k_srow.to(tl.pointer_type(tl.uint32)), mask=n_mask, other=0)
         k_tile = k_tile - (k_scode & 15).to(tl.float32)[:, None]
@@ -997,7 +997,7 @@ def dequantize_kernel(
             v_tile = v_decode_dot(v_code, NATIVE_CASTS).to(tl.float32)
         else:
             v_tile = v_decode(v_code)
-        # one scale per row (s.tok token), returned apart
+        # one scale per row (per token and head), loaded once per row and returned apart
         v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
         v_scode = tl.load(v_srow.to(tl.pointer_type(tl.uint32)), mask=n_mask, other=0)
         v_tile = v_tile - (v_scode & 15).to(tl.float32)[:, None]
