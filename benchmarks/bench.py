@@ -5,7 +5,8 @@
 
 For each format: decode attention at 64 x 8192, 4 x 65536 and 256 x 1024 (32 query heads, 8 KV heads, head size
 128, block size 16; KIVI formats need block 32), at 64 x 8192 also with head size 64 and with block size 64,
-chunked prefill (a chunk of 2048 new tokens on each of 4 sequences of 8192, 8192 query tokens in all), and
+chunked prefill (a chunk of 2048 new tokens on each of 4 sequences of 8192, 8192 query tokens in all; the
+quantized formats also through `dequantize_first`, planned, its ratio to bf16's own prefill), and
 reshape-and-cache of 32768 and 256 tokens. Reported: median time
 (triton.testing.do_bench), bytes moved (pages read, scales included; or input read + pages written), effective
 bandwidth, its fraction of the device-to-device copy bandwidth measured in the same run, and the ratio to the bf16
@@ -45,12 +46,14 @@ import torch
 
 
 import kvgen  # noqa: E402
+from kvgen.runtime.dequantize import DENSE_FORMATS  # noqa: E402
 from kvgen.runtime.kernels import DOT_PRECISIONS  # noqa: E402
 
 DECODE_SHAPES = [(64, 8192), (4, 65536), (256, 1024)]
 # (label, sequences, context, head size, block size or None for the format's default)
 EXTRA_DECODE = [("64x8192 hs64", 64, 8192, 64, None), ("64x8192 bs64", 64, 8192, 128, 64)]
 PREFILL = (4, 8192, 2048)  # sequences, context, new tokens per sequence
+DEQUANTIZE_FIRST = ", dequantize-first"  # the shape label's suffix of a prefill run through dequantize_first
 SWEEP = [1024, 4096, 16384, 65536]  # context lengths of the chart (4 sequences)
 HQ, HKV, D = 32, 8, 128
 DOT = "auto"  # --dot-precision
@@ -150,11 +153,13 @@ def write_real_codes(fmt, cache, table: torch.Tensor, ctx: int) -> None:
 
 
 def decode_case(fmt, num_seqs: int, ctx: int, block_size: int, head_size: int = D, q_len: int = 1,
-                planned: bool = False, graphs: bool | None = None, num_splits: int | None = None):
+                planned: bool = False, graphs: bool | None = None, num_splits: int | None = None,
+                dequantize_first: bool = False):
     """A cache holding num_seqs sequences of ctx tokens, and the arguments of one attention step with q_len new
     tokens per sequence (1: decode). ``planned``: the step as an engine runs it per layer, ``plan.run`` of a plan
     made once (Format.plan_attention). ``graphs``: time CUDA-graph replays (None: as --cuda-graphs says).
-    ``num_splits``: the KV splits per program (None: the runtime's choice)."""
+    ``num_splits``: the KV splits per program (None: the runtime's choice). ``dequantize_first``: through a dense
+    bf16 cache (Format.attend's dequantize_first, sized by max_seq_len = ctx)."""
     torch.manual_seed(0)  # the same block table and bytes in every run: runs of one shape compare
     blocks_per_seq = math.ceil(ctx / block_size)
     num_blocks = num_seqs * blocks_per_seq
@@ -168,6 +173,8 @@ def decode_case(fmt, num_seqs: int, ctx: int, block_size: int, head_size: int = 
     qsl = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda") * q_len
     q = torch.randn(num_seqs * q_len, HQ, head_size, dtype=torch.bfloat16, device="cuda")
     kwargs = dict(max_query_len=q_len, dot_precision=fmt.runs_dot_precision(DOT), num_splits=num_splits)
+    if dequantize_first:
+        kwargs.update(dequantize_first=True, max_seq_len=ctx)
     if fmt.spec.streaming:
         kwargs["seq_ids"] = torch.arange(num_seqs, dtype=torch.int32, device="cuda")
     bytes_read = num_blocks * fmt.page_bytes(block_size, HKV, head_size)
@@ -302,7 +309,7 @@ def write_results(out: Path, rows: list, sweep: dict, meta: dict, final: bool = 
     is filled in for every row whose shape bf16 has measured (else the rows keep theirs)."""
     base = {(r["kind"], r["shape"]): r["time_us"] for r in rows if r["format"] == "bf16"}
     for r in rows if ratios else ():
-        b = base.get((r["kind"], r["shape"]))
+        b = base.get((r["kind"], r["shape"].removesuffix(DEQUANTIZE_FIRST)))
         r["vs_bf16"] = r["time_us"] / b if b else None
     (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows, sweep=sweep, sweep_ctx=SWEEP), indent=1))
     lines = [f"Measured {meta['date']} on {meta['gpu']} (torch {meta['torch']}, triton {meta['triton']}, Python "
@@ -385,13 +392,18 @@ def main() -> int:
         fmt = kvgen.load(name)
         bs = fmt.layout.RESIDUAL["group"] if fmt.spec.streaming else 16
         for kind, label, num_seqs, ctx, hs, block, q_len in shapes:
-            fn, moved = decode_case(fmt, num_seqs, ctx, block or bs, hs, q_len)
-            t = bench(fn)
-            rows.append(dict(format=name, kind=kind, shape=label, time_us=t * 1e6, bytes=moved,
-                             gbps=moved / t / 1e9, frac=moved / t / copy_bw))
-            print(rows[-1], flush=True)
-            del fn
-            torch.cuda.empty_cache()
+            # the chunked prefill also through dequantize_first (planned: the dense cache allocated once), for the
+            # quantized formats; its ratio is to bf16's own (fused) prefill
+            ways = [False] + ([True] if kind == "prefill" and name not in DENSE_FORMATS.values() else [])
+            for first in ways:
+                fn, moved = decode_case(fmt, num_seqs, ctx, block or bs, hs, q_len, planned=first,
+                                        dequantize_first=first)
+                t = bench(fn)
+                rows.append(dict(format=name, kind=kind, shape=label + (DEQUANTIZE_FIRST if first else ""),
+                                 time_us=t * 1e6, bytes=moved, gbps=moved / t / 1e9, frac=moved / t / copy_bw))
+                print(rows[-1], flush=True)
+                del fn
+                torch.cuda.empty_cache()
         for tokens in (32768, 256) if "write" in args.kinds else ():
             fn, moved = write_case(fmt, tokens, bs)
             t = bench(fn)

@@ -5,8 +5,8 @@
 #
 #   bash benchmarks/pending/next_session.sh verify     # the s32 merges (mask-free prefill, row-spread, rotation dots) (~400 s)
 #   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~260 s)
-#   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~200 s)
-#   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~370 s)
+#   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~350 s?)
+#   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~350 s?; prefill dequantize-first rows new)
 #   bash benchmarks/pending/next_session.sh kivicrash  # KIVI's 32-position prefill crash: q4_0 / kivi_4bit too (~400 s)
 #   bash benchmarks/pending/next_session.sh cells      # profiles: the inline-scale cells converted first / 3 stages
 #   bash benchmarks/pending/next_session.sh hs64prof   # profiles at head size 64 (int8 / fp8 per token-head, bf16)
@@ -80,14 +80,14 @@ case "$step" in
     timeout 280 bash benchmarks/pending/kivi_block32_crash.sh q4_0 2>&1 | tee -a "$out/kivicrash.txt"
     ;;
   bench1)
-    timeout 500 python3 benchmarks/bench.py --cuda-graphs --out "$out/benchA" --formats bf16 fp16 fp8_e4m3 \
+    timeout 560 python3 benchmarks/bench.py --cuda-graphs --out "$out/benchA" --formats bf16 fp16 fp8_e4m3 \
       fp8_e4m3_per_head fp8_e5m2 fp8_per_token_head int8_per_token_head int8_per_token_head_separate \
-      int8_asym_per_token_head int8_per_token_head_hadamard_k 2>&1 | tee "$out/bench1.txt" | grep "^|"
+      int8_asym_per_token_head int8_per_token_head_hadamard_k q8_0 int4_per_token_head 2>&1 \
+      | tee "$out/bench1.txt" | grep "^|"
     ;;
   bench2)
-    timeout 550 python3 benchmarks/bench.py --cuda-graphs --out "$out/benchB" --formats bf16 mixed_k8_v4 mxfp8 \
-      mxfp4 nvfp4 nvfp4_separate q8_0 q4_0 int4_per_token_head kivi_2bit kivi_4bit 2>&1 | tee "$out/bench2.txt" \
-      | grep "^|"
+    timeout 560 python3 benchmarks/bench.py --cuda-graphs --out "$out/benchB" --formats bf16 mixed_k8_v4 mxfp8 \
+      mxfp4 nvfp4 nvfp4_separate q4_0 kivi_2bit kivi_4bit 2>&1 | tee "$out/bench2.txt" | grep "^|"
     ;;
   cells)
     # vLLM's inline-scale cells: the rule's tiles, the values converted first, 3 stages with block ids ahead
