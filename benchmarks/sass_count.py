@@ -71,7 +71,9 @@ def main_loop(sass: str, index: int = 0) -> list[str]:
         if target < addr[i] and (addr[i] - target) // 16 > 200:
             loops.append((target, addr[i]))
     loops.sort()
-    lo, hi = loops[min(index, len(loops) - 1)] if loops else (0, 1 << 62)
+    if index and index >= len(loops):
+        raise ValueError(f"main_loop: loop {index} asked, the kernel has {len(loops)} of more than 200 instructions")
+    lo, hi = loops[index] if loops else (0, 1 << 62)
     return [line for i, line in enumerate(lines) if i in addr and lo <= addr[i] <= hi]
 
 

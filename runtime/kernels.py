@@ -155,8 +155,9 @@ def _choose_mode() -> None:
 # the configuration used before that measurement, also for the prefills not named. The interpreter takes 128
 # positions per step.
 DECODE_ROWS = 16
-# Programs of more query rows than this (prefill) run the whole steps every row sees in a loop of their own, without
-# the causal / window mask (the kernel's MASK_FREE_STEPS); decode programs keep one masked loop. H200, thirty-second
+# Prefill programs of more query rows than this run the whole steps every row sees in a loop of their own, without
+# the causal / window mask (the kernel's MASK_FREE_STEPS); decode (one new token per sequence, whatever the rows:
+# GQA groups over 16 fill more) and programs of up to this many rows keep one masked loop. H200, thirty-second
 # session (benchmarks/RESULTS.md; `bash benchmarks/pending/next_session.sh maskfree`, the loops for every program):
 # chunked prefill at 4 x 8192 with 2048 new tokens 0.82-0.95x the time for all eight formats timed (bf16 3960 ->
 # 3244 us), decode at 64 x 8192 / 4 x 65536 mixed: 0.96-0.99x for int8 separate, nvfp4, mxfp4, q4_0 and KIVI,
@@ -661,7 +662,8 @@ class KernelSet:
             qk_scale=qk_scale * LOG2E, window=window, num_q_tiles=num_q_tiles, stride_bt=block_table.stride(0),
             GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, OFFSETS_64=offsets_64,
             PREFETCH_BLOCKS=prefetch_blocks, V_CONVERT_FIRST=convert_first,
-            MASK_FREE_STEPS=int(block_m > MASK_FREE_ROWS), **dots, **consts, **(extra or {}), **tiles,
+            MASK_FREE_STEPS=int(block_m > MASK_FREE_ROWS and max_query_len > 1), **dots, **consts, **(extra or {}),
+            **tiles,
         )
         if (ruled and WAVE_SPLITS and block_m <= DECODE_ROWS and not window and not interpreting() and query.is_cuda
                 and programs * num_splits >= self._sm_count(query.device)):

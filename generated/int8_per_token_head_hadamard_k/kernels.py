@@ -366,19 +366,27 @@ def mma(a, b, DOT: tl.constexpr, A_TERMS: tl.constexpr, B_TERMS: tl.constexpr):
 
 @triton.jit
 def load_per_position(ptrs, mask, SPREAD_LOADS: tl.constexpr):
-    # one unsigned word per KV position of the step ([N]: per-position scales or zero points). SPREAD_LOADS (compiled
-    # code: NATIVE_CASTS), where the program's threads outnumber the positions, as an [N, T / N] tile of which one
-    # column reads memory (the others masked: no access) and is summed back (exact: one word plus zeros): an [N]
-    # tensor spread over more threads than it has elements is replicated, and Triton's pipeliner leaves such loads
-    # waited on (LDG) where it copies the rest ahead (LDGSTS). T and N are powers of two
+    # one unsigned word per KV position of the step ([N]: per-position scales or zero points; mask None in the whole
+    # steps, which load unmasked). SPREAD_LOADS (compiled code: NATIVE_CASTS), where the program's threads outnumber
+    # the positions, as an [N, T / N] tile of which one column reads memory (the others masked: no access) and is
+    # summed back (exact: one word plus zeros): an [N] tensor spread over more threads than it has elements is
+    # replicated, and Triton's pipeliner leaves such loads waited on (LDG) where it copies the rest ahead (LDGSTS).
+    # T and N are powers of two
     tl.static_assert(ptrs.dtype.element_ty.is_int_unsigned(), "load_per_position: unsigned words only")
     if SPREAD_LOADS:
         SPREAD: tl.constexpr = num_threads() // ptrs.shape[0]
         if SPREAD > 1:
             r = tl.arange(0, SPREAD)
-            w = tl.load(ptrs[:, None] + 0 * r[None, :], mask=(r == 0)[None, :] & mask[:, None], other=0)
+            if mask is None:
+                w = tl.load(ptrs[:, None] + 0 * r[None, :], mask=(r == 0)[None, :], other=0)
+            else:
+                w = tl.load(ptrs[:, None] + 0 * r[None, :], mask=(r == 0)[None, :] & mask[:, None], other=0)
             return tl.sum(w, axis=1).to(w.dtype)
-    return tl.load(ptrs, mask=mask, other=0)
+    if mask is None:
+        w = tl.load(ptrs)
+    else:
+        w = tl.load(ptrs, mask=mask, other=0)
+    return w
 
 
 @triton.jit
@@ -527,7 +535,7 @@ def paged_attention_kernel(
                     k_tile = k_decode(k_code)
                 k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
                 # one scale per row: it multiplies the row after the dot
-                k_scode = load_per_position(k_srow.to(tl.pointer_type(tl.uint32)), off >= 0, NATIVE_CASTS)
+                k_scode = load_per_position(k_srow.to(tl.pointer_type(tl.uint32)), None, NATIVE_CASTS)
                 k_op = k_tile
                 k_tok = k_scale_decode(k_scode)
                 scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
@@ -549,7 +557,7 @@ def paged_attention_kernel(
                     v_tile = v_decode(v_code)
                 v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
                 # one scale per row: it multiplies the row after the dot
-                v_scode = load_per_position(v_srow.to(tl.pointer_type(tl.uint32)), off >= 0, NATIVE_CASTS)
+                v_scode = load_per_position(v_srow.to(tl.pointer_type(tl.uint32)), None, NATIVE_CASTS)
                 v_op = v_tile
                 v_tok = v_scale_decode(v_scode)
                 if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
@@ -594,7 +602,7 @@ def paged_attention_kernel(
                     k_tile = k_decode(k_code)
                 k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
                 # one scale per row: it multiplies the row after the dot
-                k_scode = load_per_position(k_srow.to(tl.pointer_type(tl.uint32)), off >= 0, NATIVE_CASTS)
+                k_scode = load_per_position(k_srow.to(tl.pointer_type(tl.uint32)), None, NATIVE_CASTS)
                 k_op = k_tile
                 k_tok = k_scale_decode(k_scode)
                 scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
@@ -613,7 +621,7 @@ def paged_attention_kernel(
                     v_tile = v_decode(v_code)
                 v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
                 # one scale per row: it multiplies the row after the dot
-                v_scode = load_per_position(v_srow.to(tl.pointer_type(tl.uint32)), off >= 0, NATIVE_CASTS)
+                v_scode = load_per_position(v_srow.to(tl.pointer_type(tl.uint32)), None, NATIVE_CASTS)
                 v_op = v_tile
                 v_tok = v_scale_decode(v_scode)
                 if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
@@ -658,7 +666,7 @@ def paged_attention_kernel(
                     k_tile = k_decode(k_code)
                 k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
                 # one scale per row: it multiplies the row after the dot
-                k_scode = load_per_position(k_srow.to(tl.pointer_type(tl.uint32)), off >= 0, NATIVE_CASTS)
+                k_scode = load_per_position(k_srow.to(tl.pointer_type(tl.uint32)), None, NATIVE_CASTS)
                 k_op = k_tile
                 k_tok = k_scale_decode(k_scode)
                 scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
@@ -680,7 +688,7 @@ def paged_attention_kernel(
                     v_tile = v_decode(v_code)
                 v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
                 # one scale per row: it multiplies the row after the dot
-                v_scode = load_per_position(v_srow.to(tl.pointer_type(tl.uint32)), off >= 0, NATIVE_CASTS)
+                v_scode = load_per_position(v_srow.to(tl.pointer_type(tl.uint32)), None, NATIVE_CASTS)
                 v_op = v_tile
                 v_tok = v_scale_decode(v_scode)
                 if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
@@ -726,7 +734,7 @@ def paged_attention_kernel(
                     k_tile = k_decode(k_code)
                 k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
                 # one scale per row: it multiplies the row after the dot
-                k_scode = load_per_position(k_srow.to(tl.pointer_type(tl.uint32)), off >= 0, NATIVE_CASTS)
+                k_scode = load_per_position(k_srow.to(tl.pointer_type(tl.uint32)), None, NATIVE_CASTS)
                 k_op = k_tile
                 k_tok = k_scale_decode(k_scode)
                 scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
@@ -748,7 +756,7 @@ def paged_attention_kernel(
                     v_tile = v_decode(v_code)
                 v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
                 # one scale per row: it multiplies the row after the dot
-                v_scode = load_per_position(v_srow.to(tl.pointer_type(tl.uint32)), off >= 0, NATIVE_CASTS)
+                v_scode = load_per_position(v_srow.to(tl.pointer_type(tl.uint32)), None, NATIVE_CASTS)
                 v_op = v_tile
                 v_tok = v_scale_decode(v_scode)
                 if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
