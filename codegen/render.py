@@ -65,6 +65,7 @@ class SideContext:
     meta_ptr: str
     rotate: bool
     rotation_seed: Optional[int]  # the rotation's sign seed (None without rotation): equal seeds, the same rotation
+    rotate_dot: bool  # rotated, one scale factor per row, codes fp16 values: dequantize rotates back by a dot with R
     nan_as_zero: bool  # integer and fp4 codes have no NaN: NaN inputs are stored as 0.0
     native_nan_zero: bool  # ... which compiled writes leave to encode_native (NaN -> code 0): sides without zero point
     cast_input: bool  # the write's input cast to fp32 as is: unrotated fp64 divisions (ptxas fuses bf16 -> fp64)
@@ -439,6 +440,7 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
         meta_ptr=f"{p}_meta_ptr" if dynamic and sc.placement == Placement.separate else f"{p}_cache_ptr",
         rotate=side.rotation is not None,
         rotation_seed=side.rotation.seed if side.rotation is not None else None,
+        rotate_dot=side.rotation is not None and dot[:2] == ("fp16", 1) and dot[2] in ("token", "const"),
         nan_as_zero=nan_as_zero,
         native_nan_zero=native_nan_zero,
         cast_input=fp64 and side.rotation is None,

@@ -85,7 +85,7 @@ def _rotated_in_steps(side) -> bool:
     """A rotated side rotated back with roundings along the way (the transform's fp32 butterflies, or a dot whose
     sums of float codes round). Integer codes of up to 11 bits (fp16 integers; less an integer zero point) with one
     scale per row (per token-head, tensor or head) go back exactly: the codes' transform is a sum of integers times
-    +-1 / b, then one multiply by the row's scale. (The kernel's own condition, codegen's rotate_by_dot, is wider:
+    +-1 / b, then one multiply by the row's scale. (The kernel's own condition, codegen's rotate_dot, is wider:
     float codes by dot too; this states which sides must come back exact.)"""
     exact = (side.info.kind in ("int", "uint") and side.bits <= 11 and side.scale is not None
              and side.scale.granularity.value in ("per_token_head", "per_tensor", "per_head")
