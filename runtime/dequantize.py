@@ -22,6 +22,10 @@ from .kernels import triton_cdiv
 # positions per dequantize program (compiled; the interpreter takes whole sequences up to 256, fewer programs)
 DEQUANT_BLOCK_N = 32
 DEQUANT_WARPS = 4
+# rotated sides rotate back by tensor-core dots (the kernel's ROT_DOT) at padded heads over this many elements, on the
+# CUDA cores below: the dots of a 16-element head gave wrong values on the H100 (thirty-third session, Triton 3.6;
+# tests/test_dequantize_first.py, int4 per token-head), where dots of 128 were exact. Both sum the same exact products
+ROT_DOT_MIN_PAD = 32
 
 
 DENSE_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -99,6 +103,7 @@ class DequantizedLaunch:
             mats = {p: rotation_back(rot.seed, cache.head_size, consts["HEAD_PAD"], query.device)
                     for p, rot in rotations.items() if rot}
             extra = {f"{p}_rot_ptr": mats.get(p, next(iter(mats.values()))) for p in rotations}
+            extra["ROT_DOT"] = consts["HEAD_PAD"] > ROT_DOT_MIN_PAD
         if fmt.layout.RESIDUAL is not None:
             res = fmt.layout.RESIDUAL
             extra.update(seq_ids_ptr=seq_ids, TOKEN_GROUP=res["group"], RESIDUAL=res["tokens"], RING=res["ring"])

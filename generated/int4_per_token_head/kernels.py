@@ -935,6 +935,15 @@ def dense_bits(x, OUT_BF16: tl.constexpr, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def rotate_back(op, rc, DOT: tl.constexpr):
+    # op @ rc in fp32, exact (fp16 integers times +-1 / b, sums of such multiples): a tensor-core dot, or (not DOT)
+    # the same products summed on the CUDA cores
+    if DOT:
+        return tl.dot(op, rc, out_dtype=tl.float32)
+    return tl.sum(op.to(tl.float32)[:, :, None] * rc.to(tl.float32)[None, :, :], axis=1)
+
+
+@triton.jit
 def dequantize_kernel(
     k_cache_ptr, v_cache_ptr, k_meta_ptr, v_meta_ptr, k_scale_ptr, v_scale_ptr, k_signs_ptr, v_signs_ptr,
     k_rot_ptr, v_rot_ptr,  # fp16 [HEAD_PAD, HEAD_PAD]: R of a rotated side (x = x' @ R), unused for the other
@@ -955,6 +964,7 @@ def dequantize_kernel(
     V_ZP_PAGE: tl.constexpr, V_ZP_BASE: tl.constexpr, V_ZP_CELL: tl.constexpr,
     OUT_PAGE: tl.constexpr, OUT_CELL: tl.constexpr, OUT_K_BASE: tl.constexpr, OUT_V_BASE: tl.constexpr,
     OUT_BF16: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE_CASTS: tl.constexpr,
+    ROT_DOT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -1016,14 +1026,14 @@ def dequantize_kernel(
         out_mask = live[:, None] & dmask[None, :]
         # stored rotated: back to the input basis as tensor-core dots of the codes with R (x = x' @ R: codes times
         # +-1 / b, summed exactly in fp32), then the row's scale, ROT_COLS output columns at a time (a whole R would
-        # hold a [HEAD_PAD, HEAD_PAD] operand in registers)
-        ROT_COLS: tl.constexpr = 32 if HEAD_PAD >= 32 else HEAD_PAD
+        # hold a [HEAD_PAD, HEAD_PAD] operand in registers; without ROT_DOT, 8 columns of products at a time)
+        ROT_COLS: tl.constexpr = (32 if HEAD_PAD >= 32 else HEAD_PAD) if ROT_DOT else 8
         for c in tl.static_range(HEAD_PAD // ROT_COLS):
             dc = c * ROT_COLS + tl.arange(0, ROT_COLS)
             cmask = live[:, None] & (dc < HEAD_SIZE)[None, :]
             k_rc = tl.load(k_rot_ptr + d[:, None] * HEAD_PAD + dc[None, :])
-            k_part = tl.dot(k_op, k_rc, out_dtype=tl.float32) * k_rowscale[:, None]
+            k_part = rotate_back(k_op, k_rc, ROT_DOT) * k_rowscale[:, None]
             tl.store(out_ptr + out_row[:, None] + OUT_K_BASE + dc[None, :], dense_bits(k_part, OUT_BF16, NATIVE_CASTS), mask=cmask)
             v_rc = k_rc  # the keys' rotation
-            v_part = tl.dot(v_op, v_rc, out_dtype=tl.float32) * v_rowscale[:, None]
+            v_part = rotate_back(v_op, v_rc, ROT_DOT) * v_rowscale[:, None]
             tl.store(out_ptr + out_row[:, None] + OUT_V_BASE + dc[None, :], dense_bits(v_part, OUT_BF16, NATIVE_CASTS), mask=cmask)
