@@ -76,8 +76,7 @@ class Format:
         dynamic = any(side.scale is not None and not side.scale.granularity.is_static for side in (spec.key, spec.value))
         self._kernels = KernelSet(package, block_scaled=bool(blocks),
                                   pow2_blocks=any(sc.dtype == ScaleDType.e8m0 for sc in blocks), scale_rows=scale_rows,
-                                  position_scales=dynamic,
-                                  zero_points=any(side.zero_point is not None for side in (spec.key, spec.value)))
+                                  position_scales=dynamic)
         self._consts: dict = {}
         self._tensor_of: dict = {}
         self.spec_hash = spec.spec_hash()  # computed once: write() and attend() compare it on every call

@@ -146,9 +146,7 @@ def _choose_mode() -> None:
 # -> 10492, int8 separate 11323 -> 8708, int8 asym 17126 -> 10769, Hadamard 19835 -> 13621, int4 per token-head
 # 21850 -> 14893, mixed_k8_v4 15710 -> 10261; at head size 128 int8 separate 4623 -> 4286 (its 64-row rule's time
 # from `benchmarks/dequantize_first.py` in the same session). int8 asym at 128 (6059 -> 4871) shares its key with
-# int8 / fp8 per token-head and mixed_k8_v4, which lost there (4757 -> 5066, 4587 -> 4854, 4747 -> 4989): the key's
-# zero points (some side asymmetric) tell it apart, and it takes 128 rows at 128 alone (untimed with the mask-free
-# steps merged since; the verify step of benchmarks/pending/next_session.sh times it).
+# int8 / fp8 per token-head and mixed_k8_v4, which lost there (4757 -> 5066, 4587 -> 4854, 4747 -> 4989): 64 rows.
 # First matching rule wins (None matches anything). BLOCK_N: KV positions per step; maxnreg: a register cap (the
 # compiler otherwise takes 255 registers, two programs per SM); programs_per_sm: the split-KV target; convert_first
 # (optional): the rule's own V_CONVERT_FIRST, in place of convert_values_first's conditions. The tuned rules
@@ -169,8 +167,7 @@ MASK_FREE_ROWS = DECODE_ROWS
 # fp32; "ieee" exact fp32 dots; "quantized" int8 dots on int8 codes; "fast" one 16-bit term per operand
 DOT_PRECISIONS = ("auto", "ieee", "quantized", "fast")
 ATTENTION_TILES = (
-    # bits, terms, block, split, rows, head, wide, e8m0, block dots[, scale words[, position scales[, zero points]]]
-    # -> tiles
+    # bits, terms, block, split, rows, head, wide, e8m0, block dots[, scale words[, position scales]] -> tiles
     ((8, 1, False, False, 16, 128, True, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # fp8, int8 separate
     ((16, 1, None, False, 16, 64, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # bf16, hs 64
     ((8, 1, False, False, 16, 64, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # fp8, int8 separate, int8 / fp8 per token-head, hs 64
@@ -196,7 +193,6 @@ ATTENTION_TILES = (
     ((8, 1, False, False, 128, (64, 128, 256), True, None, None, None, False), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # fp8 per tensor / per head / e5m2, prefill of 128 rows, hs 64-256
     ((8, 1, False, False, 128, (128, 256), True, None, None, None, True), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # int8 separate, prefill of 128 rows, hs 128 / 256
     ((8, 1, False, (0, 1), 128, 256, False, None, None, None, True), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # int8 / fp8 per token-head, int8 asym, Hadamard, mixed_k8_v4, prefill of 128 rows, hs 256
-    ((8, 1, False, (0, 1), 128, 128, False, None, None, None, True, True), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # int8 asym, prefill of 128 rows, hs 128
     ((4, 1, False, 1, 128, 256, None, None, None), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # int4 per token-head, prefill of 128 rows, hs 256
     ((8, 1, True, False, 128, (128, 256), None, True, None), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # mxfp8, prefill of 128 rows, hs 128 / 256
     ((8, 2, True, False, 128, 128, None, None, None), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # q8_0, prefill of 128 rows, hs 128
@@ -327,20 +323,19 @@ def write_tiles(code_bits: dict, pow2_blocks: bool) -> dict:
 
 def attention_tiles(code_bits: dict, dots: dict, block_scaled: bool, block_m: int = DECODE_ROWS,
                     head_pad: int = 128, wide: bool = False, pow2_blocks: bool = False,
-                    scale_words: bool = True, position_scales: bool = False, zero_points: bool = False) -> dict:
+                    scale_words: bool = True, position_scales: bool = False) -> dict:
     """The launch configuration of a format's attention kernel for one call's dot constexprs ``dots`` and query rows
     per program ``block_m`` and padded head size ``head_pad``; ``wide``: every side's code rows start at multiples of
     16 bytes (``wide_rows``); ``pow2_blocks``: some side's block scales are e8m0. A new dict: BLOCK_N, num_warps,
     num_stages, optional maxnreg, prefetch_blocks and convert_first, programs_per_sm; ``scale_words``: no block-scale
     row is loaded byte-wise (``scale_rows_in_words``); ``position_scales``: some side's scales are computed on write
-    (per token-head, per block, per channel group), not static per tensor or head; ``zero_points``: some side's
-    codes are asymmetric (a zero point beside each scale)."""
+    (per token-head, per block, per channel group), not static per tensor or head."""
     if interpreting():
         return dict(INTERPRETER_TILES, programs_per_sm=4)
     if TILE_OVERRIDE is not None:
         return dict({"programs_per_sm": 4}, **TILE_OVERRIDE)
     rule, tiles = tile_rule(attention_key(code_bits, dots, block_scaled, block_m, head_pad, wide, pow2_blocks,
-                                          scale_words, position_scales, zero_points))
+                                          scale_words, position_scales))
     tiles = dict(tiles)
     if block_m >= WGMMA_ROWS and head_pad * min(code_bits.values()) // 8 < NARROW_ROW_BYTES:
         tiles["BLOCK_N"] = min(tiles["BLOCK_N"], NARROW_ROW_BLOCK_N)
@@ -348,7 +343,7 @@ def attention_tiles(code_bits: dict, dots: dict, block_scaled: bool, block_m: in
 
 
 def attention_key(code_bits: dict, dots: dict, block_scaled: bool, block_m: int, head_pad: int, wide: bool,
-                  pow2_blocks: bool, scale_words: bool, position_scales: bool, zero_points: bool = False) -> tuple:
+                  pow2_blocks: bool, scale_words: bool, position_scales: bool) -> tuple:
     """The fields ATTENTION_TILES' rules match, for attention_tiles' arguments."""
     bits = max(code_bits.values())
     terms, split = 0, 0
@@ -360,7 +355,7 @@ def attention_key(code_bits: dict, dots: dict, block_scaled: bool, block_m: int,
             terms = max(terms, dots[f"{side}_TERMS"])
             split |= (dots[f"{x}_TERMS"] > 1) << (x == "P")  # bit 0 the query's, bit 1 the probabilities'
     return (bits, terms, block_scaled, split, DECODE_ROWS if block_m <= DECODE_ROWS else block_m, head_pad, wide,
-            pow2_blocks, bool(dots.get("BLOCK_DOTS")), scale_words, position_scales, zero_points)
+            pow2_blocks, bool(dots.get("BLOCK_DOTS")), scale_words, position_scales)
 
 
 def tile_rule(key: tuple) -> tuple:
@@ -372,14 +367,14 @@ def tile_rule(key: tuple) -> tuple:
 
 
 def rows_ruled(code_bits: dict, dots: dict, block_scaled: bool, block_m: int, head_pad: int, wide: bool,
-               pow2_blocks: bool, scale_words: bool, position_scales: bool, zero_points: bool = False) -> bool:
+               pow2_blocks: bool, scale_words: bool, position_scales: bool) -> bool:
     """Whether the tile rule of a program of ``block_m`` query rows names that many rows itself (a rule of its own,
     not one that admits any rows): how prefill programs of RULED_PREFILL_ROWS rows are chosen. Never in the
     interpreter or under TILE_OVERRIDE (experiments choose the rows by PREFILL_ROWS)."""
     if interpreting() or TILE_OVERRIDE is not None:
         return False
     rule, _ = tile_rule(attention_key(code_bits, dots, block_scaled, block_m, head_pad, wide, pow2_blocks,
-                                      scale_words, position_scales, zero_points))
+                                      scale_words, position_scales))
     return len(rule) > 4 and rule[4] == block_m
 
 
@@ -495,10 +490,9 @@ class KernelSet:
     """The kernels module of one generated package, imported on first use."""
 
     def __init__(self, package: types.ModuleType, block_scaled: bool = False, pow2_blocks: bool = False,
-                 scale_rows: dict | None = None, position_scales: bool = False, zero_points: bool = False):
+                 scale_rows: dict | None = None, position_scales: bool = False):
         self.package = package
         self.position_scales = position_scales  # a side's scales are computed on write: enters the tile choice
-        self.zero_points = zero_points  # a side's codes are asymmetric: enters the tile choice
         self.block_scaled = block_scaled  # a side's scale covers blocks of elements: enters the tile choice
         self.pow2_blocks = pow2_blocks  # ... in e8m0: enters the write's and attention's tile choices
         # block-scaled sides: {"K" / "V": (elements per scale, bytes per scale)}, for scale_rows_in_words
@@ -641,7 +635,7 @@ class KernelSet:
         tile_dots = dots if dot_precision != "fast" else self._call_dots(query.dtype, "auto", rotated_keys,
                                                                          head_pad, block_m, query.device)
         tiles = attention_tiles(self.module.CODE_BITS, tile_dots, self.block_scaled, block_m, head_pad, wide,
-                                self.pow2_blocks, scale_words, self.position_scales, self.zero_points)
+                                self.pow2_blocks, scale_words, self.position_scales)
         if tile_dots.get("BLOCK_DOTS") and not dots.get("BLOCK_DOTS"):  # fast's ratios where auto takes block dots
             tiles.update(fast_ratio_tiles(self.module.CODE_BITS, self.module.BLOCK_DOTS))
         block_n = tiles.pop("BLOCK_N")
@@ -694,8 +688,7 @@ class KernelSet:
             dots = self._call_dots(query_dtype, "auto" if dot_precision == "fast" else dot_precision, rotated_keys,
                                    head_pad, more_rows, device)
             if rows_ruled(self.module.CODE_BITS, dots, self.block_scaled, more_rows, head_pad, wide_rows(consts),
-                          self.pow2_blocks, scale_rows_in_words(consts, self.scale_rows), self.position_scales,
-                          self.zero_points):
+                          self.pow2_blocks, scale_rows_in_words(consts, self.scale_rows), self.position_scales):
                 return more_rows
         return block_m
 

@@ -361,7 +361,7 @@ def test_prefill_rows_where_measured(compiled, monkeypatch):
     fp8 = {"fp8_e4m3": 128, "fp8_e4m3_per_head": 128, "fp8_e5m2": 128}
     wide = {
         128: dict(fp8, mxfp8=128, q8_0=128, int4_per_token_head=64, q4_0=64, kivi_2bit=64, kivi_4bit=64,
-                  int8_per_token_head_separate=128, int8_asym_per_token_head=128),
+                  int8_per_token_head_separate=128),
         256: dict(fp8, bf16=64, fp16=64, mxfp8=128, nvfp4=128, nvfp4_separate=128, mxfp4=128, q4_0=64,
                   kivi_2bit=64, kivi_4bit=64, int8_per_token_head_separate=128, int8_per_token_head=128,
                   fp8_per_token_head=128, int8_asym_per_token_head=128, int8_per_token_head_hadamard_k=128,
@@ -385,8 +385,7 @@ def test_prefill_rows_where_measured(compiled, monkeypatch):
                     dots = ks._call_dots(dtype, "auto", rotated, head_size, rows, None)
                     tiles = K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled, rows, head_size,
                                               K.wide_rows(consts), ks.pow2_blocks,
-                                              K.scale_rows_in_words(consts, ks.scale_rows), ks.position_scales,
-                                              ks.zero_points)
+                                              K.scale_rows_in_words(consts, ks.scale_rows), ks.position_scales)
                     assert tiles == dict(BLOCK_N=ruled[name], num_warps=8, num_stages=2, programs_per_sm=4), name
         consts = consts_of(name)
         assert ks.query_rows(torch.bfloat16, "auto", rotated, 4, 1, consts) == 16, name
@@ -404,15 +403,6 @@ def test_position_scales():
     static = {"bf16", "fp16", "fp8_e4m3", "fp8_e4m3_per_head", "fp8_e5m2"}
     for name in kvgen.shipped_names():
         assert kvgen.load(name)._kernels.position_scales == (name not in static), name
-
-
-def test_zero_points():
-    """The tile key's zero points: the asymmetric formats (a zero point beside each scale), whose 8-bit member int8
-    asym shares every other field with int8 / fp8 per token-head and mixed_k8_v4 at head size 128 (it ran 0.80x its
-    64-row prefill in 128-row programs there, they 1.05-1.06x)."""
-    asymmetric = {"int8_asym_per_token_head", "int4_per_token_head", "kivi_2bit", "kivi_4bit"}
-    for name in kvgen.shipped_names():
-        assert kvgen.load(name)._kernels.zero_points == (name in asymmetric), name
 
 
 def test_small_heads_stay_off_warpgroup_dots(compiled):

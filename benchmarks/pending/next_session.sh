@@ -56,13 +56,6 @@ case "$step" in
     timeout 150 python3 benchmarks/tune_tiles.py bf16 int8_per_token_head int8_per_token_head_separate \
       int8_asym_per_token_head mixed_k8_v4 --configs rt --shapes 4x8192q2048hs256 4x8192q2048 16x8192hs256 \
       --cuda-graphs 2>&1 | tee "$out/verify_times.txt" | grep "^|"
-    # the tile key's zero points (thirty-third session): int8 asym alone takes 128-row prefill programs at head size
-    # 128 (its rt above); against its 64-row tiles, and the formats that lost there in s32 on 128 rows again (the
-    # mask-free steps since)
-    timeout 100 python3 benchmarks/tune_tiles.py int8_asym_per_token_head fp8_per_token_head --configs 128/4/2 --prefill-rows 64 \
-      --shapes 4x8192q2048 --cuda-graphs 2>&1 | tee "$out/verify_rows64.txt" | grep "^|"
-    timeout 120 python3 benchmarks/tune_tiles.py int8_per_token_head fp8_per_token_head mixed_k8_v4 --configs 128/8/2 \
-      --prefill-rows 128 --shapes 4x8192q2048 --cuda-graphs 2>&1 | tee "$out/verify_rows128.txt" | grep "^|"
     # the rotated formats' dequantize kernels rotate back by tensor-core dots and per-row scales load once a row
     # (thirty-second session, CPU only; before: Hadamard 602 us, int4 per token-head 1164, int8 asym 321, int8 per
     # token-head 65): the dequantize-first GPU tests, then those formats' times
