@@ -361,7 +361,8 @@ def test_prefill_rows_where_measured(compiled, monkeypatch):
     fp8 = {"fp8_e4m3": 128, "fp8_e4m3_per_head": 128, "fp8_e5m2": 128}
     wide = {
         128: dict(fp8, mxfp8=128, q8_0=128, int4_per_token_head=64, q4_0=64, kivi_2bit=64, kivi_4bit=64,
-                  int8_per_token_head_separate=128),
+                  int8_per_token_head_separate=128, int8_per_token_head=128, fp8_per_token_head=128,
+                  int8_asym_per_token_head=128, mixed_k8_v4=128),
         256: dict(fp8, bf16=64, fp16=64, mxfp8=128, nvfp4=128, nvfp4_separate=128, mxfp4=128, q4_0=64,
                   kivi_2bit=64, kivi_4bit=64, int8_per_token_head_separate=128, int8_per_token_head=128,
                   fp8_per_token_head=128, int8_asym_per_token_head=128, int8_per_token_head_hadamard_k=128,

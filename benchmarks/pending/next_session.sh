@@ -3,8 +3,8 @@
 # that a machine taken back mid-session loses one step only. From the repository root on the lent H200, after
 # `source benchmarks/device_env.sh`; outputs go to $OUT (the device tool's folder), each step's also to stdout.
 #
-#   bash benchmarks/pending/next_session.sh verify     # the s32 merges (mask-free prefill, row-spread, rotation dots) (~400 s)
-#   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~260 s)
+#   bash benchmarks/pending/next_session.sh verify     # the s32 / s33 merges on the H200 (~550 s)
+#   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~330 s)
 #   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~350 s?)
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~350 s?; prefill dequantize-first rows new)
 #   bash benchmarks/pending/next_session.sh kivicrash  # KIVI's 32-position prefill crash: q4_0 / kivi_4bit too (~400 s)
@@ -13,7 +13,8 @@
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs, KIVI's flush profile
 # Ran and removed (benchmarks/results_2026-12-04_h200_s28.md, _s29.md): rows128, hs256more, rules28, rules28b (s28);
 # hs256rest, kiviacc (merged) and the first rowspread (s29); tests, dequant, maskfree, rowspread, rowspread128 and
-# rowspreadtests (s32, benchmarks/results_2026-12-05_h200_s32.md).
+# rowspreadtests (s32, benchmarks/results_2026-12-05_h200_s32.md); verify and tests ran on an H100 (s33,
+# benchmarks/results_2026-12-05_h100_s33.md) and stay for the H200.
 #
 # Steps in priority order; each prints how long it took.
 set -uo pipefail
@@ -47,19 +48,21 @@ variant_tests() {
 }
 case "$step" in
   verify)
-    # the thirty-second session's merges on a GPU: the mask-free loop of prefill programs (MASK_FREE_STEPS) and the
-    # per-position scale words spread over the threads (load_per_position) with the new 128-row prefill rules, each
-    # timed alone there, never together: their conformance (128-row prefill at 64 / 128 / 256, the loops' bounds),
-    # then the rules' prefill and int8 asym's decode at head size 256 (row-spread v2's decode there is untimed)
-    timeout 130 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_conformance.py \
+    # the thirty-second session's merges ran on an H100 in the thirty-third (benchmarks/RESULTS.md), not yet on the
+    # H200: their conformance (128-row prefill at 64 / 128 / 256, the loops' bounds; 30 of 32 in 130 s there), the
+    # rules' prefill and decode at 256, and the thirty-third's 128-row rule at head size 128 (int8 / fp8 per
+    # token-head, int8 asym, mixed_k8_v4; H100: 0.73-0.98x their 64-row time) against their 64-row tiles
+    timeout 240 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_conformance.py \
       -k "prefill_rows_128 or many_whole" 2>&1 | tee "$out/verify_tests.txt" | tail -3
-    timeout 150 python3 benchmarks/tune_tiles.py bf16 int8_per_token_head int8_per_token_head_separate \
-      int8_asym_per_token_head mixed_k8_v4 --configs rt --shapes 4x8192q2048hs256 4x8192q2048 16x8192hs256 \
-      --cuda-graphs 2>&1 | tee "$out/verify_times.txt" | grep "^|"
-    # the rotated formats' dequantize kernels rotate back by tensor-core dots and per-row scales load once a row
-    # (thirty-second session, CPU only; before: Hadamard 602 us, int4 per token-head 1164, int8 asym 321, int8 per
-    # token-head 65): the dequantize-first GPU tests, then those formats' times
-    timeout 100 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_dequantize_first.py 2>&1 \
+    timeout 170 python3 benchmarks/tune_tiles.py bf16 int8_per_token_head int8_per_token_head_separate \
+      int8_asym_per_token_head mixed_k8_v4 fp8_per_token_head --configs rt --shapes 4x8192q2048hs256 4x8192q2048 \
+      16x8192hs256 --cuda-graphs 2>&1 | tee "$out/verify_times.txt" | grep "^|"
+    timeout 120 python3 benchmarks/tune_tiles.py int8_per_token_head fp8_per_token_head int8_asym_per_token_head \
+      mixed_k8_v4 --configs 128/4/2 --prefill-rows 64 --shapes 4x8192q2048 --cuda-graphs 2>&1 \
+      | tee "$out/verify_rows64.txt" | grep "^|"
+    # the dequantize kernels (rotation dots at heads over 32, CUDA-core sums below; per-row scale loads): the
+    # dequantize-first GPU tests, then the times (H100, thirty-third session: 1.01-1.07x bf16)
+    timeout 200 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_dequantize_first.py 2>&1 \
       | tee "$out/verify_dequant_tests.txt" | tail -3
     timeout 150 python3 benchmarks/dequantize_first.py int8_per_token_head int8_asym_per_token_head \
       int8_per_token_head_hadamard_k int4_per_token_head 2>&1 | tee "$out/verify_dequant.txt" | grep "^|"
