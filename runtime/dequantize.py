@@ -23,8 +23,9 @@ from .kernels import triton_cdiv
 DEQUANT_BLOCK_N = 32
 DEQUANT_WARPS = 4
 # rotated sides rotate back by tensor-core dots (the kernel's ROT_DOT) at padded heads over this many elements, on the
-# CUDA cores below: the dots of a 16-element head gave wrong values on the H100 (thirty-third session, Triton 3.6;
-# tests/test_dequantize_first.py, int4 per token-head), where dots of 128 were exact. Both sum the same exact products
+# CUDA cores below: the dots of a 16-element head gave int4 per token-head wrong values on the H100 (thirty-third
+# session, Triton 3.6; tests/test_dequantize_first.py), where dots at 32, 48, 64 and 128 were exact
+# (benchmarks/pending/rotate_dot_check.py; the Hadamard format exact at every head). Both sum the same exact products
 ROT_DOT_MIN_PAD = 32
 
 

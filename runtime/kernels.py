@@ -152,8 +152,9 @@ def _choose_mode() -> None:
 # 128-row programs on 128/8/2 against their 64-row 128/4/2 (`python benchmarks/tune_tiles.py FORMATS --configs rt /
 # 128/8/2 / 128/4/2 [--prefill-rows 128 / 64] --shapes 4x8192q2048 --cuda-graphs`): int8 per token-head 4401 -> 4135
 # us, fp8 per token-head 4218 -> 4113, mixed_k8_v4 4233 -> 4127, int8 asym 5732 -> 4162; the Hadamard format (a
-# two-term query: split 1) lost, 5438 -> 5606, and keeps 64 rows; at head size 64 all four lost (int8 per token-head
-# 2723 -> 3122, int8 asym level: 3089 -> 3080), 64 rows there.
+# two-term query: split 1) lost, 5438 -> 5606, and keeps 64 rows under auto and fast (its quantized domain, int8
+# dots with one query term, follows the rule untimed, as at 256); at head size 64 three lost (int8 per token-head
+# 2723 -> 3122) and int8 asym was level (3089 -> 3080): 64 rows there.
 # First matching rule wins (None matches anything). BLOCK_N: KV positions per step; maxnreg: a register cap (the
 # compiler otherwise takes 255 registers, two programs per SM); programs_per_sm: the split-KV target; convert_first
 # (optional): the rule's own V_CONVERT_FIRST, in place of convert_values_first's conditions. The tuned rules
@@ -200,7 +201,7 @@ ATTENTION_TILES = (
     ((8, 1, False, False, 128, (64, 128, 256), True, None, None, None, False), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # fp8 per tensor / per head / e5m2, prefill of 128 rows, hs 64-256
     ((8, 1, False, False, 128, (128, 256), True, None, None, None, True), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # int8 separate, prefill of 128 rows, hs 128 / 256
     ((8, 1, False, (0, 1), 128, 256, False, None, None, None, True), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # int8 / fp8 per token-head, int8 asym, Hadamard, mixed_k8_v4, prefill of 128 rows, hs 256
-    ((8, 1, False, 0, 128, 128, False, None, None, None, True), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # int8 / fp8 per token-head, int8 asym, mixed_k8_v4 (not Hadamard), prefill of 128 rows, hs 128
+    ((8, 1, False, 0, 128, 128, False, None, None, None, True), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # int8 / fp8 per token-head, int8 asym, mixed_k8_v4 (Hadamard only in its quantized domain), prefill of 128 rows, hs 128
     ((4, 1, False, 1, 128, 256, None, None, None), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # int4 per token-head, prefill of 128 rows, hs 256
     ((8, 1, True, False, 128, (128, 256), None, True, None), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # mxfp8, prefill of 128 rows, hs 128 / 256
     ((8, 2, True, False, 128, 128, None, None, None), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # q8_0, prefill of 128 rows, hs 128
@@ -896,8 +897,9 @@ SMALL_HEAD_ROWS = 32
 # 4419, q8_0 11378 -> 8171 (128 positions per step), int4 per token-head 9619 -> 7219, q4_0 9179 -> 7969, kivi_2bit
 # 15094 -> 13436 (64 per step); bf16 (3960 -> 4086 at best), int8 separate (4630 -> 6322), mxfp4 (4905 -> 5097) and
 # nvfp4 (4368 -> 4303, level) keep 64 rows at head size 128, as did the 8-bit formats with scales per token-head
-# (static counts of the twenty-sixth session: they spilled at 128 rows; none since the thirty-second session's
-# spread scale loads, and the thirty-third's rule takes them there, the Hadamard format aside). The twenty-eighth
+# (static counts of the twenty-sixth session: they spilled at 128 rows; with the thirty-second session's spread
+# scale loads none did in the thirty-third's counts, `python benchmarks/sass_count.py --prefill FORMATS` on 128/8/2,
+# and its rule takes them there, the Hadamard format aside). The twenty-eighth
 # session's rules of 128 rows at head sizes 64 / 256 (ATTENTION_TILES' comment) take bf16, nvfp4 and mxfp4 at 256
 # too, the twenty-ninth's int8 separate at 256. Experiments set both.
 PREFILL_ROWS = 64

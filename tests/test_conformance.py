@@ -101,19 +101,21 @@ def test_long_context(name):
 
 # Chunked prefill in programs of 128 query rows on 8 warps, where the tile rules name them (kvgen.runtime.kernels.
 # RULED_PREFILL_ROWS; twenty-seventh session at head size 128, twenty-eighth at 64 and 256, twenty-ninth int8 separate
-# at 256, thirty-second the per token-head formats at 256 and int8 separate at 128). The interpreter always takes 128
-# rows; this runs the compiled kernels with the rules' tiles, and a format whose rules keep 64 rows (int8 per
-# token-head at head size 128: inline-scale cells) under PREFILL_ROWS = 128 forced.
+# at 256, thirty-second the per token-head formats at 256 and int8 separate at 128, thirty-third the 8-bit per
+# token-head formats but Hadamard at 128). The interpreter always takes 128 rows; this runs the compiled kernels with
+# the rules' tiles, and a format whose rules keep 64 rows (the Hadamard format at head size 128: a two-term query)
+# under PREFILL_ROWS = 128 forced.
 @pytest.mark.skipif(DEVICE != "cuda", reason="compiled prefill programs of 128 rows: a GPU run")
 @pytest.mark.parametrize("name, head_size", [(n, 128) for n in (
     "fp8_e4m3", "mxfp8", "q8_0", "int4_per_token_head", "q4_0", "kivi_2bit", "kivi_4bit",
-    "int8_per_token_head_separate")]
+    "int8_per_token_head_separate", "int8_per_token_head", "fp8_per_token_head", "int8_asym_per_token_head",
+    "mixed_k8_v4")]
     + [(n, 256) for n in ("bf16", "fp8_e4m3", "mxfp8", "nvfp4", "mxfp4", "q4_0", "kivi_2bit", "kivi_4bit",
                           "int8_per_token_head_separate", "int8_per_token_head", "fp8_per_token_head",
                           "int8_asym_per_token_head", "int8_per_token_head_hadamard_k", "int4_per_token_head",
                           "mixed_k8_v4")]
     + [(n, 64) for n in ("fp8_e4m3", "int4_per_token_head", "q4_0", "kivi_4bit")]
-    + [("int8_per_token_head", 128)])
+    + [("int8_per_token_head_hadamard_k", 128)])
 def test_prefill_rows_128_conform(name, head_size, monkeypatch):
     import warnings
 
@@ -127,7 +129,7 @@ def test_prefill_rows_128_conform(name, head_size, monkeypatch):
         cache = fmt.allocate(1, block, 2, head_size, **({"max_seqs": 1} if fmt.spec.streaming else {}))
     rows = fmt._kernels.query_rows(torch.bfloat16, "auto", fmt.spec.key.rotation is not None, 4, 700,
                                    fmt._kernel_args(cache)[1])
-    if (name, head_size) == ("int8_per_token_head", 128):
+    if (name, head_size) == ("int8_per_token_head_hadamard_k", 128):
         assert rows == 64
         monkeypatch.setattr(kernels, "PREFILL_ROWS", 128)
         monkeypatch.setattr(kernels, "TILE_OVERRIDE", {"BLOCK_N": 128, "num_warps": 8, "num_stages": 2})

@@ -112,6 +112,24 @@ def _check_rounded(got: np.ndarray, want: np.ndarray, dtype, what: str, rotated:
                                   "mxfp8", "int8_per_token_head_hadamard_k"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_dense_cache_holds_rounded_reference_values(name, dtype):
+    plan = _check_dense_cache(name, dtype)
+    if kvgen.load(name).spec.key.rotation is not None:  # rotated back by tensor-core dots at this head (64)
+        assert plan._launch._kwargs["ROT_DOT"] is True
+
+
+@pytest.mark.parametrize("name", ["int4_per_token_head", "int8_per_token_head_hadamard_k"])
+def test_rotation_back_by_cuda_core_sums(name, monkeypatch):
+    """The rotated sides' other path (ROT_DOT off: the products summed on the CUDA cores, which heads of 32 or fewer
+    take) at a head of 64, which takes the tensor-core dots by default: the same exact values."""
+    from kvgen.runtime import dequantize as D
+    monkeypatch.setattr(D, "ROT_DOT_MIN_PAD", 64)
+    plan = _check_dense_cache(name, torch.bfloat16)
+    assert plan._launch._kwargs["ROT_DOT"] is False
+
+
+def _check_dense_cache(name, dtype):
+    """A dequantize-first plan's dense cache against the reference's decoded values rounded to ``dtype``, at head
+    size 64; returns the plan."""
     fmt = kvgen.load(name)
     head = 64
     case = Case(head_size=head, block_size=4, num_kv_heads=2, group=2, seq_lens=[13, 30], q_lens=[13, 7],
@@ -140,6 +158,7 @@ def test_dense_cache_holds_rounded_reference_values(name, dtype):
                        _rotated_in_steps(fmt.spec.key))
         _check_rounded(v_got, v_deq[blocks, offs], DENSE[dtype], f"sequence {s} values",
                        _rotated_in_steps(fmt.spec.value))
+    return plan
 
 
 @pytest.mark.parametrize("name", STREAMING)

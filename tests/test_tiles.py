@@ -349,15 +349,16 @@ def test_prefill_rows_where_measured(compiled, monkeypatch):
     (twenty-eighth session, runs 2 / 4 / 5): bf16, q4_0 and kivi_2bit at 64; fp8 per tensor, mxfp8, nvfp4 and mxfp4
     (its tiles forced) at 128; int8 separate at 128 (twenty-ninth session, run 4). Head size 64: fp8 per tensor and
     q4_0 at 128, int4 per token-head at 64. With the per-position scale words spread over the threads (thirty-second
-    session): the per token-head formats at 256 at 128 (int4 per token-head too), int8 separate at 128 and 256.
-    Following these rules untimed (or timed with the rule alone): fp8 per head / e5m2 (fp8's), fp16 (bf16's, and
-    with bf16 queries), nvfp4_separate (nvfp4's), kivi_4bit at 64 / 256 (q4_0's), int8 separate's quantized domain
-    at 128 / 256 and the per token-head formats' at 256 (any query type; not checked here). Elsewhere 64 rows: the
-    formats measured slower or level there (bf16 at 64 / 128, int8 separate at 64, nvfp4 at 64 / 128, mxfp4 at 64 /
-    128, mxfp8 at 64, int8 / fp8 per token-head, Hadamard and mixed_k8_v4 at 128, with int8 asym, which gained there
-    but shares their key), the per token-head formats at 64 (untimed with 128 rows), fp32 queries under auto and
-    fast, a bf16 cache read with fp16 queries (two terms), and decode and short chunks, which fill no more than 64
-    rows."""
+    session): the per token-head formats at 256 at 128 (int4 per token-head too), int8 separate at 128 and 256. With
+    the mask-free steps too (thirty-third session, on an H100): int8 / fp8 per token-head, int8 asym and mixed_k8_v4
+    at 128. Following these rules untimed (or timed with the rule alone): fp8 per head / e5m2 (fp8's), fp16 (bf16's,
+    and with bf16 queries), nvfp4_separate (nvfp4's), kivi_4bit at 64 / 256 (q4_0's), int8 separate's quantized
+    domain at 128 / 256 and the per token-head formats' at 128 / 256 (any query type, the Hadamard format's too: its
+    int8 dots take one query term; not checked here). Elsewhere 64 rows: the formats measured slower or level there
+    (bf16 at 64 / 128, int8 separate at 64, nvfp4 at 64 / 128, mxfp4 at 64 / 128, mxfp8 at 64, the Hadamard format at
+    128 under auto and fast: a two-term query), the per token-head formats at 64 (three slower, int8 asym level),
+    fp32 queries under auto and fast, a bf16 cache read with fp16 queries (two terms), and decode and short chunks,
+    which fill no more than 64 rows."""
     fp8 = {"fp8_e4m3": 128, "fp8_e4m3_per_head": 128, "fp8_e5m2": 128}
     wide = {
         128: dict(fp8, mxfp8=128, q8_0=128, int4_per_token_head=64, q4_0=64, kivi_2bit=64, kivi_4bit=64,
