@@ -7,6 +7,7 @@
 #   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~330 s)
 #   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~350 s?)
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~350 s?; prefill dequantize-first rows new)
+#   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused at 16-1024 new tokens (~300 s?)
 #   bash benchmarks/pending/next_session.sh kivicrash  # KIVI's 32-position prefill crash: q4_0 / kivi_4bit too (~400 s)
 #   bash benchmarks/pending/next_session.sh cells      # profiles: the inline-scale cells converted first / 3 stages
 #   bash benchmarks/pending/next_session.sh hs64prof   # profiles at head size 64 (int8 / fp8 per token-head, bf16)
@@ -20,7 +21,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, kivicrash, cells, hs64prof or writes"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, kivicrash, cells, hs64prof or writes"}
 start=$(date +%s)
 # a pending patch's kernels (no step uses these now; kept for the next patch's A/B): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -67,6 +68,14 @@ case "$step" in
     timeout 150 python3 benchmarks/dequantize_first.py int8_per_token_head int8_asym_per_token_head \
       int8_per_token_head_hadamard_k int4_per_token_head 2>&1 | tee "$out/verify_dequant.txt" | grep "^|"
     ;;
+  crossover)
+    # where dequantize-first stops paying (for a dequantize_first="auto" policy): fewer new tokens per sequence,
+    # fused against dequantize-first, a spread of formats (per token-head inline, block-scaled 4- and 8-bit, KIVI)
+    for q in 16 64 256 1024; do
+      timeout 110 python3 benchmarks/dequantize_first.py int8_per_token_head int8_per_token_head_separate nvfp4 \
+        mxfp8 q4_0 kivi_2bit --shape "4x8192q$q" 2>&1 | tee -a "$out/crossover.txt" | grep "^|\|^Chunked"
+    done
+    ;;
   tests)
     timeout 560 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_tiles.py tests/test_attention_plan.py \
       tests/test_launch.py tests/test_quantized_domain.py tests/test_fast_dots.py tests/test_golden.py \
@@ -111,7 +120,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, kivicrash, cells, hs64prof or writes" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, kivicrash, cells, hs64prof or writes" >&2
     exit 2
     ;;
 esac
