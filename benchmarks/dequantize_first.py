@@ -11,7 +11,8 @@ sequences of 8192; 32 query heads, 8 KV heads, head size 128, block size 16, KIV
 - of which the dequantize kernel alone, its bytes (the cells read, bf16 K and V written) and their rate as a
   fraction of the device-to-device copy bandwidth measured in the same run;
 - each time against bf16's fused prefill on the same shape, and the largest difference of the two outputs relative
-  to the largest output value (the caches hold codes the format's write computed from random bf16 data).
+  to the largest output value (the caches hold codes the format's write computed from random bf16 data);
+- which of the two ``dequantize_first="auto"`` takes there (kvgen.runtime.dequantize.auto_dense).
 
 Prints a markdown table as it goes; ``--out`` also writes it to a file.
 """
@@ -31,11 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
 
 import kvgen  # noqa: E402
+from kvgen.runtime.dequantize import auto_dense  # noqa: E402
 
 
 def planned_prefill(fmt, seqs: int, ctx: int, q_len: int, head_size: int):
     """(plan.run as a graph replay, dequantize-first plan.run, its dequantize kernel alone, the two plans' outputs
-    for comparison, bytes the dequantize kernel moves) on a cache of real codes."""
+    for comparison, bytes the dequantize kernel moves, whether dequantize_first="auto" would dequantize first) on a
+    cache of real codes."""
     res = fmt.layout.RESIDUAL
     block = res["group"] if res else 16
     fn, _ = bench.decode_case(fmt, seqs, ctx, block, head_size, q_len=q_len, graphs=False)
@@ -49,9 +52,10 @@ def planned_prefill(fmt, seqs: int, ctx: int, q_len: int, head_size: int):
     launch = first._launch
     cell = fmt.page_bytes(block, bench.HKV, head_size) / block / bench.HKV
     moved = seqs * ctx * bench.HKV * (cell + 2 * head_size * 2)
+    auto = auto_dense(fmt, q, seqs, table, block, bench.HKV, "auto", ctx)
     return (bench.graphed(lambda: fused.run(q, cache, out=out_a)),
             bench.graphed(lambda: first.run(q, cache, out=out_b)),
-            bench.graphed(lambda: launch.dequantize(ptrs)), (out_a, out_b), moved)
+            bench.graphed(lambda: launch.dequantize(ptrs)), (out_a, out_b), moved, auto)
 
 
 def main() -> int:
@@ -74,16 +78,16 @@ def main() -> int:
              f"{datetime.date.today()}; bf16 fused {t_bf16 * 1e6:.0f} us, copy bandwidth {copy / 1e9:.0f} GB/s.",
              "",
              "| format | fused us | vs bf16 | dequantize-first us | vs bf16 | dequantize us | of copy bw | "
-             "max diff / max out |",
-             "|---|---|---|---|---|---|---|---|"]
+             "max diff / max out | \"auto\" takes |",
+             "|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     for name in names:
         fmt = kvgen.load(name)
-        fused, first, dequant, (out_a, out_b), moved = planned_prefill(fmt, seqs, ctx, q_len, head_size)
+        fused, first, dequant, (out_a, out_b), moved, auto = planned_prefill(fmt, seqs, ctx, q_len, head_size)
         t_a, t_b, t_d = bench.bench(fused), bench.bench(first), bench.bench(dequant)
         diff = float((out_a.float() - out_b.float()).abs().max() / out_a.float().abs().max().clamp_min(1e-30))
         row = (f"| {name} | {t_a * 1e6:.0f} | {t_a / t_bf16:.2f}x | {t_b * 1e6:.0f} | {t_b / t_bf16:.2f}x | "
-               f"{t_d * 1e6:.0f} | {moved / t_d / copy:.0%} | {diff:.2e} |")
+               f"{t_d * 1e6:.0f} | {moved / t_d / copy:.0%} | {diff:.2e} | {'dense' if auto else 'fused'} |")
         print(row, flush=True)
         lines.append(row)
         del fused, first, dequant, out_a, out_b

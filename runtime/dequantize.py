@@ -30,11 +30,35 @@ ROT_DOT_MIN_PAD = 32
 
 
 DENSE_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+# dequantize_first="auto": the dense path where it was measured faster than the fused kernels. H200, thirty-second
+# session (benchmarks/RESULTS.md; `python benchmarks/dequantize_first.py`, chunked prefill of 2048 new tokens on
+# each of 4 sequences of 8192): 1.01-1.30x bf16's fused prefill against the fused kernels' 1.10-3.29x for every
+# format whose scales are computed on write (per token-head, per block, per channel group); the static-scale
+# formats' fused kernels ran faster (fp8 per tensor / per head / e5m2 0.89x against 1.01-1.02x), and the dense
+# formats are their own. So: such formats, batches of at least AUTO_MIN_NEW_TOKENS new tokens per sequence on
+# average (the count measured; a decode sequence would pay the dense copy of its whole context for one query), 16-bit
+# queries, "auto" / "fast" dots, and a scratch of at most AUTO_MAX_SCRATCH_BYTES (num_seqs x the positions a
+# sequence may hold: max_seq_len, else what the block table addresses).
+AUTO_MIN_NEW_TOKENS = 2048
+AUTO_MAX_SCRATCH_BYTES = 1 << 30
+
+
+def auto_dense(fmt, query: torch.Tensor, num_seqs: int, block_table: torch.Tensor, block_size: int,
+               num_kv_heads: int, dot_precision: str, max_seq_len: Optional[int]) -> bool:
+    """dequantize_first="auto"'s choice for one call (see AUTO_MIN_NEW_TOKENS): whether to dequantize first. Reads
+    nothing from the device."""
+    if query.dtype not in DENSE_FORMATS or dot_precision not in ("auto", "fast") or not fmt._kernels.position_scales:
+        return False
+    if query.shape[0] < AUTO_MIN_NEW_TOKENS * num_seqs:
+        return False
+    positions = max_seq_len if max_seq_len is not None else block_table.shape[1] * block_size
+    scratch = num_seqs * triton_cdiv(positions, block_size) * block_size * num_kv_heads * query.shape[2] * 2 * 2
+    return scratch <= AUTO_MAX_SCRATCH_BYTES
 
 
 def dense_dtype(dequantize_first, query_dtype: torch.dtype) -> Optional[torch.dtype]:
     """The dense cache's type for attend's ``dequantize_first`` argument (None: the fused path): True takes the
-    query's type (bf16 / fp16), or a 16-bit torch dtype names it."""
+    query's type (bf16 / fp16), or a 16-bit torch dtype names it ("auto" is resolved before: True or False)."""
     if dequantize_first is False:
         return None
     if dequantize_first is True:
@@ -45,7 +69,7 @@ def dense_dtype(dequantize_first, query_dtype: torch.dtype) -> Optional[torch.dt
         return query_dtype
     if isinstance(dequantize_first, torch.dtype) and dequantize_first in DENSE_FORMATS:
         return dequantize_first
-    raise ValueError(f"dequantize_first: expected True, False, torch.bfloat16 or torch.float16, got "
+    raise ValueError(f"dequantize_first: expected True, False, \"auto\", torch.bfloat16 or torch.float16, got "
                      f"{dequantize_first!r}")
 
 

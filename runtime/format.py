@@ -12,7 +12,7 @@ from typing import Optional, Union
 import torch
 
 from . import checks
-from .dequantize import DequantizedLaunch, dense_dtype
+from .dequantize import DequantizedLaunch, auto_dense, dense_dtype
 from .kernels import DOT_PRECISIONS, KernelSet
 
 try:
@@ -388,7 +388,7 @@ class Format:
                out: Optional[torch.Tensor] = None, seq_ids: Optional[torch.Tensor] = None,
                dot_precision: str = "auto", max_seq_len: Optional[int] = None,
                num_splits: Optional[int] = None,
-               dequantize_first: Union[bool, torch.dtype] = False) -> torch.Tensor:
+               dequantize_first: Union[bool, str, torch.dtype] = False) -> torch.Tensor:
         """Causal paged attention of variable-length queries over the cache; returns ``[num_tokens, num_q_heads,
         head_size]`` in the query's dtype.
 
@@ -424,7 +424,11 @@ class Format:
         ``num_seqs x max_seq_len`` positions (2 x 2 bytes per position, KV head and element; ``attend`` reads
         ``seq_lens``' largest entry without ``max_seq_len``, a plan takes what the block table addresses): meant
         for batches of prefill chunks, not for batches with many decode sequences. A value beyond fp16's range
-        (65504) becomes infinite in an fp16 scratch.
+        (65504) becomes infinite in an fp16 scratch. ``dequantize_first="auto"`` takes it (in the query's type)
+        where it was measured faster than the fused kernels and the scratch stays bounded
+        (``kvgen.runtime.dequantize.AUTO_MIN_NEW_TOKENS`` says where: formats whose scales are computed on write,
+        batches of long prefill chunks, bf16 / fp16 queries, "auto" / "fast" dots), else runs fused; the choice
+        reads nothing from the device.
         """
         launch, ptrs = self._plan(query, cache, block_table, seq_lens, query_start_loc, sm_scale, sliding_window,
                                   max_query_len, seq_ids, dot_precision, max_seq_len, num_splits, out,
@@ -442,7 +446,7 @@ class Format:
                        sliding_window: Optional[int] = None, max_query_len: Optional[int] = None,
                        seq_ids: Optional[torch.Tensor] = None, dot_precision: str = "auto",
                        max_seq_len: Optional[int] = None, num_splits: Optional[int] = None,
-                       dequantize_first: Union[bool, torch.dtype] = False) -> AttentionPlan:
+                       dequantize_first: Union[bool, str, torch.dtype] = False) -> AttentionPlan:
         """``attend`` in two steps, for engines that run one batch through many layers: the batch's checks, tile,
         split and launch arguments once per step, then ``plan.run(query, cache)`` per layer, which checks only the
         query, the output and the cache against what was planned and launches. Arguments as for ``attend``;
@@ -492,12 +496,15 @@ class Format:
         if dot_precision == "quantized" and not any(self.quantized_dot.values()):
             raise ValueError(f"dot_precision: 'quantized' needs int8 codes with no zero point and no block scales on "
                              f"the key or value side; format {self.name} has neither")
+        max_seq_len = checks.optional_positive_int("max_seq_len", max_seq_len)
+        if isinstance(dequantize_first, str) and dequantize_first == "auto":
+            dequantize_first = auto_dense(self, query, num_seqs, block_table, cache.block_size, cache.num_kv_heads,
+                                          dot_precision, max_seq_len)
         dense = dense_dtype(dequantize_first, query.dtype)
         if dense is not None:
             if dot_precision == "quantized":
                 raise ValueError("dot_precision: 'quantized' computes on the cache's codes; dequantize_first runs on "
                                  "dequantized values (use 'auto', 'fast' or 'ieee')")
-        max_seq_len = checks.optional_positive_int("max_seq_len", max_seq_len)
         num_splits = checks.optional_positive_int("num_splits", num_splits)
         max_query_len = checks.optional_positive_int("max_query_len", max_query_len)
         if sm_scale is None:

@@ -255,8 +255,44 @@ def test_rejects_the_quantized_domain_and_non_bools():
     with pytest.raises(ValueError, match="dot_precision: 'quantized'.*dequantize_first"):
         fmt.attend(*empty, dequantize_first=True, dot_precision="quantized")  # an empty batch too
     for bad in ("yes", torch.float32, 1, [True]):
-        with pytest.raises(ValueError, match="dequantize_first: expected True, False, torch.bfloat16 or torch.float16"):
+        with pytest.raises(ValueError, match='dequantize_first: expected True, False, "auto", torch.bfloat16 or '
+                                             'torch.float16'):
             fmt.attend(*args, dequantize_first=bad)
+
+
+def test_auto_dequantizes_first_where_it_was_measured_faster(monkeypatch):
+    """dequantize_first="auto" (kvgen.runtime.dequantize.AUTO_MIN_NEW_TOKENS): the dense path for formats whose
+    scales are computed on write, batches of enough new tokens per sequence, bf16 / fp16 queries, "auto" / "fast"
+    dots and a scratch within AUTO_MAX_SCRATCH_BYTES; the fused kernels otherwise (never an error where True would
+    raise one). Where it dequantizes first, its output is True's."""
+    from kvgen.runtime import dequantize as D
+    monkeypatch.setattr(D, "AUTO_MIN_NEW_TOKENS", 2)  # _small's batch: 2 new tokens on one sequence
+    fmt, (query, cache, table, seq_lens, qsl) = _small()
+    torch.manual_seed(0)
+    fmt.write(cache, torch.randn(3, 1, 16).bfloat16().to(DEVICE), torch.randn(3, 1, 16).bfloat16().to(DEVICE),
+              torch.arange(3).to(DEVICE))
+    query = torch.randn(2, 1, 16).bfloat16().to(DEVICE)
+
+    def dense(f=fmt, q=query, c=cache, **kw):
+        plan = f.plan_attention(q, c, table, seq_lens, qsl, dequantize_first="auto", **kw)
+        return isinstance(plan._launch, D.DequantizedLaunch)
+
+    assert dense() and dense(dot_precision="fast")
+    assert torch.equal(fmt.attend(query, cache, table, seq_lens, qsl, dequantize_first="auto"),
+                       fmt.attend(query, cache, table, seq_lens, qsl, dequantize_first=True))
+    assert not dense(q=query.float())  # True would need the dense type named
+    assert not dense(dot_precision="ieee") and not dense(dot_precision="quantized")  # True rejects the latter
+    for static in ("fp8_e4m3", "bf16"):  # static scales / no scales: their fused kernels were the faster
+        f = kvgen.load(static)
+        scales = {"k_scale": 1.0, "v_scale": 1.0} if static == "fp8_e4m3" else {}
+        assert not dense(f=f, c=f.allocate(4, 4, 1, 16, device=DEVICE, **scales)), static
+    # the scratch: one sequence of what the block table addresses (16 positions) x 1 head x 16 x K and V x 2 bytes
+    monkeypatch.setattr(D, "AUTO_MAX_SCRATCH_BYTES", 1024)
+    assert dense()
+    monkeypatch.setattr(D, "AUTO_MAX_SCRATCH_BYTES", 1023)
+    assert not dense() and dense(max_seq_len=5)  # max_seq_len bounds it: 8 positions (whole blocks)
+    monkeypatch.setattr(D, "AUTO_MIN_NEW_TOKENS", 3)
+    assert not dense(max_seq_len=5)  # fewer new tokens per sequence than that
 
 
 def test_max_seq_len_must_bound_every_sequence(monkeypatch):
