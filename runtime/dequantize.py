@@ -36,23 +36,34 @@ DENSE_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 # format whose scales are computed on write (per token-head, per block, per channel group); the static-scale
 # formats' fused kernels ran faster (fp8 per tensor / per head / e5m2 0.89x against 1.01-1.02x), and the dense
 # formats are their own. So: such formats, batches of at least AUTO_MIN_NEW_TOKENS new tokens per sequence on
-# average (the count measured; a decode sequence would pay the dense copy of its whole context for one query), 16-bit
-# queries, "auto" / "fast" dots, and a scratch of at most AUTO_MAX_SCRATCH_BYTES (num_seqs x the positions a
-# sequence may hold: max_seq_len, else what the block table addresses).
+# average (the count measured, in batches of equal chunks; a decode sequence in the batch pays the dense copy of its
+# whole context for one query), 16-bit queries, "auto" / "fast" dots, and a scratch of at most
+# AUTO_MAX_SCRATCH_BYTES (num_seqs x the positions a sequence may hold: max_seq_len, else what the block table
+# addresses). Measured before the mask-free prefill steps and the 128-row rules, which made the fused kernels
+# faster (nvfp4's margin was 5%); the crossover step of benchmarks/pending/next_session.sh measures it again.
 AUTO_MIN_NEW_TOKENS = 2048
 AUTO_MAX_SCRATCH_BYTES = 1 << 30
+
+
+def dense_blocks(positions: int, table_width: int, block_size: int) -> int:
+    """Blocks per sequence of the dense scratch for a bound of ``positions`` per sequence: whole blocks, no more
+    than the block table addresses, at least one."""
+    return max(1, min(triton_cdiv(positions, block_size), table_width))
 
 
 def auto_dense(fmt, query: torch.Tensor, num_seqs: int, block_table: torch.Tensor, block_size: int,
                num_kv_heads: int, dot_precision: str, max_seq_len: Optional[int]) -> bool:
     """dequantize_first="auto"'s choice for one call (see AUTO_MIN_NEW_TOKENS): whether to dequantize first. Reads
-    nothing from the device."""
+    nothing from the device: the new tokens are the query's rows (padding rows past the last sequence's included),
+    and the scratch is DequantizedLaunch's for ``max_seq_len``, else for what the block table addresses (a plan's;
+    ``attend``'s own, sized by the longest sequence, is no larger)."""
     if query.dtype not in DENSE_FORMATS or dot_precision not in ("auto", "fast") or not fmt._kernels.position_scales:
         return False
     if query.shape[0] < AUTO_MIN_NEW_TOKENS * num_seqs:
         return False
-    positions = max_seq_len if max_seq_len is not None else block_table.shape[1] * block_size
-    scratch = num_seqs * triton_cdiv(positions, block_size) * block_size * num_kv_heads * query.shape[2] * 2 * 2
+    width = block_table.shape[1]
+    blocks = dense_blocks(max_seq_len if max_seq_len is not None else width * block_size, width, block_size)
+    scratch = num_seqs * blocks * block_size * num_kv_heads * query.shape[2] * 2 * 2  # K and V, 2 bytes each
     return scratch <= AUTO_MAX_SCRATCH_BYTES
 
 
@@ -100,7 +111,7 @@ class DequantizedLaunch:
             self.bound, max_seq_len = "the block table", block_table.shape[1] * bs
         else:  # one device-to-host read; pass max_seq_len to avoid it
             self.bound, max_seq_len = "the longest sequence", int(seq_lens.max())
-        out_blocks = max(1, min(triton_cdiv(max_seq_len, bs), block_table.shape[1]))
+        out_blocks = dense_blocks(max_seq_len, block_table.shape[1], bs)
         self.cap = out_blocks * bs
         self.scratch = self.dense.allocate(num_seqs * out_blocks, bs, cache.num_kv_heads, cache.head_size,
                                            device=query.device)

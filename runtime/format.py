@@ -425,10 +425,11 @@ class Format:
         ``seq_lens``' largest entry without ``max_seq_len``, a plan takes what the block table addresses): meant
         for batches of prefill chunks, not for batches with many decode sequences. A value beyond fp16's range
         (65504) becomes infinite in an fp16 scratch. ``dequantize_first="auto"`` takes it (in the query's type)
-        where it was measured faster than the fused kernels and the scratch stays bounded
-        (``kvgen.runtime.dequantize.AUTO_MIN_NEW_TOKENS`` says where: formats whose scales are computed on write,
-        batches of long prefill chunks, bf16 / fp16 queries, "auto" / "fast" dots), else runs fused; the choice
-        reads nothing from the device.
+        where it was measured faster than the fused kernels and the scratch stays bounded (formats whose scales
+        are computed on write, batches of long prefill chunks, bf16 / fp16 queries, "auto" / "fast" dots: the
+        comment above ``kvgen.runtime.dequantize.AUTO_MIN_NEW_TOKENS``), else runs fused. The choice reads nothing
+        from the device, but where it takes the dense path ``attend`` sizes the scratch by the longest sequence
+        unless ``max_seq_len`` is given (one device-to-host read) and allocates it per call: engines plan.
         """
         launch, ptrs = self._plan(query, cache, block_table, seq_lens, query_start_loc, sm_scale, sliding_window,
                                   max_query_len, seq_ids, dot_precision, max_seq_len, num_splits, out,

@@ -266,18 +266,25 @@ def test_auto_dequantizes_first_where_it_was_measured_faster(monkeypatch):
     dots and a scratch within AUTO_MAX_SCRATCH_BYTES; the fused kernels otherwise (never an error where True would
     raise one). Where it dequantizes first, its output is True's."""
     from kvgen.runtime import dequantize as D
-    monkeypatch.setattr(D, "AUTO_MIN_NEW_TOKENS", 2)  # _small's batch: 2 new tokens on one sequence
-    fmt, (query, cache, table, seq_lens, qsl) = _small()
+    fmt = kvgen.load("int8_per_token_head")
+    # 2 sequences of 7 and 9 positions, 3 new tokens each; 4 query heads over 2 KV heads of 16; blocks of 4 positions,
+    # 4 per sequence in the table (16 positions): a dense scratch of 2 x 16 x 2 x 16 x (K, V) x 2 bytes = 4096
+    cache = fmt.allocate(8, 4, 2, 16, device=DEVICE)
     torch.manual_seed(0)
-    fmt.write(cache, torch.randn(3, 1, 16).bfloat16().to(DEVICE), torch.randn(3, 1, 16).bfloat16().to(DEVICE),
-              torch.arange(3).to(DEVICE))
-    query = torch.randn(2, 1, 16).bfloat16().to(DEVICE)
+    slots = torch.tensor([0, 1, 2, 3, 4, 5, 6, 16, 17, 18, 19, 20, 21, 22, 23, 24])
+    fmt.write(cache, torch.randn(16, 2, 16).bfloat16().to(DEVICE), torch.randn(16, 2, 16).bfloat16().to(DEVICE),
+              slots.to(DEVICE))
+    table = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor([7, 9], dtype=torch.int32, device=DEVICE)
+    qsl = torch.tensor([0, 3, 6], dtype=torch.int32, device=DEVICE)
+    query = torch.randn(6, 4, 16).bfloat16().to(DEVICE)
+    monkeypatch.setattr(D, "AUTO_MIN_NEW_TOKENS", 3)
 
     def dense(f=fmt, q=query, c=cache, **kw):
         plan = f.plan_attention(q, c, table, seq_lens, qsl, dequantize_first="auto", **kw)
         return isinstance(plan._launch, D.DequantizedLaunch)
 
-    assert dense() and dense(dot_precision="fast")
+    assert dense() and dense(dot_precision="fast") and dense(q=query.half())
     assert torch.equal(fmt.attend(query, cache, table, seq_lens, qsl, dequantize_first="auto"),
                        fmt.attend(query, cache, table, seq_lens, qsl, dequantize_first=True))
     assert not dense(q=query.float())  # True would need the dense type named
@@ -285,14 +292,16 @@ def test_auto_dequantizes_first_where_it_was_measured_faster(monkeypatch):
     for static in ("fp8_e4m3", "bf16"):  # static scales / no scales: their fused kernels were the faster
         f = kvgen.load(static)
         scales = {"k_scale": 1.0, "v_scale": 1.0} if static == "fp8_e4m3" else {}
-        assert not dense(f=f, c=f.allocate(4, 4, 1, 16, device=DEVICE, **scales)), static
-    # the scratch: one sequence of what the block table addresses (16 positions) x 1 head x 16 x K and V x 2 bytes
-    monkeypatch.setattr(D, "AUTO_MAX_SCRATCH_BYTES", 1024)
-    assert dense()
-    monkeypatch.setattr(D, "AUTO_MAX_SCRATCH_BYTES", 1023)
-    assert not dense() and dense(max_seq_len=5)  # max_seq_len bounds it: 8 positions (whole blocks)
-    monkeypatch.setattr(D, "AUTO_MIN_NEW_TOKENS", 3)
-    assert not dense(max_seq_len=5)  # fewer new tokens per sequence than that
+        assert not dense(f=f, c=f.allocate(8, 4, 2, 16, device=DEVICE, **scales)), static
+    monkeypatch.setattr(D, "AUTO_MAX_SCRATCH_BYTES", 4096)
+    assert dense() and dense(max_seq_len=1000)  # max_seq_len past the table: the table's 16 positions
+    monkeypatch.setattr(D, "AUTO_MAX_SCRATCH_BYTES", 4095)
+    assert not dense() and dense(max_seq_len=9)  # 9 positions take 3 whole blocks: 3072 bytes
+    monkeypatch.setattr(D, "AUTO_MAX_SCRATCH_BYTES", 3071)
+    assert not dense(max_seq_len=9)
+    monkeypatch.setattr(D, "AUTO_MIN_NEW_TOKENS", 4)  # 6 new tokens on 2 sequences: 3 each on average
+    monkeypatch.setattr(D, "AUTO_MAX_SCRATCH_BYTES", 1 << 30)
+    assert not dense()
 
 
 def test_max_seq_len_must_bound_every_sequence(monkeypatch):
