@@ -7,6 +7,7 @@
 #   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~330 s)
 #   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~350 s?)
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~350 s?; prefill dequantize-first rows new)
+#   bash benchmarks/pending/next_session.sh steprel    # A/B: step-relative probabilities, per-position value factors (~450 s?)
 #   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused at 16-1024 new tokens (~300 s?)
 #   bash benchmarks/pending/next_session.sh kivicrash  # KIVI's 32-position prefill crash: q4_0 / kivi_4bit too (~400 s)
 #   bash benchmarks/pending/next_session.sh cells      # profiles: the inline-scale cells converted first / 3 stages
@@ -21,7 +22,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, kivicrash, cells, hs64prof or writes"}
+step=${1:?"a step: verify, tests, bench1, bench2, steprel, crossover, kivicrash, cells, hs64prof or writes"}
 start=$(date +%s)
 # a pending patch's kernels (no step uses these now; kept for the next patch's A/B): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -67,6 +68,20 @@ case "$step" in
       | tee "$out/verify_dequant_tests.txt" | tail -3
     timeout 150 python3 benchmarks/dequantize_first.py int8_per_token_head int8_asym_per_token_head \
       int8_per_token_head_hadamard_k int4_per_token_head 2>&1 | tee "$out/verify_dequant.txt" | grep "^|"
+    ;;
+  steprel)
+    # benchmarks/pending/step-relative.patch (thirty-third session, static only): the formats with per-position value
+    # factors take each step's probabilities relative to each row's largest of the step and the factors relative to
+    # the step's largest, so no per-row maximum of the weighted probabilities (static, `sass_count.py --prefill`:
+    # 128-row prefill 8-11% fewer instructions per position, int8 per token-head 10.7 -> 9.8; decode within +-2%)
+    SR_FORMATS="int8_per_token_head int8_per_token_head_separate int8_asym_per_token_head mixed_k8_v4 mxfp8 int4_per_token_head"
+    variant step-relative p_rise $SR_FORMATS || exit 1
+    timeout 150 python3 benchmarks/variant_ab.py /tmp/variant $SR_FORMATS --shapes 4x8192q2048 --rounds 1 2>&1 \
+      | tee "$out/steprel_prefill.txt" | grep "^|"
+    timeout 200 python3 benchmarks/variant_ab.py /tmp/variant $SR_FORMATS --shapes 64x8192 4x65536 --rounds 2 2>&1 \
+      | tee "$out/steprel_decode.txt" | grep "^|"
+    variant_tests steprel tests/test_conformance.py tests/test_quantized_domain.py -k "many_whole or long_context or \
+      small_tiles or prefill_rows_128 or quantized"
     ;;
   crossover)
     # where dequantize-first stops paying (for a dequantize_first="auto" policy): fewer new tokens per sequence,
@@ -120,7 +135,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, kivicrash, cells, hs64prof or writes" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, steprel, crossover, kivicrash, cells, hs64prof or writes" >&2
     exit 2
     ;;
 esac
