@@ -4,7 +4,7 @@
 # `source benchmarks/device_env.sh`; outputs go to $OUT (the device tool's folder), each step's also to stdout.
 #
 #   bash benchmarks/pending/next_session.sh verify     # the s32 / s33 merges on the H200 (~550 s)
-#   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~330 s)
+#   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~450 s)
 #   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~350 s?)
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~350 s?; prefill dequantize-first rows new)
 #   bash benchmarks/pending/next_session.sh steprel    # A/B: step-relative probabilities, per-position value factors (~450 s?)
@@ -95,7 +95,8 @@ case "$step" in
     timeout 560 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_tiles.py tests/test_attention_plan.py \
       tests/test_launch.py tests/test_quantized_domain.py tests/test_fast_dots.py tests/test_golden.py \
       tests/test_random_specs.py tests/test_kivi.py tests/test_kivi_reference.py tests/test_dot_operand.py \
-      tests/test_alignment.py tests/test_scale_words.py "tests/test_conformance.py::test_long_decode_many_tiles" \
+      tests/test_alignment.py tests/test_scale_words.py tests/test_dequantize_first.py \
+      "tests/test_conformance.py::test_long_decode_many_tiles" \
       "tests/test_conformance.py::test_prefill_rows_128_conform" "tests/test_conformance.py::test_kivi_decode_256" \
       2>&1 | tee "$out/tests.txt" | tail -15
     ;;
