@@ -30,18 +30,40 @@ ROT_DOT_MIN_PAD = 32
 
 
 DENSE_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-# dequantize_first="auto": the dense path where it was measured faster than the fused kernels. H200, thirty-second
-# session (benchmarks/RESULTS.md; `python benchmarks/dequantize_first.py`, chunked prefill of 2048 new tokens on
-# each of 4 sequences of 8192): 1.01-1.30x bf16's fused prefill against the fused kernels' 1.10-3.29x for every
-# format whose scales are computed on write (per token-head, per block, per channel group); the static-scale
-# formats' fused kernels ran faster (fp8 per tensor / per head / e5m2 0.89x against 1.01-1.02x), and the dense
-# formats are their own. So: such formats, batches of at least AUTO_MIN_NEW_TOKENS new tokens per sequence on
-# average (the count measured, in batches of equal chunks; a decode sequence in the batch pays the dense copy of its
-# whole context for one query), 16-bit queries, "auto" / "fast" dots, and a scratch of at most
+# dequantize_first="auto": the dense path where it was measured faster than the fused kernels, which depends on how
+# much the fused kernel pays per (new token x cached position) over bf16's, and so on the format's class:
+# AUTO_DENSE_RULES, plain data, the first rule that admits the format wins (kernels.rule_matches; None admits
+# anything). Fields: the most terms of a cache-side dot operand (the generated DOT_OPERANDS: 2 where a code times
+# its scale is not one fp16 value, as for q4_0's fp16 block scales or KIVI's zero points), block scales, e8m0
+# block scales, scales computed on write (per token-head, per block, per channel group) -> the fewest new tokens
+# per sequence (the batch's average) from which the dense path is taken, None for never.
+# Measured on an H100 (thirty-fourth session, benchmarks/RESULTS.md; `python benchmarks/dequantize_first.py FORMATS
+# --shape 4x8192qN`, chunks of N = 16-2048 new tokens on each of 4 sequences of 8192, head size 128), fused /
+# dense-first us:
+# - two-term block-scaled: kivi_2bit 195 / 193 at 16, 297 / 216 at 32 (kivi_4bit 300 / 224), 3.6x faster dense
+#   from 1024; q4_0 104 / 176 at 16, 183 / 200 at 32 (9% lost there), 342 / 281 at 64 (q8_0, in this class, was
+#   measured at 2048 only, on the H200: dense faster);
+# - per token-head (one term, no block scales): int8 247 / 272 at 64, 413 / 387 at 128, int8 asym 424 / 388 and
+#   int4 593 / 563 at 128; int8 with its scales apart 215 / 272 at 64, 685 / 583 at 256 (128 not measured). The
+#   Hadamard format, fp8 per token-head and mixed_k8_v4 share the class (measured at 2048 only: dense faster);
+# - e8m0 blocks: mxfp8 423 / 422 at 128, 785 / 622 at 256 (mxfp4 shares the class, not measured);
+# - other one-term block-scaled (nvfp4): fused as fast or faster up to 1024 (1937 / 1947), dense 5% faster at 2048
+#   on the H200 (thirty-second session, before the fused prefill's later gains);
+# - static scales (fp8 per tensor / per head / e5m2: fused 0.89x bf16 against 1.01-1.02x dense-first, H200) and the
+#   dense formats: never.
+# The crossover was measured at head size 128 only, and on an H100 (the H200 not lent); the batch's average stands
+# for every sequence's (contexts of equal length assumed: a decode sequence in the batch pays the dense copy of
+# its whole context for one query). Also needed: 16-bit queries, "auto" / "fast" dots, and a scratch of at most
 # AUTO_MAX_SCRATCH_BYTES (num_seqs x the positions a sequence may hold: max_seq_len, else what the block table
-# addresses). Measured before the mask-free prefill steps and the 128-row rules, which made the fused kernels
-# faster (nvfp4's margin was 5%); the crossover step of benchmarks/pending/next_session.sh measures it again.
-AUTO_MIN_NEW_TOKENS = 2048
+# addresses).
+AUTO_DENSE_RULES = (
+    # terms, block scales, e8m0 blocks, scales computed on write -> fewest new tokens per sequence
+    ((None, None, None, False), None),
+    ((2, True), 32),
+    ((None, True, True), 256),
+    ((None, True), 2048),
+    ((None, None), 128),
+)
 AUTO_MAX_SCRATCH_BYTES = 1 << 30
 
 
@@ -51,15 +73,28 @@ def dense_blocks(positions: int, table_width: int, block_size: int) -> int:
     return max(1, min(triton_cdiv(positions, block_size), table_width))
 
 
+def auto_min_new_tokens(fmt) -> Optional[int]:
+    """The fewest new tokens per sequence, on average, from which dequantize_first="auto" takes the dense path for
+    ``fmt`` (AUTO_DENSE_RULES; None: never)."""
+    ks = fmt._kernels
+    key = (max(terms for _, terms, _ in ks.module.DOT_OPERANDS.values()), ks.block_scaled, ks.pow2_blocks,
+           ks.position_scales)
+    for rule, fewest in AUTO_DENSE_RULES:
+        if kernels.rule_matches(rule, key):
+            return fewest
+    raise AssertionError("the last rule matches every format")
+
+
 def auto_dense(fmt, query: torch.Tensor, num_seqs: int, block_table: torch.Tensor, block_size: int,
                num_kv_heads: int, dot_precision: str, max_seq_len: Optional[int]) -> bool:
-    """dequantize_first="auto"'s choice for one call (see AUTO_MIN_NEW_TOKENS): whether to dequantize first. Reads
+    """dequantize_first="auto"'s choice for one call (see AUTO_DENSE_RULES): whether to dequantize first. Reads
     nothing from the device: the new tokens are the query's rows (padding rows past the last sequence's included),
     and the scratch is DequantizedLaunch's for ``max_seq_len``, else for what the block table addresses (a plan's;
     ``attend``'s own, sized by the longest sequence, is no larger)."""
-    if query.dtype not in DENSE_FORMATS or dot_precision not in ("auto", "fast") or not fmt._kernels.position_scales:
+    if query.dtype not in DENSE_FORMATS or dot_precision not in ("auto", "fast"):
         return False
-    if query.shape[0] < AUTO_MIN_NEW_TOKENS * num_seqs:
+    fewest = auto_min_new_tokens(fmt)
+    if fewest is None or query.shape[0] < fewest * num_seqs:
         return False
     width = block_table.shape[1]
     blocks = dense_blocks(max_seq_len if max_seq_len is not None else width * block_size, width, block_size)

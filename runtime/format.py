@@ -426,8 +426,10 @@ class Format:
         for batches of prefill chunks, not for batches with many decode sequences. A value beyond fp16's range
         (65504) becomes infinite in an fp16 scratch. ``dequantize_first="auto"`` takes it (in the query's type)
         where it was measured faster than the fused kernels and the scratch stays bounded (formats whose scales
-        are computed on write, batches of long prefill chunks, bf16 / fp16 queries, "auto" / "fast" dots: the
-        comment above ``kvgen.runtime.dequantize.AUTO_MIN_NEW_TOKENS``), else runs fused. The choice reads nothing
+        are computed on write, batches averaging enough new tokens per sequence for the format's class: 32 for
+        two-term block-scaled formats such as q4_0 and KIVI, 128 per token-head, 256 e8m0-blocked, 2048 nvfp4;
+        bf16 / fp16 queries, "auto" / "fast" dots: ``kvgen.runtime.dequantize.AUTO_DENSE_RULES``), else runs
+        fused. The choice reads nothing
         from the device, but where it takes the dense path ``attend`` sizes the scratch by the longest sequence
         unless ``max_seq_len`` is given (one device-to-host read) and allocates it per call: engines plan.
         """

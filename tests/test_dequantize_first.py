@@ -261,7 +261,7 @@ def test_rejects_the_quantized_domain_and_non_bools():
 
 
 def test_auto_dequantizes_first_where_it_was_measured_faster(monkeypatch):
-    """dequantize_first="auto" (kvgen.runtime.dequantize.AUTO_MIN_NEW_TOKENS): the dense path for formats whose
+    """dequantize_first="auto" (kvgen.runtime.dequantize.AUTO_DENSE_RULES): the dense path for formats whose
     scales are computed on write, batches of enough new tokens per sequence, bf16 / fp16 queries, "auto" / "fast"
     dots and a scratch within AUTO_MAX_SCRATCH_BYTES; the fused kernels otherwise (never an error where True would
     raise one). Where it dequantizes first, its output is True's."""
@@ -278,7 +278,8 @@ def test_auto_dequantizes_first_where_it_was_measured_faster(monkeypatch):
     seq_lens = torch.tensor([7, 9], dtype=torch.int32, device=DEVICE)
     qsl = torch.tensor([0, 3, 6], dtype=torch.int32, device=DEVICE)
     query = torch.randn(6, 4, 16).bfloat16().to(DEVICE)
-    monkeypatch.setattr(D, "AUTO_MIN_NEW_TOKENS", 3)
+    # the rules' classes, every count brought down to 3 new tokens per sequence
+    monkeypatch.setattr(D, "AUTO_DENSE_RULES", tuple((rule, fewest and 3) for rule, fewest in D.AUTO_DENSE_RULES))
 
     def dense(f=fmt, q=query, c=cache, **kw):
         plan = f.plan_attention(q, c, table, seq_lens, qsl, dequantize_first="auto", **kw)
@@ -299,9 +300,45 @@ def test_auto_dequantizes_first_where_it_was_measured_faster(monkeypatch):
     assert not dense() and dense(max_seq_len=9)  # 9 positions take 3 whole blocks: 3072 bytes
     monkeypatch.setattr(D, "AUTO_MAX_SCRATCH_BYTES", 3071)
     assert not dense(max_seq_len=9)
-    monkeypatch.setattr(D, "AUTO_MIN_NEW_TOKENS", 4)  # 6 new tokens on 2 sequences: 3 each on average
+    monkeypatch.setattr(D, "AUTO_DENSE_RULES", tuple((rule, fewest and 4) for rule, fewest in D.AUTO_DENSE_RULES))
+    # 6 new tokens on 2 sequences: 3 each on average
     monkeypatch.setattr(D, "AUTO_MAX_SCRATCH_BYTES", 1 << 30)
     assert not dense()
+
+
+# Chunked prefill on an H100 (thirty-fourth session, benchmarks/results_2026-12-05_h100_s34.md;
+# `python benchmarks/dequantize_first.py FORMATS --shape 4x8192qN`): new tokens per sequence N -> (fused us,
+# dense-first us), 4 sequences of 8192 positions, 32 query heads over 8 KV heads of 128
+MEASURED_CHUNKS = {
+    "int8_per_token_head": {16: (94, 166), 32: (155, 191), 64: (247, 272), 128: (413, 387), 256: (752, 591),
+                            512: (1261, 1006), 1024: (2392, 1836), 2048: (4192, 3265)},
+    "int8_asym_per_token_head": {32: (159, 192), 128: (424, 388), 512: (1327, 1005), 2048: (4159, 3278)},
+    "int8_per_token_head_separate": {16: (71, 165), 64: (215, 272), 256: (685, 583), 1024: (2000, 1834)},
+    "int8_per_token_head_hadamard_k": {2048: (5424, 3329)},
+    "int4_per_token_head": {32: (204, 372), 128: (593, 563), 512: (1917, 1174), 2048: (6071, 3429)},
+    "mxfp8": {16: (96, 204), 32: (145, 228), 64: (248, 309), 128: (423, 422), 256: (785, 622), 512: (1304, 1040),
+              1024: (2289, 1874)},
+    "nvfp4": {16: (66, 279), 64: (191, 391), 256: (517, 715), 1024: (1937, 1947)},
+    "q4_0": {16: (104, 176), 32: (183, 200), 64: (342, 281), 128: (609, 401), 256: (1169, 593), 512: (2128, 1013),
+             1024: (4090, 1843)},
+    "kivi_2bit": {16: (195, 193), 32: (297, 216), 64: (566, 295), 128: (1001, 408), 256: (1907, 610),
+                  512: (3571, 1029), 1024: (6519, 1852)},
+    "kivi_4bit": {32: (300, 224), 128: (991, 420), 512: (3576, 1037)},
+}
+
+
+@pytest.mark.parametrize("name", sorted(MEASURED_CHUNKS))
+def test_auto_takes_the_path_measured_faster(name):
+    """At every chunk measured, "auto" takes the faster path, or one at most 10% slower (the crossover falls between
+    the chunks measured, and the rules go by classes of formats). Reads only shapes: the queries are never run."""
+    from kvgen.runtime import dequantize as D
+    fmt = kvgen.load(name)
+    seqs, heads, kv_heads, head, block = 4, 32, 8, 128, 16
+    table = torch.zeros(seqs, 8192 // block, dtype=torch.int32)
+    for chunk, (fused, dense) in MEASURED_CHUNKS[name].items():
+        query = torch.empty(seqs * chunk, heads, head, dtype=torch.bfloat16)
+        took = dense if D.auto_dense(fmt, query, seqs, table, block, kv_heads, "auto", 8192) else fused
+        assert took <= 1.1 * min(fused, dense), (name, chunk, fused, dense)
 
 
 def test_max_seq_len_must_bound_every_sequence(monkeypatch):
