@@ -7,8 +7,7 @@
 #   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~450 s)
 #   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~350 s?)
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~350 s?; prefill dequantize-first rows new)
-#   bash benchmarks/pending/next_session.sh steprel    # A/B: step-relative probabilities, per-position value factors (~450 s?)
-#   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused at 16-1024 new tokens (~300 s?)
+#   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused at 16-1024 new tokens, hs 64 / 128 / 256 (~450 s?)
 #   bash benchmarks/pending/next_session.sh kivicrash  # KIVI's 32-position prefill crash: q4_0 / kivi_4bit too (~400 s)
 #   bash benchmarks/pending/next_session.sh cells      # profiles: the inline-scale cells converted first / 3 stages
 #   bash benchmarks/pending/next_session.sh hs64prof   # profiles at head size 64 (int8 / fp8 per token-head, bf16)
@@ -16,13 +15,14 @@
 # Ran and removed (benchmarks/results_2026-12-04_h200_s28.md, _s29.md): rows128, hs256more, rules28, rules28b (s28);
 # hs256rest, kiviacc (merged) and the first rowspread (s29); tests, dequant, maskfree, rowspread, rowspread128 and
 # rowspreadtests (s32, benchmarks/results_2026-12-05_h200_s32.md); verify and tests ran on an H100 (s33,
-# benchmarks/results_2026-12-05_h100_s33.md) and stay for the H200.
+# benchmarks/results_2026-12-05_h100_s33.md) and stay for the H200; s34 (H100 again,
+# benchmarks/results_2026-12-05_h100_s34.md) ran verify, tests, crossover and steprel (rejected, removed).
 #
 # Steps in priority order; each prints how long it took.
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, steprel, crossover, kivicrash, cells, hs64prof or writes"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, kivicrash, cells, hs64prof or writes"}
 start=$(date +%s)
 # a pending patch's kernels (no step uses these now; kept for the next patch's A/B): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -67,26 +67,19 @@ case "$step" in
     timeout 150 python3 benchmarks/dequantize_first.py int8_per_token_head int8_asym_per_token_head \
       int8_per_token_head_hadamard_k int4_per_token_head 2>&1 | tee "$out/verify_dequant.txt" | grep "^|"
     ;;
-  steprel)
-    # benchmarks/pending/step-relative.patch (thirty-third session, static only): the formats with per-position value
-    # factors take each step's probabilities relative to each row's largest of the step and the factors relative to
-    # the step's largest, so no per-row maximum of the weighted probabilities (static, `sass_count.py --prefill`:
-    # 128-row prefill 8-11% fewer instructions per position, int8 per token-head 10.7 -> 9.8; decode within +-2%)
-    SR_FORMATS="int8_per_token_head int8_per_token_head_separate int8_asym_per_token_head mixed_k8_v4 mxfp8 int4_per_token_head"
-    variant step-relative p_rise $SR_FORMATS || exit 1
-    timeout 150 python3 benchmarks/variant_ab.py /tmp/variant $SR_FORMATS --shapes 4x8192q2048 --rounds 1 2>&1 \
-      | tee "$out/steprel_prefill.txt" | grep "^|"
-    timeout 200 python3 benchmarks/variant_ab.py /tmp/variant $SR_FORMATS --shapes 64x8192 4x65536 --rounds 2 2>&1 \
-      | tee "$out/steprel_decode.txt" | grep "^|"
-    variant_tests steprel tests/test_conformance.py tests/test_quantized_domain.py -k "many_whole or long_context or \
-      small_tiles or prefill_rows_128 or quantized"
-    ;;
   crossover)
-    # where dequantize-first stops paying (for a dequantize_first="auto" policy): fewer new tokens per sequence,
-    # fused against dequantize-first, a spread of formats (per token-head inline, block-scaled 4- and 8-bit, KIVI)
-    for q in 16 64 256 1024; do
-      timeout 110 python3 benchmarks/dequantize_first.py int8_per_token_head int8_per_token_head_separate nvfp4 \
-        mxfp8 q4_0 kivi_2bit --shape "4x8192q$q" 2>&1 | tee -a "$out/crossover.txt" | grep "^|\|^Chunked"
+    # where dequantize-first starts to pay (runtime/dequantize.py AUTO_DENSE_RULES, from the H100 at head size 128
+    # in s34): on the H200, at the counts next to each class's (32 two-term block-scaled, 128 per token-head, 256
+    # e8m0, 2048 nvfp4), with the formats the rules class unmeasured (q8_0, mxfp4, Hadamard, fp8 per token-head)
+    for q in 32 128 256; do
+      timeout 100 python3 benchmarks/dequantize_first.py int8_per_token_head int8_per_token_head_separate \
+        int8_per_token_head_hadamard_k mxfp8 mxfp4 q4_0 q8_0 kivi_2bit --shape "4x8192q$q" 2>&1 \
+        | tee -a "$out/crossover.txt" | grep "^|\|^Chunked"
+    done
+    # head sizes 64 and 256 at the per token-head class's count
+    for hs in 64 256; do
+      timeout 70 python3 benchmarks/dequantize_first.py int8_per_token_head q4_0 kivi_2bit mxfp8 \
+        --shape "4x8192q128hs$hs" 2>&1 | tee -a "$out/crossover.txt" | grep "^|\|^Chunked"
     done
     ;;
   tests)
@@ -134,7 +127,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, steprel, crossover, kivicrash, cells, hs64prof or writes" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, kivicrash, cells, hs64prof or writes" >&2
     exit 2
     ;;
 esac
