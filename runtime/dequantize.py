@@ -30,40 +30,46 @@ ROT_DOT_MIN_PAD = 32
 
 
 DENSE_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-# dequantize_first="auto": the dense path where it was measured faster than the fused kernels, which depends on how
-# much the fused kernel pays per (new token x cached position) over bf16's, and so on the format's class:
-# AUTO_DENSE_RULES, plain data, the first rule that admits the format wins (kernels.rule_matches; None admits
-# anything). Fields: the most terms of a cache-side dot operand (the generated DOT_OPERANDS: 2 where a code times
-# its scale is not one fp16 value, as for q4_0's fp16 block scales or KIVI's zero points), block scales, e8m0
-# block scales, scales computed on write (per token-head, per block, per channel group) -> the fewest new tokens
-# per sequence (the batch's average) from which the dense path is taken, None for never.
+# dequantize_first="auto": the dense path where it was measured faster than the fused kernels. Its cost is one pass
+# over the cache (the dequantize kernel), whatever the batch; what it saves is what the fused kernel pays over bf16's
+# per query row and cached position, which depends on the format's class and grows with the query rows per KV head
+# (new tokens x query heads per KV head). AUTO_DENSE_RULES, plain data, the first rule that admits the format wins
+# (kernels.rule_matches; None admits anything). Fields: the most terms of a cache-side dot operand (the generated
+# DOT_OPERANDS: 2 where a code times its scale is not one fp16 value, as for q4_0's fp16 block scales or KIVI's
+# zero points; 0 for exact fp32 dots), block scales, e8m0 block scales, scales computed on write (per token-head,
+# per block, per channel group) -> the fewest new tokens per sequence (the batch's average) from which the dense
+# path is taken at AUTO_GROUP query heads per KV head, None for never. Other groups scale the count inversely (a
+# query of 2 heads per KV head needs twice the tokens; an extrapolation: only 4 was measured).
 # Measured on an H100 (thirty-fourth session, benchmarks/RESULTS.md; `python benchmarks/dequantize_first.py FORMATS
-# --shape 4x8192qN`, chunks of N = 16-2048 new tokens on each of 4 sequences of 8192, head size 128), fused /
-# dense-first us:
-# - two-term block-scaled: kivi_2bit 195 / 193 at 16, 297 / 216 at 32 (kivi_4bit 300 / 224), 3.6x faster dense
-#   from 1024; q4_0 104 / 176 at 16, 183 / 200 at 32 (9% lost there), 342 / 281 at 64 (q8_0, in this class, was
-#   measured at 2048 only, on the H200: dense faster);
+# --shape 4x8192qN`, chunks of N = 16-1024 new tokens, and 2048 for some formats, on each of 4 sequences of 8192,
+# 32 query heads over 8 KV heads of 128), fused / dense-first us:
+# - two terms (and block scales): kivi_2bit 195 / 193 at 16, 297 / 216 at 32 (kivi_4bit 300 / 224), 3.5x faster
+#   dense at 512-1024; q4_0 104 / 176 at 16, 183 / 200 at 32 (9% lost there), 342 / 281 at 64 (q8_0, in this
+#   class, was measured at 2048 only, on the H200: dense faster). A side of two terms without block scales (KIVI's
+#   per-channel keys beside other values) is given the same count, unmeasured;
 # - per token-head (one term, no block scales): int8 247 / 272 at 64, 413 / 387 at 128, int8 asym 424 / 388 and
 #   int4 593 / 563 at 128; int8 with its scales apart 215 / 272 at 64, 685 / 583 at 256 (128 not measured). The
-#   Hadamard format, fp8 per token-head and mixed_k8_v4 share the class (measured at 2048 only: dense faster);
+#   Hadamard format, fp8 per token-head and mixed_k8_v4 share the class (measured at 2048 only: dense faster), and
+#   so do formats of exact fp32 dots (terms 0, fp32 zero points; unmeasured);
 # - e8m0 blocks: mxfp8 423 / 422 at 128, 785 / 622 at 256 (mxfp4 shares the class, not measured);
-# - other one-term block-scaled (nvfp4): fused as fast or faster up to 1024 (1937 / 1947), dense 5% faster at 2048
-#   on the H200 (thirty-second session, before the fused prefill's later gains);
+# - other block-scaled formats of one term (nvfp4, nvfp4_separate): fused as fast or faster up to 1024 (1937 / 1947),
+#   dense 5% faster at 2048 on the H200 (thirty-second session, 4368 / 4152, before the fused prefill's later gains);
 # - static scales (fp8 per tensor / per head / e5m2: fused 0.89x bf16 against 1.01-1.02x dense-first, H200) and the
 #   dense formats: never.
-# The crossover was measured at head size 128 only, and on an H100 (the H200 not lent); the batch's average stands
-# for every sequence's (contexts of equal length assumed: a decode sequence in the batch pays the dense copy of
-# its whole context for one query). Also needed: 16-bit queries, "auto" / "fast" dots, and a scratch of at most
-# AUTO_MAX_SCRATCH_BYTES (num_seqs x the positions a sequence may hold: max_seq_len, else what the block table
-# addresses).
+# Only head size 128 was measured, and only in batches of equal chunks: the batch's average stands for every
+# sequence's, so a decode sequence in a mixed batch pays the dense copy of its whole context for one query (one
+# chunk of 1024 with 31 decodes averages 33 new tokens per sequence). Also needed: 16-bit queries, "auto" / "fast"
+# dots, and a scratch of at most AUTO_MAX_SCRATCH_BYTES (num_seqs x the positions a sequence may hold: max_seq_len,
+# else what the block table addresses). `auto_min_new_tokens(fmt)` gives a format's count.
 AUTO_DENSE_RULES = (
     # terms, block scales, e8m0 blocks, scales computed on write -> fewest new tokens per sequence
     ((None, None, None, False), None),
-    ((2, True), 32),
+    ((2,), 32),
     ((None, True, True), 256),
     ((None, True), 2048),
     ((None, None), 128),
 )
+AUTO_GROUP = 4  # the query heads per KV head the counts were measured at
 AUTO_MAX_SCRATCH_BYTES = 1 << 30
 
 
@@ -73,15 +79,15 @@ def dense_blocks(positions: int, table_width: int, block_size: int) -> int:
     return max(1, min(triton_cdiv(positions, block_size), table_width))
 
 
-def auto_min_new_tokens(fmt) -> Optional[int]:
+def auto_min_new_tokens(fmt, group: int = AUTO_GROUP) -> Optional[int]:
     """The fewest new tokens per sequence, on average, from which dequantize_first="auto" takes the dense path for
-    ``fmt`` (AUTO_DENSE_RULES; None: never)."""
+    ``fmt`` with ``group`` query heads per KV head (AUTO_DENSE_RULES; None: never)."""
     ks = fmt._kernels
     key = (max(terms for _, terms, _ in ks.module.DOT_OPERANDS.values()), ks.block_scaled, ks.pow2_blocks,
            ks.position_scales)
     for rule, fewest in AUTO_DENSE_RULES:
         if kernels.rule_matches(rule, key):
-            return fewest
+            return None if fewest is None else max(1, -(-fewest * AUTO_GROUP // group))
     raise AssertionError("the last rule matches every format")
 
 
@@ -93,7 +99,7 @@ def auto_dense(fmt, query: torch.Tensor, num_seqs: int, block_table: torch.Tenso
     ``attend``'s own, sized by the longest sequence, is no larger)."""
     if query.dtype not in DENSE_FORMATS or dot_precision not in ("auto", "fast"):
         return False
-    fewest = auto_min_new_tokens(fmt)
+    fewest = auto_min_new_tokens(fmt, query.shape[1] // num_kv_heads)
     if fewest is None or query.shape[0] < fewest * num_seqs:
         return False
     width = block_table.shape[1]

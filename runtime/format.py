@@ -426,10 +426,11 @@ class Format:
         for batches of prefill chunks, not for batches with many decode sequences. A value beyond fp16's range
         (65504) becomes infinite in an fp16 scratch. ``dequantize_first="auto"`` takes it (in the query's type)
         where it was measured faster than the fused kernels and the scratch stays bounded (formats whose scales
-        are computed on write, batches averaging enough new tokens per sequence for the format's class: 32 for
-        two-term block-scaled formats such as q4_0 and KIVI, 128 per token-head, 256 e8m0-blocked, 2048 nvfp4;
-        bf16 / fp16 queries, "auto" / "fast" dots: ``kvgen.runtime.dequantize.AUTO_DENSE_RULES``), else runs
-        fused. The choice reads nothing
+        are computed on write; batches averaging enough new tokens per sequence for the format's class, 32 for
+        q4_0, q8_0 and KIVI, 128 per token-head, 256 mxfp8 / mxfp4, 2048 nvfp4 at 4 query heads per KV head:
+        ``kvgen.runtime.dequantize.auto_min_new_tokens(fmt, group)``; bf16 / fp16 queries, "auto" / "fast" dots),
+        else runs fused. The average stands for every sequence: in a mixed batch, each decode sequence pays a
+        dense copy of its whole context. The choice reads nothing
         from the device, but where it takes the dense path ``attend`` sizes the scratch by the longest sequence
         unless ``max_seq_len`` is given (one device-to-host read) and allocates it per call: engines plan.
         """

@@ -278,8 +278,10 @@ def test_auto_dequantizes_first_where_it_was_measured_faster(monkeypatch):
     seq_lens = torch.tensor([7, 9], dtype=torch.int32, device=DEVICE)
     qsl = torch.tensor([0, 3, 6], dtype=torch.int32, device=DEVICE)
     query = torch.randn(6, 4, 16).bfloat16().to(DEVICE)
-    # the rules' classes, every count brought down to 3 new tokens per sequence
+    # the rules' classes, every count brought down to 3 new tokens per sequence at this query's 2 query heads per
+    # KV head
     monkeypatch.setattr(D, "AUTO_DENSE_RULES", tuple((rule, fewest and 3) for rule, fewest in D.AUTO_DENSE_RULES))
+    monkeypatch.setattr(D, "AUTO_GROUP", 2)
 
     def dense(f=fmt, q=query, c=cache, **kw):
         plan = f.plan_attention(q, c, table, seq_lens, qsl, dequantize_first="auto", **kw)
@@ -304,6 +306,8 @@ def test_auto_dequantizes_first_where_it_was_measured_faster(monkeypatch):
     # 6 new tokens on 2 sequences: 3 each on average
     monkeypatch.setattr(D, "AUTO_MAX_SCRATCH_BYTES", 1 << 30)
     assert not dense()
+    # the same tokens with twice the query heads per KV head: twice the query rows for each KV head
+    assert dense(q=torch.randn(6, 8, 16).bfloat16().to(DEVICE))
 
 
 # Chunked prefill on an H100 (thirty-fourth session, benchmarks/results_2026-12-05_h100_s34.md;
@@ -318,7 +322,8 @@ MEASURED_CHUNKS = {
     "int4_per_token_head": {32: (204, 372), 128: (593, 563), 512: (1917, 1174), 2048: (6071, 3429)},
     "mxfp8": {16: (96, 204), 32: (145, 228), 64: (248, 309), 128: (423, 422), 256: (785, 622), 512: (1304, 1040),
               1024: (2289, 1874)},
-    "nvfp4": {16: (66, 279), 64: (191, 391), 256: (517, 715), 1024: (1937, 1947)},
+    "nvfp4": {16: (66, 279), 64: (191, 391), 256: (517, 715), 1024: (1937, 1947),
+              2048: (4368, 4152)},  # 2048: the H200 (thirty-second session)
     "q4_0": {16: (104, 176), 32: (183, 200), 64: (342, 281), 128: (609, 401), 256: (1169, 593), 512: (2128, 1013),
              1024: (4090, 1843)},
     "kivi_2bit": {16: (195, 193), 32: (297, 216), 64: (566, 295), 128: (1001, 408), 256: (1907, 610),
@@ -330,7 +335,9 @@ MEASURED_CHUNKS = {
 @pytest.mark.parametrize("name", sorted(MEASURED_CHUNKS))
 def test_auto_takes_the_path_measured_faster(name):
     """At every chunk measured, "auto" takes the faster path, or one at most 10% slower (the crossover falls between
-    the chunks measured, and the rules go by classes of formats). Reads only shapes: the queries are never run."""
+    the chunks measured, and the rules go by classes of formats). Reads only shapes: the queries are never run. This
+    pins the two-term count (KIVI at 32, q4_0 at 16), the per token-head one (int8 at 64 and 256) and mxfp8's (64 and
+    512) from both sides; nvfp4's fused and dense-first stay within 10% of each other up to 2048."""
     from kvgen.runtime import dequantize as D
     fmt = kvgen.load(name)
     seqs, heads, kv_heads, head, block = 4, 32, 8, 128, 16
