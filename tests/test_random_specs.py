@@ -2,11 +2,13 @@
 
 Specs are drawn from kvgen.conformance.format_specs (elements, scale dtypes, granularities, placements, zero
 points, rotation, packing, K != V, split or interleaved pages), validated, built through `kvgen.load` of a YAML
-file, and checked with the same properties as the shipped formats on a few random cases each.
+file, and checked with the same properties as the shipped formats on a few random cases each (one of them through
+dequantize-first).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -43,6 +45,11 @@ def test_random_spec_builds_and_conforms(spec, data, tmp_path_factory):
         case = data.draw(cases(fmt, max_len=30))
         failures = {p: m for p, m in run_case(fmt, case, DEVICE).items() if m}
         assert not failures, (yaml.safe_dump(spec, sort_keys=False), case, failures)
+    # and dequantize-first (the generated dequantize kernel, then the dense format's attention) on a 16-bit query
+    case = dataclasses.replace(data.draw(cases(fmt, max_len=30)),
+                               dtype=data.draw(st.sampled_from([torch.bfloat16, torch.float16])))
+    failures = {p: m for p, m in run_case(fmt, case, DEVICE, dequantize_first=True).items() if m}
+    assert not failures, (yaml.safe_dump(spec, sort_keys=False), case, "dequantize_first", failures)
 
 
 # Found on the H200 by the test above (2026-11-30): at head size 32 this format's chunked prefill read shared memory
