@@ -5,6 +5,7 @@
 #
 #   bash benchmarks/pending/next_session.sh verify     # the s32 / s33 merges timed on the H200 (~400 s?)
 #   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~450 s)
+#   bash benchmarks/pending/next_session.sh dequant    # dequant-decode.patch: its GPU tests and its dequantize times (~550 s?)
 #   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~350 s?)
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~350 s?; prefill dequantize-first rows new)
 #   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused at 16-1024 new tokens, hs 64 / 128 / 256 (~450 s?)
@@ -22,9 +23,9 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, kivicrash, cells, hs64prof or writes"}
+step=${1:?"a step: verify, tests, dequant, bench1, bench2, crossover, kivicrash, cells, hs64prof or writes"}
 start=$(date +%s)
-# a pending patch's kernels (no step uses these now; kept for the next patch's A/B): this checkout copied to /tmp/var
+# a pending patch's kernels (the dequant step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
 # copied over /tmp/var's generated/ (for its tests)
 # (variant PATCH MARKER FORMAT...: MARKER, a name the patched kernels hold, checks the build is the patch's)
@@ -66,6 +67,22 @@ case "$step" in
     # (H100, thirty-third session: 1.01-1.07x bf16)
     timeout 150 python3 benchmarks/dequantize_first.py int8_per_token_head int8_asym_per_token_head \
       int8_per_token_head_hadamard_k int4_per_token_head 2>&1 | tee "$out/verify_dequant.txt" | grep "^|"
+    ;;
+  dequant)
+    # benchmarks/pending/dequant-decode.patch (thirty-fourth session, static and CPU only): the dequantize kernels
+    # decode packed codes with the attention's byte decoders (inline PTX, compiled only: never run on the CPU) and
+    # load and decode block scales once per block instead of once per element. Static (`sass_count.py
+    # --dequantize`), warp instructions per position-head: nvfp4 186 -> 72, mxfp4 174 -> 65, q4_0 101 -> 61, mxfp8
+    # 83 -> 58, q8_0 75 -> 62, mixed_k8_v4 70 -> 57, kivi_2bit 143 -> 128, int4 per token-head 256 -> 221. H100
+    # (s34) dequantize kernels: nvfp4 198 us (29% of copy bandwidth), mxfp8 124 (54%), q4_0 95 (60%), kivi_2bit 112
+    # (47%), int4 per token-head 258 (22%); int8 per token-head 85 (79%). Merge if the tests pass and none is slower
+    DQ_FORMATS="int4_per_token_head kivi_2bit kivi_4bit mixed_k8_v4 mxfp4 mxfp8 nvfp4 nvfp4_separate q4_0 q8_0"
+    variant dequant-decode "then fp32\|decoded once per block" $DQ_FORMATS || exit 1
+    variant_tests dequant tests/test_dequantize_first.py tests/test_random_specs.py -k "not auto"
+    DQ_TIMED="int4_per_token_head nvfp4 mxfp8 mxfp4 q4_0 kivi_2bit"
+    timeout 130 python3 benchmarks/dequantize_first.py $DQ_TIMED 2>&1 | tee "$out/dequant_shipped.txt" | grep "^|"
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 130 python3 benchmarks/dequantize_first.py $DQ_TIMED \
+      2>&1 | tee "$out/dequant_variant.txt" | grep "^|")
     ;;
   crossover)
     # where dequantize-first starts to pay (runtime/dequantize.py AUTO_DENSE_RULES, from the H100 at head size 128
@@ -127,7 +144,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, kivicrash, cells, hs64prof or writes" >&2
+    echo "unknown step '$step': verify, tests, dequant, bench1, bench2, crossover, kivicrash, cells, hs64prof or writes" >&2
     exit 2
     ;;
 esac
