@@ -1,9 +1,9 @@
 """Chunked prefill fused against dequantize-first (``Format.attend(..., dequantize_first=True)``) on one GPU.
 
-    python benchmarks/dequantize_first.py [FORMAT ...] [--shape 4x8192q2048] [--out FILE.md]
+    python benchmarks/dequantize_first.py [FORMAT ...] [--shape 4x8192q2048] [--query-heads 32] [--out FILE.md]
 
 For each format (default: every shipped one) at bench.py's chunked prefill (2048 new bf16 tokens on each of 4
-sequences of 8192; 32 query heads, 8 KV heads, head size 128, block size 16, KIVI 32), as planned calls
+sequences of 8192; 32 query heads (or --query-heads), 8 KV heads, head size 128, block size 16, KIVI 32), as planned calls
 (``plan_attention`` once, ``plan.run`` timed as CUDA-graph replays, as an engine runs each layer):
 
 - fused: the format's paged attention (``dot_precision="auto"``);
@@ -62,9 +62,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("formats", nargs="*")
     ap.add_argument("--shape", default="4x8192q2048", help="SEQSxCONTEXTqNEW[hsHEAD] (default: bench.py's prefill)")
+    ap.add_argument("--query-heads", type=int, default=bench.HQ,
+                    help=f"query heads over bench.py's {bench.HKV} KV heads (default {bench.HQ}): the group that "
+                         "dequantize_first=\"auto\"'s counts scale with")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    if args.query_heads < 1 or args.query_heads % bench.HKV:
+        ap.error(f"--query-heads: {args.query_heads} is not a positive multiple of the {bench.HKV} KV heads")
     bench.require_gpu(ap)
+    bench.HQ = args.query_heads
     (seqs, ctx, head_size, q_len), = bench.decode_shapes(ap, [args.shape], "--shape").values()
     names = args.formats or kvgen.shipped_names()
     unknown = sorted(set(names) - set(kvgen.shipped_names()))
@@ -73,7 +79,7 @@ def main() -> int:
     copy = bench.copy_bandwidth()
     bf16_fused, *_ = planned_prefill(kvgen.load("bf16"), seqs, ctx, q_len, head_size)
     t_bf16 = bench.bench(bf16_fused)
-    lines = [f"Chunked prefill {args.shape} (`python benchmarks/dequantize_first.py {' '.join(sys.argv[1:])}`), "
+    lines = [f"Chunked prefill {args.shape}, {bench.HQ} query heads over {bench.HKV} KV heads (`python benchmarks/dequantize_first.py {' '.join(sys.argv[1:])}`), "
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Python {platform.python_version()}, "
              f"{datetime.date.today()}; bf16 fused {t_bf16 * 1e6:.0f} us, copy bandwidth {copy / 1e9:.0f} GB/s.",
              "",

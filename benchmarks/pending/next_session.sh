@@ -8,7 +8,7 @@
 #   bash benchmarks/pending/next_session.sh dequant    # dequant-decode.patch: its GPU tests and its dequantize times (~550 s?)
 #   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~350 s?)
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~350 s?; prefill dequantize-first rows new)
-#   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused at 16-1024 new tokens, hs 64 / 128 / 256 (~450 s?)
+#   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused near auto's counts: H200, hs 64 / 256, groups 1 / 8 (~550 s?)
 #   bash benchmarks/pending/next_session.sh kivicrash  # KIVI's 32-position prefill crash: q4_0 / kivi_4bit too (~400 s)
 #   bash benchmarks/pending/next_session.sh cells      # profiles: the inline-scale cells converted first / 3 stages
 #   bash benchmarks/pending/next_session.sh hs64prof   # profiles at head size 64 (int8 / fp8 per token-head, bf16)
@@ -98,6 +98,14 @@ case "$step" in
     for hs in 64 256; do
       timeout 70 python3 benchmarks/dequantize_first.py int8_per_token_head q4_0 kivi_2bit mxfp8 \
         --shape "4x8192q128hs$hs" 2>&1 | tee -a "$out/crossover.txt" | grep "^|\|^Chunked"
+    done
+    # the counts scale inversely with the query heads per KV head (unmeasured): group 1 at 4x the new tokens of
+    # group 4's counts, group 8 at half (int8 per token-head 512 / 64, q4_0 128 / 16, mxfp8 1024 / 128); if each
+    # class's fused and dense-first cross near there, the scaling holds
+    for g in "8 4x8192q512" "64 4x8192q64"; do
+      set -- $g
+      timeout 70 python3 benchmarks/dequantize_first.py int8_per_token_head q4_0 mxfp8 kivi_2bit --query-heads "$1" \
+        --shape "$2" 2>&1 | tee -a "$out/crossover.txt" | grep "^|\|^Chunked"
     done
     ;;
   tests)
