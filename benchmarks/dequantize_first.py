@@ -3,8 +3,8 @@
     python benchmarks/dequantize_first.py [FORMAT ...] [--shape 4x8192q2048] [--query-heads 32] [--out FILE.md]
 
 For each format (default: every shipped one) at bench.py's chunked prefill (2048 new bf16 tokens on each of 4
-sequences of 8192; 32 query heads (or --query-heads), 8 KV heads, head size 128, block size 16, KIVI 32), as planned calls
-(``plan_attention`` once, ``plan.run`` timed as CUDA-graph replays, as an engine runs each layer):
+sequences of 8192; 32 query heads (or --query-heads), 8 KV heads, head size 128, block size 16, KIVI 32), as
+planned calls (``plan_attention`` once, ``plan.run`` timed as CUDA-graph replays, as an engine runs each layer):
 
 - fused: the format's paged attention (``dot_precision="auto"``);
 - dequantize-first: the format's dequantize_kernel into a dense bf16 cache, then bf16's attention over it;
@@ -79,7 +79,8 @@ def main() -> int:
     copy = bench.copy_bandwidth()
     bf16_fused, *_ = planned_prefill(kvgen.load("bf16"), seqs, ctx, q_len, head_size)
     t_bf16 = bench.bench(bf16_fused)
-    lines = [f"Chunked prefill {args.shape}, {bench.HQ} query heads over {bench.HKV} KV heads (`python benchmarks/dequantize_first.py {' '.join(sys.argv[1:])}`), "
+    lines = [f"Chunked prefill {args.shape}, {bench.HQ} query heads over {bench.HKV} KV heads "
+             f"(`python benchmarks/dequantize_first.py {' '.join(sys.argv[1:])}`), "
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Python {platform.python_version()}, "
              f"{datetime.date.today()}; bf16 fused {t_bf16 * 1e6:.0f} us, copy bandwidth {copy / 1e9:.0f} GB/s.",
              "",
