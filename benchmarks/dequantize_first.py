@@ -1,6 +1,8 @@
 """Chunked prefill fused against dequantize-first (``Format.attend(..., dequantize_first=True)``) on one GPU.
 
     python benchmarks/dequantize_first.py [FORMAT ...] [--shape 4x8192q2048] [--query-heads 32] [--out FILE.md]
+    python benchmarks/dequantize_first.py --dequant-tiles 64/8 FORMAT ...   # the dequantize kernel's positions
+                                                                            # per program / warps (default 32/4)
 
 For each format (default: every shipped one) at bench.py's chunked prefill (2048 new bf16 tokens on each of 4
 sequences of 8192; 32 query heads (or --query-heads), 8 KV heads, head size 128, block size 16, KIVI 32), as
@@ -32,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
 
 import kvgen  # noqa: E402
+from kvgen.runtime import dequantize as D  # noqa: E402
 from kvgen.runtime.dequantize import auto_dense  # noqa: E402
 
 
@@ -65,8 +68,21 @@ def main() -> int:
     ap.add_argument("--query-heads", type=int, default=bench.HQ,
                     help=f"query heads over bench.py's {bench.HKV} KV heads (default {bench.HQ}): the group that "
                          "dequantize_first=\"auto\"'s counts scale with")
+    ap.add_argument("--dequant-tiles", metavar="BLOCK_N/WARPS",
+                    help="the dequantize kernel's positions per program and warps (kvgen.runtime.dequantize's "
+                         f"DEQUANT_BLOCK_N / DEQUANT_WARPS, default {D.DEQUANT_BLOCK_N}/{D.DEQUANT_WARPS})")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    if args.dequant_tiles is not None:
+        try:
+            block_n, warps = (int(x) for x in args.dequant_tiles.split("/"))
+        except ValueError:
+            block_n = warps = 0
+        if block_n < 1 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8, 16):
+            ap.error(f"--dequant-tiles: {args.dequant_tiles!r} is not BLOCK_N/WARPS with BLOCK_N a power of two and "
+                     "WARPS one of 1, 2, 4, 8, 16 (e.g. 64/8)")
+        D.DEQUANT_BLOCK_N, D.DEQUANT_WARPS = block_n, warps
+        D.DEQUANT_ROT_DOT_BLOCK_N = block_n  # (benchmarks/pending/dequant-decode.patch's rotated sides' own)
     if args.query_heads < 1 or args.query_heads % bench.HKV:
         ap.error(f"--query-heads: {args.query_heads} is not a positive multiple of the {bench.HKV} KV heads")
     bench.require_gpu(ap)
@@ -79,7 +95,8 @@ def main() -> int:
     copy = bench.copy_bandwidth()
     bf16_fused, *_ = planned_prefill(kvgen.load("bf16"), seqs, ctx, q_len, head_size)
     t_bf16 = bench.bench(bf16_fused)
-    lines = [f"Chunked prefill {args.shape}, {bench.HQ} query heads over {bench.HKV} KV heads "
+    lines = [f"Chunked prefill {args.shape}, {bench.HQ} query heads over {bench.HKV} KV heads, dequantize tiles "
+             f"{D.DEQUANT_BLOCK_N}/{D.DEQUANT_WARPS} "
              f"(`python benchmarks/dequantize_first.py {' '.join(sys.argv[1:])}`), "
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Python {platform.python_version()}, "
              f"{datetime.date.today()}; bf16 fused {t_bf16 * 1e6:.0f} us, copy bandwidth {copy / 1e9:.0f} GB/s.",

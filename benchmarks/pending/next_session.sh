@@ -75,12 +75,15 @@ case "$step" in
     # group. Static (`sass_count.py --dequantize`), warp instructions per position-head: nvfp4 186 -> 72, mxfp4
     # 174 -> 65, q4_0 101 -> 61, mxfp8 83 -> 58, q8_0 75 -> 62, mixed_k8_v4 70 -> 57, kivi_2bit 143 -> 111, int4 per
     # token-head 256 -> 221. H100 (s34) dequantize kernels: nvfp4 198 us (29% of copy bandwidth), mxfp8 124 (54%),
-    # q4_0 95 (60%), kivi_2bit 112 (47%), int4 per token-head 258 (22%); int8 per token-head 85 (79%). Merge if the
-    # tests pass and none is slower
+    # q4_0 95 (60%), kivi_2bit 112 (47%), int4 per token-head 258 (22%); int8 per token-head 85 (79%). And sides
+    # rotated back by tensor-core dots in programs of 64 rows (DEQUANT_ROT_DOT_BLOCK_N; warpgroup dots, static int4
+    # per token-head 221 -> 91, Hadamard 134 -> 72; H100 s34: 258 and 153 us). Merge if the tests pass and none is
+    # slower
+    # (the formats whose kernels the patch changes; the Hadamard format's change is the runtime's tiles alone)
     DQ_FORMATS="int4_per_token_head kivi_2bit kivi_4bit mixed_k8_v4 mxfp4 mxfp8 nvfp4 nvfp4_separate q4_0 q8_0"
     variant dequant-decode "then fp32\|decoded once per block\|decoded once, from" $DQ_FORMATS || exit 1
     variant_tests dequant tests/test_dequantize_first.py tests/test_random_specs.py -k "not auto"
-    DQ_TIMED="int4_per_token_head nvfp4 mxfp8 mxfp4 q4_0 kivi_2bit"
+    DQ_TIMED="int4_per_token_head int8_per_token_head_hadamard_k nvfp4 mxfp8 mxfp4 q4_0 kivi_2bit"
     timeout 130 python3 benchmarks/dequantize_first.py $DQ_TIMED 2>&1 | tee "$out/dequant_shipped.txt" | grep "^|"
     (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 130 python3 benchmarks/dequantize_first.py $DQ_TIMED \
       2>&1 | tee "$out/dequant_variant.txt" | grep "^|")
