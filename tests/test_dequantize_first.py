@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -161,12 +163,29 @@ def _check_dense_cache(name, dtype):
     return plan
 
 
-@pytest.mark.parametrize("name", STREAMING)
-def test_dense_cache_holds_rounded_kivi_values(name):
-    """KIVI: the quantized groups from the pages and the newest tokens from the residual ring, each at its place."""
-    fmt = kvgen.load(name)
+def _kivi_with_groups(tmp_path, group_tokens: int):
+    """specs/kivi_2bit.yaml with keys grouped over ``group_tokens`` tokens, loaded from a file of its own."""
+    spec = yaml.safe_load((Path(__file__).resolve().parents[1] / "specs" / "kivi_2bit.yaml").read_text())
+    spec["name"] = f"kivi_2bit_g{group_tokens}"
+    spec["key"]["scale"]["group_tokens"] = group_tokens
+    path = tmp_path / f"{spec['name']}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return kvgen.load(path)
+
+
+@pytest.mark.parametrize("name,group_tokens,groups_per_block", [(n, None, 1) for n in STREAMING]
+                         + [("kivi_2bit", 8, 2), ("kivi_2bit", 16, 2)])
+def test_dense_cache_holds_rounded_kivi_values(name, group_tokens, groups_per_block, tmp_path, monkeypatch):
+    """KIVI: the quantized groups from the pages and the newest tokens from the residual ring, each at its place;
+    also with key groups of 8 and 16 tokens in pages of two groups (several token groups per dequantize program)."""
+    if group_tokens is None:
+        fmt = kvgen.load(name)
+    else:
+        monkeypatch.setenv("KVGEN_CACHE_DIR", str(tmp_path / "cache"))
+        fmt = _kivi_with_groups(tmp_path, group_tokens)
     res = fmt.layout.RESIDUAL
-    g, head, bs, heads = res["group"], 32, res["group"], 2
+    g, head, heads = res["group"], 32, 2
+    bs = g * groups_per_block
     lens = [3 * g + 5, res["tokens"] + 2 * g + 3]  # the second: flushed groups and a ring
     blocks = [-(-n // bs) for n in lens]
     table = np.zeros((2, max(blocks)), dtype=np.int32)
