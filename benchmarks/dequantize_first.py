@@ -95,8 +95,11 @@ def main() -> int:
     copy = bench.copy_bandwidth()
     bf16_fused, *_ = planned_prefill(kvgen.load("bf16"), seqs, ctx, q_len, head_size)
     t_bf16 = bench.bench(bf16_fused)
+    rot_rows = getattr(D, "DEQUANT_ROT_DOT_BLOCK_N", D.DEQUANT_BLOCK_N)  # (the pending patch's rotated-side rows)
+    tiles = f"{D.DEQUANT_BLOCK_N}/{D.DEQUANT_WARPS}" + (f" ({rot_rows} rows rotated back by dots)"
+                                                        if rot_rows != D.DEQUANT_BLOCK_N else "")
     lines = [f"Chunked prefill {args.shape}, {bench.HQ} query heads over {bench.HKV} KV heads, dequantize tiles "
-             f"{D.DEQUANT_BLOCK_N}/{D.DEQUANT_WARPS} "
+             f"{tiles} "
              f"(`python benchmarks/dequantize_first.py {' '.join(sys.argv[1:])}`), "
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Python {platform.python_version()}, "
              f"{datetime.date.today()}; bf16 fused {t_bf16 * 1e6:.0f} us, copy bandwidth {copy / 1e9:.0f} GB/s.",

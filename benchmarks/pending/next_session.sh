@@ -5,7 +5,8 @@
 #
 #   bash benchmarks/pending/next_session.sh verify     # the s32 / s33 merges timed on the H200 (~400 s?)
 #   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~450 s)
-#   bash benchmarks/pending/next_session.sh dequant    # dequant-decode.patch: its GPU tests and its dequantize times (~550 s?)
+#   bash benchmarks/pending/next_session.sh dequant    # dequant-decode.patch: its GPU tests, the rotation dots' check (~420 s?)
+#   bash benchmarks/pending/next_session.sh dequanttime  # dequant-decode.patch: its dequantize kernels timed (~270 s?)
 #   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~350 s?)
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~350 s?; prefill dequantize-first rows new)
 #   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused near auto's counts: H200, hs 64 / 256, groups 1 / 8 (~550 s?)
@@ -23,7 +24,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, dequant, bench1, bench2, crossover, kivicrash, cells, hs64prof or writes"}
+step=${1:?"a step: verify, tests, dequant, dequanttime, bench1, bench2, crossover, kivicrash, cells, hs64prof or writes"}
 start=$(date +%s)
 # a pending patch's kernels (the dequant step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -83,6 +84,16 @@ case "$step" in
     DQ_FORMATS="int4_per_token_head kivi_2bit kivi_4bit mixed_k8_v4 mxfp4 mxfp8 nvfp4 nvfp4_separate q4_0 q8_0"
     variant dequant-decode "then fp32\|decoded once per block\|decoded once, from" $DQ_FORMATS || exit 1
     variant_tests dequant tests/test_dequantize_first.py tests/test_random_specs.py -k "not auto"
+    # the back-rotation's dots in 64-row programs (warpgroup dots) at every head size, 256 included
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 150 python3 benchmarks/pending/rotate_dot_check.py \
+      2>&1 | tee "$out/dequant_rotate.txt" | grep "^|")
+    ;;
+  dequanttime)
+    # the dequant step's patch timed: the dequantize kernels, shipped against the patch's (run after `dequant`,
+    # which leaves the variant in /tmp/var; rebuilt here if the machine is fresh)
+    DQ_FORMATS="int4_per_token_head kivi_2bit kivi_4bit mixed_k8_v4 mxfp4 mxfp8 nvfp4 nvfp4_separate q4_0 q8_0"
+    [ -d /tmp/var ] || variant dequant-decode "then fp32\|decoded once per block\|decoded once, from" $DQ_FORMATS \
+      || exit 1
     DQ_TIMED="int4_per_token_head int8_per_token_head_hadamard_k nvfp4 mxfp8 mxfp4 q4_0 kivi_2bit"
     timeout 130 python3 benchmarks/dequantize_first.py $DQ_TIMED 2>&1 | tee "$out/dequant_shipped.txt" | grep "^|"
     (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 130 python3 benchmarks/dequantize_first.py $DQ_TIMED \
@@ -156,7 +167,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, dequant, bench1, bench2, crossover, kivicrash, cells, hs64prof or writes" >&2
+    echo "unknown step '$step': verify, tests, dequant, dequanttime, bench1, bench2, crossover, kivicrash, cells, hs64prof or writes" >&2
     exit 2
     ;;
 esac

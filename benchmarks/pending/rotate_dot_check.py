@@ -19,7 +19,7 @@ print("| format | head size | dots everywhere | rule (dots above %d) |" % rule)
 print("|---|---|---|---|")
 for name in formats:
     fmt = kvgen.load(name)
-    for head_size in tuple(HEAD_SIZES) + (128,):
+    for head_size in tuple(HEAD_SIZES) + (128, 256):
         row = []
         for min_pad in (0, rule):
             D.ROT_DOT_MIN_PAD = min_pad
