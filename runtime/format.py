@@ -480,8 +480,8 @@ class Format:
         num_tokens, num_q_heads, head_size = query.shape
         if head_size != cache.head_size:
             raise ValueError(f"query: head size {head_size} does not match the cache's {cache.head_size}")
-        if num_q_heads % cache.num_kv_heads:
-            raise ValueError(f"query: {num_q_heads} query heads is not a multiple of the cache's "
+        if num_q_heads == 0 or num_q_heads % cache.num_kv_heads:
+            raise ValueError(f"query: {num_q_heads} query heads is not a positive multiple of the cache's "
                              f"{cache.num_kv_heads} KV heads")
         block_table = checks.index_tensor("block_table", block_table, ndim=2, device=dev, dtypes=(torch.int32,))
         seq_lens = checks.index_tensor("seq_lens", seq_lens, ndim=1, device=dev, dtypes=(torch.int32,))

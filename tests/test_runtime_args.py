@@ -172,6 +172,7 @@ def test_attend_good_arguments_work(int8, filled):
 I32 = torch.int32
 ATTEND_CASES = {
     "query_heads_not_multiple": ("query", dict(query=torch.randn(3, 3, HS)), ("3",)),
+    "query_no_heads": ("query", dict(query=torch.randn(3, 0, HS)), ("0 query heads",)),
     "query_head_size": ("query", dict(query=torch.randn(3, 2 * H, 16)), ("16",)),
     "query_ndim": ("query", dict(query=torch.randn(3, 2 * H * HS)), ()),
     "query_int": ("query", dict(query=torch.ones(3, 2 * H, HS, dtype=torch.int32)), ()),
