@@ -208,6 +208,7 @@ def show(name, block_size, num_kv_heads, head_size, png):
                       f"{d['residual_bytes_per_seq']:,} B", highlight=False)
     for side, where in d["scales"].items():
         console.print(f"{side} scale: {where}", highlight=False)
+    console.print(f"chunked prefill: {dequantize_first_summary(fmt)}", highlight=False)
     t = Table(title="fields of one (slot, KV head): offset in its region's cell; region start in the page")
     for col in ("tensor", "region", "offset", "bytes", "field", "holds"):
         t.add_column(col, justify="right" if col in ("region", "offset", "bytes") else "left")
@@ -219,6 +220,17 @@ def show(name, block_size, num_kv_heads, head_size, png):
 
         draw(fmt, png, block_size, num_kv_heads, head_size)
         console.print(f"byte map written to {png}", highlight=False)
+
+
+def dequantize_first_summary(fmt) -> str:
+    """Where ``attend(..., dequantize_first="auto")`` takes the dense path for ``fmt`` (runtime/dequantize.py)."""
+    from .runtime.dequantize import AUTO_GROUP, auto_min_new_tokens
+
+    fewest = auto_min_new_tokens(fmt)
+    if fewest is None:
+        return 'dequantize_first="auto" runs the fused kernels (measured faster for this kind of format)'
+    return (f'dequantize_first="auto" dequantizes first from {fewest} new tokens per sequence on average at '
+            f"{AUTO_GROUP} query heads per KV head (fewer with more heads per KV head), fused below")
 
 
 @main.command()

@@ -143,6 +143,14 @@ def test_show_bf16_and_a_static_format():
     assert "static" in line_with(r.stdout, "key scale") and "static" in line_with(r.stdout, "value scale")
 
 
+def test_show_says_where_auto_dequantizes_first():
+    from kvgen.runtime.dequantize import auto_min_new_tokens
+    for name in ("q4_0", "int8_per_token_head"):
+        line = line_with(invoke("show", name).stdout, "chunked prefill")
+        assert f"from {auto_min_new_tokens(kvgen.load(name))} new tokens" in line, line
+    assert "runs the fused kernels" in line_with(invoke("show", "fp8_e4m3").stdout, "chunked prefill")
+
+
 def test_show_prints_storage_dtype_and_shape():
     r = invoke("show", "int8_per_token_head")
     storage = line_with(r.stdout, "storage")
