@@ -430,9 +430,9 @@ class Format:
         q4_0, q8_0 and KIVI, 128 per token-head, 256 mxfp8 / mxfp4, 2048 nvfp4 at 4 query heads per KV head:
         ``kvgen.runtime.dequantize.auto_min_new_tokens(fmt, group)``; bf16 / fp16 queries, "auto" / "fast" dots),
         else runs fused. The average stands for every sequence: in a mixed batch, each decode sequence pays a
-        dense copy of its whole context. The choice reads nothing
-        from the device, but where it takes the dense path ``attend`` sizes the scratch by the longest sequence
-        unless ``max_seq_len`` is given (one device-to-host read) and allocates it per call: engines plan.
+        dense copy of its whole context. The choice reads nothing from the device, but where it takes the dense
+        path ``attend`` sizes the scratch by the longest sequence unless ``max_seq_len`` is given (one
+        device-to-host read) and allocates it per call: engines plan.
         """
         launch, ptrs = self._plan(query, cache, block_table, seq_lens, query_start_loc, sm_scale, sliding_window,
                                   max_query_len, seq_ids, dot_precision, max_seq_len, num_splits, out,
