@@ -9,6 +9,7 @@
     python benchmarks/sass_count.py --prefill --head-size 48 SPEC   # another head size (default 128)
     python benchmarks/sass_count.py --tiles 128/8/2 --prefill --prefill-rows 128 [FORMAT ...]   # 128 query rows
     python benchmarks/sass_count.py --dequantize [FORMAT ...]    # dequantize_first's dequantize_kernel (prefill)
+    python benchmarks/sass_count.py --dequantize --dequant-tiles 64/4 [FORMAT ...]   # its positions / warps
 
 Compiles each format's paged_attention_kernel for sm_90 with Triton's own ptxas exactly as the runtime would launch
 it on an H200 for decode at 64 x 8192 (32 query heads over 8 KV heads, head size 128, block size 16, bf16 queries):
@@ -356,7 +357,15 @@ def main() -> int:
     if args[:1] == ["--write"]:  # the reshape-and-cache kernel instead
         return main_write(args[1:] or kvgen.shipped_names())
     if args[:1] == ["--dequantize"]:  # dequantize_first's dequantize kernel
-        return main_dequantize(args[1:] or kvgen.shipped_names())
+        args = args[1:]
+        if args[:1] == ["--dequant-tiles"]:  # BLOCK_N/num_warps of every dequantize program, as dequantize_first.py
+            from kvgen.runtime import dequantize as D
+
+            block_n, warps = (int(x) for x in args[1].split("/"))
+            D.DEQUANT_BLOCK_N, D.DEQUANT_WARPS = block_n, warps
+            D.DEQUANT_ROT_DOT_BLOCK_N = block_n  # (benchmarks/pending/dequant-decode.patch's rotated sides' own)
+            args = args[2:]
+        return main_dequantize(args or kvgen.shipped_names())
     precision = "auto"
     if args[:1] == ["--tiles"]:  # BLOCK_N/num_warps/num_stages[/maxnreg][p][c|n] for every kernel, as tune_tiles.py
         from tune_tiles import apply
