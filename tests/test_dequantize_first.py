@@ -131,8 +131,8 @@ def test_rotation_back_by_cuda_core_sums(name, monkeypatch):
 
 def _check_dense_cache(name, dtype):
     """A dequantize-first plan's dense cache against the reference's decoded values rounded to ``dtype``, at head
-    size 64; returns the plan."""
-    fmt = kvgen.load(name)
+    size 64; returns the plan. ``name``: a format's name, or the format (tests/test_random_specs.py)."""
+    fmt = kvgen.load(name) if isinstance(name, str) else name
     head = 64
     case = Case(head_size=head, block_size=4, num_kv_heads=2, group=2, seq_lens=[13, 30], q_lens=[13, 7],
                 dtype=dtype, window=None, holes=2, seed=3, k_scale=0.5, v_scale=2.0, magnitude=30.0)

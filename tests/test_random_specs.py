@@ -3,7 +3,7 @@
 Specs are drawn from kvgen.conformance.format_specs (elements, scale dtypes, granularities, placements, zero
 points, rotation, packing, K != V, split or interleaved pages), validated, built through `kvgen.load` of a YAML
 file, and checked with the same properties as the shipped formats on a few random cases each (one of them through
-dequantize-first).
+dequantize-first, whose dense cache is also checked value by value against the reference).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import kvgen
 from kvgen.conformance import Case, cases, format_specs, run_case
+from test_dequantize_first import _check_dense_cache as check_dense_cache
 
 DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 # random specs: 40 on a GPU, 20 on the CPU (the interpreter; the suite's ten minutes on two cores)
@@ -50,6 +51,8 @@ def test_random_spec_builds_and_conforms(spec, data, tmp_path_factory):
                                dtype=data.draw(st.sampled_from([torch.bfloat16, torch.float16])))
     failures = {p: m for p, m in run_case(fmt, case, DEVICE, dequantize_first=True).items() if m}
     assert not failures, (yaml.safe_dump(spec, sort_keys=False), case, "dequantize_first", failures)
+    # and its dense cache value by value: the reference's decoded values, each rounded to nearest in the dense type
+    check_dense_cache(fmt, case.dtype)
 
 
 # Found on the H200 by the test above (2026-11-30): at head size 32 this format's chunked prefill read shared memory
