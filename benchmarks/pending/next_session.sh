@@ -83,7 +83,8 @@ case "$step" in
     # (the formats whose kernels the patch changes; the Hadamard format's change is the runtime's tiles alone)
     DQ_FORMATS="int4_per_token_head kivi_2bit kivi_4bit mixed_k8_v4 mxfp4 mxfp8 nvfp4 nvfp4_separate q4_0 q8_0"
     variant dequant-decode "then fp32\|decoded once per block\|decoded once, from" $DQ_FORMATS || exit 1
-    variant_tests dequant tests/test_dequantize_first.py tests/test_random_specs.py -k "not auto"
+    # (15 random specs: the test is one process, each spec compiles its write, attention and dequantize kernels)
+    KVGEN_RANDOM_SPECS=15 variant_tests dequant tests/test_dequantize_first.py tests/test_random_specs.py -k "not auto"
     # the back-rotation's dots in 64-row programs (warpgroup dots) at every head size, 256 included
     (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 150 python3 benchmarks/pending/rotate_dot_check.py \
       2>&1 | tee "$out/dequant_rotate.txt" | grep "^|")
@@ -123,7 +124,8 @@ case "$step" in
     done
     ;;
   tests)
-    timeout 560 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_tiles.py tests/test_attention_plan.py \
+    # (30 random specs, not the GPU's default 40: each now also compiles a dequantize kernel and bf16's attention)
+    KVGEN_RANDOM_SPECS=30 timeout 560 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_tiles.py tests/test_attention_plan.py \
       tests/test_launch.py tests/test_quantized_domain.py tests/test_fast_dots.py tests/test_golden.py \
       tests/test_random_specs.py tests/test_kivi.py tests/test_kivi_reference.py tests/test_dot_operand.py \
       tests/test_alignment.py tests/test_scale_words.py tests/test_dequantize_first.py \
