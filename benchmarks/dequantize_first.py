@@ -8,7 +8,8 @@ For each format (default: every shipped one) at bench.py's chunked prefill (2048
 sequences of 8192; 32 query heads (or --query-heads), 8 KV heads, head size 128, block size 16, KIVI 32), as
 planned calls (``plan_attention`` once, ``plan.run`` timed as CUDA-graph replays, as an engine runs each layer):
 
-- fused: the format's paged attention (``dot_precision="auto"``);
+- fused: the format's paged attention (``dot_precision="auto"``, or ``--dot-precision fast``; the dense
+  attention runs under the same precision);
 - dequantize-first: the format's dequantize_kernel into a dense bf16 cache, then bf16's attention over it;
 - of which the dequantize kernel alone, its bytes (the cells read, bf16 K and V written) and their rate as a
   fraction of the device-to-device copy bandwidth measured in the same run;
@@ -55,7 +56,7 @@ def planned_prefill(fmt, seqs: int, ctx: int, q_len: int, head_size: int):
     launch = first._launch
     cell = fmt.page_bytes(block, bench.HKV, head_size) / block / bench.HKV
     moved = seqs * ctx * bench.HKV * (cell + 2 * head_size * 2)
-    auto = auto_dense(fmt, q, seqs, table, block, bench.HKV, "auto", ctx)
+    auto = auto_dense(fmt, q, seqs, table, block, bench.HKV, kwargs["dot_precision"], ctx)
     return (bench.graphed(lambda: fused.run(q, cache, out=out_a)),
             bench.graphed(lambda: first.run(q, cache, out=out_b)),
             bench.graphed(lambda: launch.dequantize(ptrs)), (out_a, out_b), moved, auto)
@@ -71,8 +72,11 @@ def main() -> int:
     ap.add_argument("--dequant-tiles", metavar="BLOCK_N/WARPS",
                     help="the dequantize kernel's positions per program and warps (kvgen.runtime.dequantize's "
                          f"DEQUANT_BLOCK_N / DEQUANT_WARPS, default {D.DEQUANT_BLOCK_N}/{D.DEQUANT_WARPS})")
+    ap.add_argument("--dot-precision", choices=("auto", "fast"), default="auto",
+                    help="the attention's dots, fused and dense alike (\"auto\"'s counts were measured under auto)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    bench.DOT = args.dot_precision
     if args.dequant_tiles is not None:
         try:
             block_n, warps = (int(x) for x in args.dequant_tiles.split("/"))
@@ -98,7 +102,8 @@ def main() -> int:
     rot_rows = getattr(D, "DEQUANT_ROT_DOT_BLOCK_N", D.DEQUANT_BLOCK_N)  # (the pending patch's rotated-side rows)
     tiles = f"{D.DEQUANT_BLOCK_N}/{D.DEQUANT_WARPS}" + (f" ({rot_rows} rows rotated back by dots)"
                                                         if rot_rows != D.DEQUANT_BLOCK_N else "")
-    lines = [f"Chunked prefill {args.shape}, {bench.HQ} query heads over {bench.HKV} KV heads, dequantize tiles "
+    lines = [f"Chunked prefill {args.shape}, {bench.HQ} query heads over {bench.HKV} KV heads, {bench.DOT} dots, "
+             f"dequantize tiles "
              f"{tiles} "
              f"(`python benchmarks/dequantize_first.py {' '.join(sys.argv[1:])}`), "
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Python {platform.python_version()}, "
