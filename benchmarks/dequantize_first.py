@@ -39,6 +39,21 @@ from kvgen.runtime import dequantize as D  # noqa: E402
 from kvgen.runtime.dequantize import auto_dense  # noqa: E402
 
 
+def set_dequant_tiles(text: str) -> None:
+    """Every dequantize program's positions and warps from BLOCK_N/WARPS (kvgen.runtime.dequantize's DEQUANT_BLOCK_N
+    / DEQUANT_WARPS, and benchmarks/pending/dequant-decode.patch's rotated sides' own rows); ValueError if malformed.
+    Also benchmarks/sass_count.py's."""
+    try:
+        block_n, warps = (int(x) for x in text.split("/"))
+    except ValueError:
+        block_n = warps = 0
+    if block_n < 1 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"{text!r} is not BLOCK_N/WARPS with BLOCK_N a power of two and WARPS one of 1, 2, 4, 8, "
+                         "16 (e.g. 64/8)")
+    D.DEQUANT_BLOCK_N, D.DEQUANT_WARPS = block_n, warps
+    D.DEQUANT_ROT_DOT_BLOCK_N = block_n
+
+
 def planned_prefill(fmt, seqs: int, ctx: int, q_len: int, head_size: int):
     """(plan.run as a graph replay, dequantize-first plan.run, its dequantize kernel alone, the two plans' outputs
     for comparison, bytes the dequantize kernel moves, whether dequantize_first="auto" would dequantize first) on a
@@ -79,14 +94,9 @@ def main() -> int:
     bench.DOT = args.dot_precision
     if args.dequant_tiles is not None:
         try:
-            block_n, warps = (int(x) for x in args.dequant_tiles.split("/"))
-        except ValueError:
-            block_n = warps = 0
-        if block_n < 1 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8, 16):
-            ap.error(f"--dequant-tiles: {args.dequant_tiles!r} is not BLOCK_N/WARPS with BLOCK_N a power of two and "
-                     "WARPS one of 1, 2, 4, 8, 16 (e.g. 64/8)")
-        D.DEQUANT_BLOCK_N, D.DEQUANT_WARPS = block_n, warps
-        D.DEQUANT_ROT_DOT_BLOCK_N = block_n  # (benchmarks/pending/dequant-decode.patch's rotated sides' own)
+            set_dequant_tiles(args.dequant_tiles)
+        except ValueError as exc:
+            ap.error(f"--dequant-tiles: {exc}")
     if args.query_heads < 1 or args.query_heads % bench.HKV:
         ap.error(f"--query-heads: {args.query_heads} is not a positive multiple of the {bench.HKV} KV heads")
     bench.require_gpu(ap)

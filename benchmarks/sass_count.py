@@ -359,11 +359,13 @@ def main() -> int:
     if args[:1] == ["--dequantize"]:  # dequantize_first's dequantize kernel
         args = args[1:]
         if args[:1] == ["--dequant-tiles"]:  # BLOCK_N/num_warps of every dequantize program, as dequantize_first.py
-            from kvgen.runtime import dequantize as D
+            from dequantize_first import set_dequant_tiles
 
-            block_n, warps = (int(x) for x in args[1].split("/"))
-            D.DEQUANT_BLOCK_N, D.DEQUANT_WARPS = block_n, warps
-            D.DEQUANT_ROT_DOT_BLOCK_N = block_n  # (benchmarks/pending/dequant-decode.patch's rotated sides' own)
+            try:
+                set_dequant_tiles(args[1] if len(args) > 1 else "")
+            except ValueError as exc:
+                print(f"sass_count.py: --dequant-tiles: {exc}", file=sys.stderr)
+                return 2
             args = args[2:]
         return main_dequantize(args or kvgen.shipped_names())
     precision = "auto"
