@@ -107,16 +107,16 @@ case "$step" in
     # each group's reciprocal (div_fast) for nvfp4 behind one test of the layer's global scale per program
     # (FAST_GLOBAL, g in [2**-20, 2**8]; e2m1 codes unguarded, their signs from x), and for int8 asym without the
     # test of each tile's scales (FAST_COVERED: its fp32 scales cover their group's values; only x = +-inf takes the
-    # uncorrected x * (1 / s)). Static (`python benchmarks/sass_count.py --write`, the taken path): nvfp4 313 -> 237 warp instructions per
-    # token-head, int8 asym 332 (191 taken) -> 220 straight-line. H200 s27: nvfp4 91 us (44% of copy bandwidth),
-    # int8 asym 103 (47%). Merge if the tests and check_fast_div.py pass and no write is slower
+    # uncorrected x * (1 / s)). Static (`python benchmarks/sass_count.py --write`, the taken path): nvfp4 313 -> 237
+    # warp instructions per token-head, int8 asym 332 (191 taken) -> 220 straight-line. H200 s27: nvfp4 91 us (44%
+    # of copy bandwidth), int8 asym 103 (47%). Merge if the tests and check_fast_div.py pass and no write is slower
     WD_FORMATS="nvfp4 nvfp4_separate int8_asym_per_token_head q4_0 kivi_2bit kivi_4bit"
     variant write-fast-div "KEEP: tl.constexpr" $WD_FORMATS || exit 1
     variant_tests writediv tests/test_fast_div.py tests/test_golden.py "tests/test_conformance.py::test_conformance" \
       "tests/test_conformance.py::test_conformance_with_small_tiles_and_splits"
     (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 150 python3 benchmarks/check_fast_div.py 2>&1 \
       | tee "$out/writediv_check.txt" | tail -30)
-    # random specs take the new verdicts too (covered fp32 / bf16 integer sides, global e4m3 scales)
+    # random specs take the new verdicts too (covered fp32 integer sides, e4m3 scales with or without a global one)
     (cd /tmp/var && KVGEN_RANDOM_SPECS=15 PYTHONPATH=/tmp/site:/tmp/varroot timeout 200 python3 -m pytest -q \
       -p no:cacheprovider tests/test_random_specs.py 2>&1 | tee "$out/writediv_random.txt" | tail -3)
     WD_TIMED="nvfp4 nvfp4_separate int8_asym_per_token_head q4_0"
@@ -202,7 +202,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, dequant, dequanttime, bench1, bench2, crossover, crossfast, kivicrash, cells, hs64prof or writes" >&2
+    echo "unknown step '$step': verify, tests, dequant, dequanttime, writediv, bench1, bench2, crossover, crossfast, kivicrash, cells, hs64prof or writes" >&2
     exit 2
     ;;
 esac
