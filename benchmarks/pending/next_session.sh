@@ -112,18 +112,19 @@ case "$step" in
     # of copy bandwidth), int8 asym 103 (47%). Merge if the tests and check_fast_div.py pass and no write is slower
     WD_FORMATS="nvfp4 nvfp4_separate int8_asym_per_token_head q4_0 kivi_2bit kivi_4bit"
     variant write-fast-div "KEEP: tl.constexpr" $WD_FORMATS || exit 1
-    variant_tests writediv tests/test_fast_div.py tests/test_golden.py "tests/test_conformance.py::test_conformance" \
-      "tests/test_conformance.py::test_conformance_with_small_tiles_and_splits"
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 150 python3 benchmarks/check_fast_div.py 2>&1 \
-      | tee "$out/writediv_check.txt" | tail -30)
-    # random specs take the new verdicts too (covered fp32 integer sides, e4m3 scales with or without a global one)
-    (cd /tmp/var && KVGEN_RANDOM_SPECS=15 PYTHONPATH=/tmp/site:/tmp/varroot timeout 200 python3 -m pytest -q \
-      -p no:cacheprovider tests/test_random_specs.py 2>&1 | tee "$out/writediv_random.txt" | tail -3)
+    # times first (both trees), then the checks, then the longer tests
     WD_TIMED="nvfp4 nvfp4_separate int8_asym_per_token_head q4_0"
     timeout 80 python3 benchmarks/time_writes.py $WD_TIMED --rounds 2 2>&1 | tee "$out/writediv_shipped.txt" \
       | grep "^|"
     (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 80 python3 benchmarks/time_writes.py $WD_TIMED \
       --rounds 2 2>&1 | tee "$out/writediv_variant.txt" | grep "^|")
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 120 python3 benchmarks/check_fast_div.py 2>&1 \
+      | tee "$out/writediv_check.txt" | tail -30)
+    variant_tests writediv tests/test_fast_div.py tests/test_golden.py "tests/test_conformance.py::test_conformance" \
+      "tests/test_conformance.py::test_conformance_with_small_tiles_and_splits"
+    # random specs take the new verdicts too (covered fp32 integer sides, e4m3 scales with or without a global one)
+    (cd /tmp/var && KVGEN_RANDOM_SPECS=15 PYTHONPATH=/tmp/site:/tmp/varroot timeout 150 python3 -m pytest -q \
+      -p no:cacheprovider tests/test_random_specs.py 2>&1 | tee "$out/writediv_random.txt" | tail -3)
     ;;
   crossover)
     # where dequantize-first starts to pay (runtime/dequantize.py AUTO_DENSE_RULES, from the H100 at head size 128
