@@ -7,7 +7,6 @@
 #   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~450 s)
 #   bash benchmarks/pending/next_session.sh dequant    # dequant-decode.patch: its GPU tests, the rotation dots' check (~420 s?)
 #   bash benchmarks/pending/next_session.sh dequanttime  # dequant-decode.patch: its dequantize kernels timed (~270 s?)
-#   bash benchmarks/pending/next_session.sh writediv   # write-fast-div.patch: its GPU tests, check_fast_div, nvfp4 / int8 asym writes timed (~400 s?)
 #   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~350 s?)
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~350 s?; prefill dequantize-first rows new)
 #   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused near auto's counts: H200, hs 64 / 256, groups 1 / 8 (~550 s?)
@@ -20,13 +19,15 @@
 # hs256rest, kiviacc (merged) and the first rowspread (s29); tests, dequant, maskfree, rowspread, rowspread128 and
 # rowspreadtests (s32, benchmarks/results_2026-12-05_h200_s32.md); verify and tests ran on an H100 (s33,
 # benchmarks/results_2026-12-05_h100_s33.md) and stay for the H200; s34 (H100 again,
-# benchmarks/results_2026-12-05_h100_s34.md) ran verify, tests, crossover and steprel (rejected, removed).
+# benchmarks/results_2026-12-05_h100_s34.md) ran verify, tests, crossover and steprel (rejected, removed); s35
+# (H100, benchmarks/results_2026-12-05_h100_s35.md) ran writediv (write-fast-div.patch: 1-2%, wrong at head 256 with
+# its branch; removed) and tests.
 #
 # Steps in priority order; each prints how long it took.
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, dequant, dequanttime, writediv, bench1, bench2, crossover, crossfast, kivicrash, cells, hs64prof or writes"}
+step=${1:?"a step: verify, tests, dequant, dequanttime, bench1, bench2, crossover, crossfast, kivicrash, cells, hs64prof or writes"}
 start=$(date +%s)
 # a pending patch's kernels (the dequant step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -102,30 +103,6 @@ case "$step" in
     (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 130 python3 benchmarks/dequantize_first.py $DQ_TIMED \
       2>&1 | tee "$out/dequant_variant.txt" | grep "^|")
     ;;
-  writediv)
-    # benchmarks/pending/write-fast-div.patch (thirty-fifth session, static and CPU only): the writes' division by
-    # each group's reciprocal (div_fast) for nvfp4 behind one test of the layer's global scale per program
-    # (FAST_GLOBAL, g in [2**-20, 2**8]; e2m1 codes unguarded, their signs from x), and for int8 asym without the
-    # test of each tile's scales (FAST_COVERED: its fp32 scales cover their group's values; only x = +-inf takes the
-    # uncorrected x * (1 / s)). Static (`python benchmarks/sass_count.py --write`, the taken path): nvfp4 313 -> 237
-    # warp instructions per token-head, int8 asym 332 (191 taken) -> 220 straight-line. H200 s27: nvfp4 91 us (44%
-    # of copy bandwidth), int8 asym 103 (47%). Merge if the tests and check_fast_div.py pass and no write is slower
-    WD_FORMATS="nvfp4 nvfp4_separate int8_asym_per_token_head q4_0 kivi_2bit kivi_4bit"
-    variant write-fast-div "KEEP: tl.constexpr" $WD_FORMATS || exit 1
-    # times first (both trees), then the checks, then the longer tests
-    WD_TIMED="nvfp4 nvfp4_separate int8_asym_per_token_head q4_0"
-    timeout 80 python3 benchmarks/time_writes.py $WD_TIMED --rounds 2 2>&1 | tee "$out/writediv_shipped.txt" \
-      | grep "^|"
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 80 python3 benchmarks/time_writes.py $WD_TIMED \
-      --rounds 2 2>&1 | tee "$out/writediv_variant.txt" | grep "^|")
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 120 python3 benchmarks/check_fast_div.py 2>&1 \
-      | tee "$out/writediv_check.txt" | tail -30)
-    variant_tests writediv tests/test_fast_div.py tests/test_golden.py "tests/test_conformance.py::test_conformance" \
-      "tests/test_conformance.py::test_conformance_with_small_tiles_and_splits"
-    # random specs take the new verdicts too (covered fp32 integer sides, e4m3 scales with or without a global one)
-    (cd /tmp/var && KVGEN_RANDOM_SPECS=15 PYTHONPATH=/tmp/site:/tmp/varroot timeout 150 python3 -m pytest -q \
-      -p no:cacheprovider tests/test_random_specs.py 2>&1 | tee "$out/writediv_random.txt" | tail -3)
-    ;;
   crossover)
     # where dequantize-first starts to pay (runtime/dequantize.py AUTO_DENSE_RULES, from the H100 at head size 128
     # in s34): on the H200, at the counts next to each class's (32 two-term block-scaled, 128 per token-head, 256
@@ -162,7 +139,7 @@ case "$step" in
     KVGEN_RANDOM_SPECS=30 timeout 560 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_tiles.py tests/test_attention_plan.py \
       tests/test_launch.py tests/test_quantized_domain.py tests/test_fast_dots.py tests/test_golden.py \
       tests/test_random_specs.py tests/test_kivi.py tests/test_kivi_reference.py tests/test_dot_operand.py \
-      tests/test_alignment.py tests/test_scale_words.py tests/test_dequantize_first.py \
+      tests/test_alignment.py tests/test_scale_words.py tests/test_dequantize_first.py tests/test_fast_div.py \
       "tests/test_conformance.py::test_long_decode_many_tiles" \
       "tests/test_conformance.py::test_prefill_rows_128_conform" "tests/test_conformance.py::test_kivi_decode_256" \
       2>&1 | tee "$out/tests.txt" | tail -15
@@ -203,7 +180,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, dequant, dequanttime, writediv, bench1, bench2, crossover, crossfast, kivicrash, cells, hs64prof or writes" >&2
+    echo "unknown step '$step': verify, tests, dequant, dequanttime, bench1, bench2, crossover, crossfast, kivicrash, cells, hs64prof or writes" >&2
     exit 2
     ;;
 esac
