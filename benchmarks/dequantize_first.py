@@ -113,9 +113,7 @@ def main() -> int:
     tiles = f"{D.DEQUANT_BLOCK_N}/{D.DEQUANT_WARPS}" + (f" ({rot_rows} rows rotated back by dots)"
                                                         if rot_rows != D.DEQUANT_BLOCK_N else "")
     lines = [f"Chunked prefill {args.shape}, {bench.HQ} query heads over {bench.HKV} KV heads, {bench.DOT} dots, "
-             f"dequantize tiles "
-             f"{tiles} "
-             f"(`python benchmarks/dequantize_first.py {' '.join(sys.argv[1:])}`), "
+             f"dequantize tiles {tiles} (`python benchmarks/dequantize_first.py {' '.join(sys.argv[1:])}`), "
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Python {platform.python_version()}, "
              f"{datetime.date.today()}; bf16 fused {t_bf16 * 1e6:.0f} us, copy bandwidth {copy / 1e9:.0f} GB/s.",
              "",
