@@ -13,7 +13,7 @@ For each format, runs ``ncu`` on a child process that sets up benchmarks/bench.p
 8 KV heads, head size 128, block size 16; KIVI block 32) and launches attention a few times; the third launch of
 the attention kernel is profiled (the first compiles). Prints one markdown table: kernel time, DRAM throughput
 (fraction of peak), DRAM bytes moved (read + written), registers, achieved occupancy, issue-slot use, instructions per KV position and the
-largest warp stall reasons (cycles per issued instruction). ncu's raw CSV of every format is kept in --out/ncu_raw.csv.
+largest warp stall reasons (cycles per issued instruction) and the three busiest pipes. ncu's raw CSV of every format is kept in --out/ncu_raw.csv.
 
 ``--write`` profiles bench.py's write case instead (``--shape`` is then the token count, 32768 by default): the
 third reshape-and-cache launch, or for KIVI (one prefill of that many tokens) its flush kernel; instructions are
@@ -51,6 +51,8 @@ DEFAULT_FORMATS = ["bf16", "fp8_e4m3", "int8_per_token_head", "int8_per_token_he
 SECTIONS = ["SpeedOfLight", "LaunchStats", "Occupancy", "WarpStateStats", "MemoryWorkloadAnalysis",
             "ComputeWorkloadAnalysis", "InstructionStats"]
 STALL = re.compile(r"smsp__average_warps?_issue_stalled_(\w+?)_per_issue_active\.ratio$")
+# a pipe's busy cycles (or, for pipes without a cycle counter, its instructions) as a fraction of its peak
+PIPE = re.compile(r"sm__(?:pipe_(\w+?)_cycles_active|inst_executed_pipe_(\w+?))\.avg\.pct_of_peak_sustained_active$")
 
 
 def find_ncu() -> str:
@@ -140,6 +142,13 @@ def summary(name: str, row: dict, seqs: int, ctx: int) -> str:
 
     stalls = sorted(((number(row, k) or 0.0, STALL.match(k).group(1)) for k in row if STALL.match(k)), reverse=True)
     top = ", ".join(f"{reason} {v:.1f}" for v, reason in stalls[:4])
+    pipes: dict[str, float] = {}
+    for key in row:
+        match = PIPE.match(key)
+        if match and number(row, key) is not None:
+            pipe = match.group(1) or match.group(2)
+            pipes[pipe] = max(pipes.get(pipe, 0.0), number(row, key))
+    busiest = ", ".join(f"{pipe} {v:.0f}%" for pipe, v in sorted(pipes.items(), key=lambda kv: -kv[1])[:3])
     inst = find(row, r"smsp__inst_executed\.sum")
     per_pos = cell(inst, 1 / (seqs * ctx * 8), "{:.1f}")  # warp instructions per (position, KV head)
     time = find(row, r"gpu__time_duration\.sum")
@@ -170,7 +179,7 @@ def summary(name: str, row: dict, seqs: int, ctx: int) -> str:
         read = rate * time * to_us * 1e-6  # MB/s x us -> MB
     return (f"| {name} | {cell(time, to_us)} | {cell(dram, unit='%')} | {cell(read)} | "
             f"{cell(find(row, r'launch__registers_per_thread'))} | {cell(occupancy, unit='%')} | "
-            f"{cell(issue, unit='%')} | {per_pos} | {cell(cpi, fmt='{:.1f}')} | {top} |")
+            f"{cell(issue, unit='%')} | {per_pos} | {cell(cpi, fmt='{:.1f}')} | {top} | {busiest or '-'} |")
 
 
 def main() -> int:
@@ -227,8 +236,8 @@ def main() -> int:
     print(f"ncu: {ncu}; {what}; one launch per format", flush=True)
     print(f"| format | kernel us | DRAM of peak | DRAM MB moved | registers | achieved occupancy "
           f"| issue slots busy | warp instr / {'token' if args.write else 'KV position'} and KV head | cycles per "
-          "issue | largest stalls (cycles per issued instruction) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "issue | largest stalls (cycles per issued instruction) | busiest pipes (of peak) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.formats:
         row = profile(ncu, name, seqs, ctx, out, args.write, args.dot_precision, args.after, args.graphs,
                       args.tiles, head_size)

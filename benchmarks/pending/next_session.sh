@@ -15,6 +15,7 @@
 #   bash benchmarks/pending/next_session.sh cells      # profiles: the inline-scale cells converted first / 3 stages
 #   bash benchmarks/pending/next_session.sh hs64prof   # profiles at head size 64 (int8 / fp8 per token-head, bf16)
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs, KIVI's flush profile
+#   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled on the H200; write-fast-div.patch timed there (~300 s?)
 # Ran and removed (benchmarks/results_2026-12-04_h200_s28.md, _s29.md): rows128, hs256more, rules28, rules28b (s28);
 # hs256rest, kiviacc (merged) and the first rowspread (s29); tests, dequant, maskfree, rowspread, rowspread128 and
 # rowspreadtests (s32, benchmarks/results_2026-12-05_h200_s32.md); verify and tests ran on an H100 (s33,
@@ -27,7 +28,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, dequant, dequanttime, bench1, bench2, crossover, crossfast, kivicrash, cells, hs64prof or writes"}
+step=${1:?"a step: verify, tests, dequant, dequanttime, bench1, bench2, crossover, crossfast, kivicrash, cells, hs64prof, writes or writeprof"}
 start=$(date +%s)
 # a pending patch's kernels (the dequant step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -173,6 +174,26 @@ case "$step" in
     timeout 400 python3 benchmarks/profile_decode.py --formats bf16 int8_per_token_head fp8_per_token_head mxfp8 \
       --shape 64x8192hs64 --out "$out/hs64prof" 2>&1 | tee "$out/hs64prof.txt" | grep "^|"
     ;;
+  writeprof)
+    # the writes under 70% of copy bandwidth (H200 s27), profiled as they are: issue-bound (s13's profile: issue
+    # slots 64-78% busy, not_selected the largest stall) or limited elsewhere? and write-fast-div.patch (thirty-fifth
+    # session: 24% fewer instructions for nvfp4, 1-2% faster on an H100, whose copy bandwidth of 3020 GB/s may have
+    # bound it instead) timed and profiled on the H200; its nvfp4 branch miscompiles at head size 256 (s35), so
+    # this measures whether instruction cuts pay on the H200, not a merge
+    timeout 200 python3 benchmarks/profile_decode.py --write --formats bf16 int4_per_token_head nvfp4 \
+      int8_asym_per_token_head mxfp4 q4_0 int8_per_token_head_hadamard_k mixed_k8_v4 --out "$out/writeprof" 2>&1 \
+      | tee "$out/writeprof.txt" | grep "^|"
+    WD_FORMATS="nvfp4 nvfp4_separate int8_asym_per_token_head q4_0 kivi_2bit kivi_4bit"
+    variant write-fast-div "KEEP: tl.constexpr" $WD_FORMATS || exit 1
+    WD_TIMED="nvfp4 int8_asym_per_token_head q4_0"
+    timeout 60 python3 benchmarks/time_writes.py $WD_TIMED --tokens 32768 --rounds 2 2>&1 \
+      | tee "$out/writediv_shipped.txt" | grep "^|"
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 60 python3 benchmarks/time_writes.py $WD_TIMED \
+      --tokens 32768 --rounds 2 2>&1 | tee "$out/writediv_variant.txt" | grep "^|")
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 80 python3 benchmarks/profile_decode.py --write \
+      --formats nvfp4 int8_asym_per_token_head --out "$out/writeprof_variant" 2>&1 \
+      | tee "$out/writeprof_variant.txt" | grep "^|")
+    ;;
   writes)
     timeout 250 python3 benchmarks/write_state.py nvfp4 kivi_2bit fp8_e4m3 --states nothing copy --graph-nodes 2>&1 \
       | tee "$out/write_graph_nodes.txt" | tail -30
@@ -180,7 +201,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, dequant, dequanttime, bench1, bench2, crossover, crossfast, kivicrash, cells, hs64prof or writes" >&2
+    echo "unknown step '$step': verify, tests, dequant, dequanttime, bench1, bench2, crossover, crossfast, kivicrash, cells, hs64prof, writes or writeprof" >&2
     exit 2
     ;;
 esac
