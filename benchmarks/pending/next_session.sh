@@ -7,6 +7,7 @@
 #   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~450 s)
 #   bash benchmarks/pending/next_session.sh dequant    # dequant-decode.patch: its GPU tests, the rotation dots' check (~420 s?)
 #   bash benchmarks/pending/next_session.sh dequanttime  # dequant-decode.patch: its dequantize kernels timed (~270 s?)
+#   bash benchmarks/pending/next_session.sh dequantall   # dequant and dequanttime in one call, trimmed (<= 560 s)
 #   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~350 s?)
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~350 s?; prefill dequantize-first rows new)
 #   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused near auto's counts: H200, hs 64 / 256, groups 1 / 8 (~550 s?)
@@ -28,7 +29,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, dequant, dequanttime, bench1, bench2, crossover, crossfast, kivicrash, cells, hs64prof, writes or writeprof"}
+step=${1:?"a step: verify, tests, dequant, dequanttime, dequantall, bench1, bench2, crossover, crossfast, kivicrash, cells, hs64prof, writes or writeprof"}
 start=$(date +%s)
 # a pending patch's kernels (the dequant step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -103,6 +104,21 @@ case "$step" in
     timeout 130 python3 benchmarks/dequantize_first.py $DQ_TIMED 2>&1 | tee "$out/dequant_shipped.txt" | grep "^|"
     (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 130 python3 benchmarks/dequantize_first.py $DQ_TIMED \
       2>&1 | tee "$out/dequant_variant.txt" | grep "^|")
+    ;;
+  dequantall)
+    # dequant and dequanttime in one call, for a session with budget for one or two calls: the times first (they
+    # decide whether the patch is worth merging), then fewer random specs, then the rotation dots' check
+    DQ_FORMATS="int4_per_token_head kivi_2bit kivi_4bit mixed_k8_v4 mxfp4 mxfp8 nvfp4 nvfp4_separate q4_0 q8_0"
+    variant dequant-decode "then fp32\|decoded once per block\|decoded once, from" $DQ_FORMATS || exit 1
+    DQ_TIMED="int4_per_token_head int8_per_token_head_hadamard_k nvfp4 mxfp8 q4_0 kivi_2bit"
+    timeout 100 python3 benchmarks/dequantize_first.py $DQ_TIMED 2>&1 | tee "$out/dequant_shipped.txt" | grep "^|"
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 100 python3 benchmarks/dequantize_first.py $DQ_TIMED \
+      2>&1 | tee "$out/dequant_variant.txt" | grep "^|")
+    echo "times done at $(( $(date +%s) - start )) s"
+    KVGEN_RANDOM_SPECS=8 variant_tests dequant tests/test_dequantize_first.py tests/test_random_specs.py -k "not auto"
+    echo "tests done at $(( $(date +%s) - start )) s"
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 120 python3 benchmarks/pending/rotate_dot_check.py \
+      2>&1 | tee "$out/dequant_rotate.txt" | grep "^|")
     ;;
   crossover)
     # where dequantize-first starts to pay (runtime/dequantize.py AUTO_DENSE_RULES, from the H100 at head size 128
@@ -210,7 +226,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, dequant, dequanttime, bench1, bench2, crossover, crossfast, kivicrash, cells, hs64prof, writes or writeprof" >&2
+    echo "unknown step '$step': verify, tests, dequant, dequanttime, dequantall, bench1, bench2, crossover, crossfast, kivicrash, cells, hs64prof, writes or writeprof" >&2
     exit 2
     ;;
 esac
