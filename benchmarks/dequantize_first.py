@@ -41,7 +41,7 @@ from kvgen.runtime.dequantize import auto_dense  # noqa: E402
 
 def set_dequant_tiles(text: str) -> None:
     """Every dequantize program's positions and warps from BLOCK_N/WARPS (kvgen.runtime.dequantize's DEQUANT_BLOCK_N
-    / DEQUANT_WARPS, and benchmarks/pending/dequant-decode.patch's rotated sides' own rows); ValueError if malformed.
+    / DEQUANT_WARPS, and DEQUANT_ROT_DOT_BLOCK_N, the rows of sides rotated back by dots); ValueError if malformed.
     Also benchmarks/sass_count.py's."""
     try:
         block_n, warps = (int(x) for x in text.split("/"))
@@ -109,7 +109,7 @@ def main() -> int:
     copy = bench.copy_bandwidth()
     bf16_fused, *_ = planned_prefill(kvgen.load("bf16"), seqs, ctx, q_len, head_size)
     t_bf16 = bench.bench(bf16_fused)
-    rot_rows = getattr(D, "DEQUANT_ROT_DOT_BLOCK_N", D.DEQUANT_BLOCK_N)  # (the pending patch's rotated-side rows)
+    rot_rows = D.DEQUANT_ROT_DOT_BLOCK_N
     tiles = f"{D.DEQUANT_BLOCK_N}/{D.DEQUANT_WARPS}" + (f" ({rot_rows} rows rotated back by dots)"
                                                         if rot_rows != D.DEQUANT_BLOCK_N else "")
     lines = [f"Chunked prefill {args.shape}, {bench.HQ} query heads over {bench.HKV} KV heads, {bench.DOT} dots, "

@@ -19,8 +19,15 @@ import torch
 from . import checks, kernels
 from .kernels import triton_cdiv
 
-# positions per dequantize program (compiled; the interpreter takes whole sequences up to 256, fewer programs)
+# positions per dequantize program (compiled; the interpreter takes whole sequences up to 256, fewer programs); for
+# a side rotated back by tensor-core dots (the generated ROTATE_BACK_BY_DOT, at ROT_DOT's head sizes) up to a padded
+# head of DEQUANT_ROT_DOT_MAX_PAD, DEQUANT_ROT_DOT_BLOCK_N: programs of 64 rows take warpgroup dots (static counts,
+# thirty-fourth session, `sass_count.py --dequantize` at head size 128: int4 per token-head 221 -> 91 instructions
+# per position-head, the Hadamard format 134 -> 72; 32 rows take mma.sync and move operands between layouts). Larger
+# heads keep 32 rows (their [64, HEAD_PAD] operands unmeasured)
 DEQUANT_BLOCK_N = 32
+DEQUANT_ROT_DOT_BLOCK_N = 64
+DEQUANT_ROT_DOT_MAX_PAD = 128
 DEQUANT_WARPS = 4
 # rotated sides rotate back by tensor-core dots (the kernel's ROT_DOT) at padded heads over this many elements, on the
 # CUDA cores below: the dots of a 16-element head gave int4 per token-head wrong values on the H100 (thirty-third
@@ -63,6 +70,9 @@ DENSE_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 # later: unmeasured). Also needed: 16-bit queries, "auto" / "fast" dots, and a scratch of at most
 # AUTO_MAX_SCRATCH_BYTES (num_seqs x the positions a sequence may hold: max_seq_len, else what the block table
 # addresses). `auto_min_new_tokens(fmt)` gives a format's count.
+# The dequantize kernels got 1.6-2.7x faster after these counts were measured (thirty-sixth session, H100: nvfp4
+# 195 -> 77 us at 4 x 8192, int4 per token-head 259 -> 94, q4_0 94 -> 71), so the dense path now pays from fewer
+# new tokens than these counts say; they stand until the crossover is measured again.
 AUTO_DENSE_RULES = (
     # terms, block scales, e8m0 blocks, scales computed on write -> fewest new tokens per sequence
     ((None, None, None, False), None),
@@ -170,12 +180,9 @@ class DequantizedLaunch:
         lay = self.dense.layout.page_layout(bs, cache.num_kv_heads, cache.head_size)
         (tensor,) = lay["page_bytes"]  # the dense formats keep K and V in one tensor, [K | V] per cell
         f_k, f_v = lay["fields"]["k_data"], lay["fields"]["v_data"]
-        block_n = min(256, 1 << max(self.cap - 1, 1).bit_length()) if kernels.interpreting() else DEQUANT_BLOCK_N
         options = {} if kernels.interpreting() else {"num_warps": DEQUANT_WARPS, "enable_fp_fusion": False}
         self._out = self.scratch.tensors[tensor].view(torch.uint16)
         self._kernel = fmt._kernels.launch("dequantize_kernel")
-        # positions on the grid's first axis (up to 2**31 - 1 programs; the others take at most 65535)
-        self._grid = (triton_cdiv(self.cap, block_n), num_seqs, cache.num_kv_heads)
         extra = {}
         rotations = {p: fmt.spec.side(side).rotation for p, side in (("k", "key"), ("v", "value"))}
         if any(rotations.values()):  # R of each rotated side (the other's pointer is unused)
@@ -183,6 +190,14 @@ class DequantizedLaunch:
                     for p, rot in rotations.items() if rot}
             extra = {f"{p}_rot_ptr": mats.get(p, next(iter(mats.values()))) for p in rotations}
             extra["ROT_DOT"] = consts["HEAD_PAD"] > ROT_DOT_MIN_PAD
+        if kernels.interpreting():
+            block_n = min(256, 1 << max(self.cap - 1, 1).bit_length())
+        else:
+            by_dot = any(getattr(fmt._kernels.module, "ROTATE_BACK_BY_DOT", {}).values())
+            block_n = (DEQUANT_ROT_DOT_BLOCK_N if by_dot and extra["ROT_DOT"]
+                       and consts["HEAD_PAD"] <= DEQUANT_ROT_DOT_MAX_PAD else DEQUANT_BLOCK_N)
+        # positions on the grid's first axis (up to 2**31 - 1 programs; the others take at most 65535)
+        self._grid = (triton_cdiv(self.cap, block_n), num_seqs, cache.num_kv_heads)
         if fmt.layout.RESIDUAL is not None:
             res = fmt.layout.RESIDUAL
             extra.update(seq_ids_ptr=seq_ids, TOKEN_GROUP=res["group"], RESIDUAL=res["tokens"], RING=res["ring"])

@@ -5,9 +5,6 @@
 #
 #   bash benchmarks/pending/next_session.sh verify     # the s32 / s33 merges timed on the H200 (~400 s?)
 #   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~450 s)
-#   bash benchmarks/pending/next_session.sh dequant    # dequant-decode.patch: its GPU tests, the rotation dots' check (~420 s?)
-#   bash benchmarks/pending/next_session.sh dequanttime  # dequant-decode.patch: its dequantize kernels timed (~270 s?)
-#   bash benchmarks/pending/next_session.sh dequantall   # dequant and dequanttime in one call, trimmed (<= 560 s)
 #   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~350 s?)
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~350 s?; prefill dequantize-first rows new)
 #   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused near auto's counts: H200, hs 64 / 256, groups 1 / 8 (~550 s?)
@@ -23,15 +20,16 @@
 # benchmarks/results_2026-12-05_h100_s33.md) and stay for the H200; s34 (H100 again,
 # benchmarks/results_2026-12-05_h100_s34.md) ran verify, tests, crossover and steprel (rejected, removed); s35
 # (H100, benchmarks/results_2026-12-05_h100_s35.md) ran writediv (write-fast-div.patch: 1-2%, wrong at head 256 with
-# its branch; removed) and tests.
+# its branch; removed) and tests; s36 (H100, benchmarks/results_2026-12-06_h100_s36.md) ran dequantall
+# (dequant-decode.patch merged; the dequant / dequanttime / dequantall steps removed).
 #
 # Steps in priority order; each prints how long it took.
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, dequant, dequanttime, dequantall, bench1, bench2, crossover, crossfast, kivicrash, cells, hs64prof, writes or writeprof"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossfast, kivicrash, cells, hs64prof, writes or writeprof"}
 start=$(date +%s)
-# a pending patch's kernels (the dequant step's): this checkout copied to /tmp/var
+# a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
 # copied over /tmp/var's generated/ (for its tests)
 # (variant PATCH MARKER FORMAT...: MARKER, a name the patched kernels hold, checks the build is the patch's)
@@ -73,52 +71,6 @@ case "$step" in
     # (H100, thirty-third session: 1.01-1.07x bf16)
     timeout 150 python3 benchmarks/dequantize_first.py int8_per_token_head int8_asym_per_token_head \
       int8_per_token_head_hadamard_k int4_per_token_head 2>&1 | tee "$out/verify_dequant.txt" | grep "^|"
-    ;;
-  dequant)
-    # benchmarks/pending/dequant-decode.patch (thirty-fourth session, static and CPU only): the dequantize kernels
-    # decode packed codes with the attention's byte decoders (inline PTX, compiled only: never run on the CPU), load
-    # and decode block scales once per block instead of once per element, and KIVI's channel scales once per token
-    # group. Static (`sass_count.py --dequantize`), warp instructions per position-head: nvfp4 186 -> 72, mxfp4
-    # 174 -> 65, q4_0 101 -> 61, mxfp8 83 -> 58, q8_0 75 -> 62, mixed_k8_v4 70 -> 57, kivi_2bit 143 -> 111, int4 per
-    # token-head 256 -> 221. H100 (s34) dequantize kernels: nvfp4 198 us (29% of copy bandwidth), mxfp8 124 (54%),
-    # q4_0 95 (60%), kivi_2bit 112 (47%), int4 per token-head 258 (22%); int8 per token-head 85 (79%). And sides
-    # rotated back by tensor-core dots in programs of 64 rows (DEQUANT_ROT_DOT_BLOCK_N; warpgroup dots, static int4
-    # per token-head 221 -> 91, Hadamard 134 -> 72; H100 s34: 258 and 153 us). Merge if the tests pass and none is
-    # slower
-    # (the formats whose kernels the patch changes; the Hadamard format's change is the runtime's tiles alone)
-    DQ_FORMATS="int4_per_token_head kivi_2bit kivi_4bit mixed_k8_v4 mxfp4 mxfp8 nvfp4 nvfp4_separate q4_0 q8_0"
-    variant dequant-decode "then fp32\|decoded once per block\|decoded once, from" $DQ_FORMATS || exit 1
-    # (15 random specs: the test is one process, each spec compiles its write, attention and dequantize kernels)
-    KVGEN_RANDOM_SPECS=15 variant_tests dequant tests/test_dequantize_first.py tests/test_random_specs.py -k "not auto"
-    # the back-rotation's dots in 64-row programs (warpgroup dots) at every head size, 256 included
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 150 python3 benchmarks/pending/rotate_dot_check.py \
-      2>&1 | tee "$out/dequant_rotate.txt" | grep "^|")
-    ;;
-  dequanttime)
-    # the dequant step's patch timed: the dequantize kernels, shipped against the patch's (run after `dequant`,
-    # which leaves the variant in /tmp/var; rebuilt here if the machine is fresh)
-    DQ_FORMATS="int4_per_token_head kivi_2bit kivi_4bit mixed_k8_v4 mxfp4 mxfp8 nvfp4 nvfp4_separate q4_0 q8_0"
-    [ -d /tmp/var ] || variant dequant-decode "then fp32\|decoded once per block\|decoded once, from" $DQ_FORMATS \
-      || exit 1
-    DQ_TIMED="int4_per_token_head int8_per_token_head_hadamard_k nvfp4 mxfp8 mxfp4 q4_0 kivi_2bit"
-    timeout 130 python3 benchmarks/dequantize_first.py $DQ_TIMED 2>&1 | tee "$out/dequant_shipped.txt" | grep "^|"
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 130 python3 benchmarks/dequantize_first.py $DQ_TIMED \
-      2>&1 | tee "$out/dequant_variant.txt" | grep "^|")
-    ;;
-  dequantall)
-    # dequant and dequanttime in one call, for a session with budget for one or two calls: the times first (they
-    # decide whether the patch is worth merging), then fewer random specs, then the rotation dots' check
-    DQ_FORMATS="int4_per_token_head kivi_2bit kivi_4bit mixed_k8_v4 mxfp4 mxfp8 nvfp4 nvfp4_separate q4_0 q8_0"
-    variant dequant-decode "then fp32\|decoded once per block\|decoded once, from" $DQ_FORMATS || exit 1
-    DQ_TIMED="int4_per_token_head int8_per_token_head_hadamard_k nvfp4 mxfp8 q4_0 kivi_2bit"
-    timeout 100 python3 benchmarks/dequantize_first.py $DQ_TIMED 2>&1 | tee "$out/dequant_shipped.txt" | grep "^|"
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 100 python3 benchmarks/dequantize_first.py $DQ_TIMED \
-      2>&1 | tee "$out/dequant_variant.txt" | grep "^|")
-    echo "times done at $(( $(date +%s) - start )) s"
-    KVGEN_RANDOM_SPECS=8 variant_tests dequant tests/test_dequantize_first.py tests/test_random_specs.py -k "not auto"
-    echo "tests done at $(( $(date +%s) - start )) s"
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 120 python3 benchmarks/pending/rotate_dot_check.py \
-      2>&1 | tee "$out/dequant_rotate.txt" | grep "^|")
     ;;
   crossover)
     # where dequantize-first starts to pay (runtime/dequantize.py AUTO_DENSE_RULES, from the H100 at head size 128
@@ -226,7 +178,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, dequant, dequanttime, dequantall, bench1, bench2, crossover, crossfast, kivicrash, cells, hs64prof, writes or writeprof" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossfast, kivicrash, cells, hs64prof, writes or writeprof" >&2
     exit 2
     ;;
 esac

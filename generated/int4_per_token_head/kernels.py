@@ -28,6 +28,9 @@ BLOCK_DOTS = {"k": False, "v": False}
 RATIO_PAIRS = {"k": False, "v": False}
 # keys scaled per channel and token group whose scales can fold into the query in decode (the kernel's KEY_FOLD)
 KEY_FOLD = False
+# rotated sides that dequantize_kernel rotates back by tensor-core dots with R (one scale per row, fp16 codes; the
+# others by the transform's butterflies): the runtime gives their dequantize programs rows for warpgroup dots
+ROTATE_BACK_BY_DOT = {"k": True, "v": True}
 
 # ---------------------------------------------------------------------------------------------------------------
 # Codecs. key: uint4, round half away from zero, clamp to [0, 15]; scales fp32 per token and head, inline
@@ -988,13 +991,15 @@ def dequantize_kernel(
         # 2 codes per byte: load the bytes, split them and interleave the codes back in element order
         k_db = tl.arange(0, HEAD_PAD // 2)
         k_byte = tl.load(k_row[:, None] + k_db[None, :], mask=n_mask[:, None] & (k_db < HEAD_SIZE // 2)[None, :], other=0)
-        k_byte = k_byte.to(tl.uint32)
-        k_c0 = (k_byte >> 0) & 15
-        k_c1 = (k_byte >> 4) & 15
-        k_code = tl.reshape(tl.join(k_c0, k_c1), [BLOCK_N, HEAD_PAD])
-        if NATIVE_CASTS:
-            k_tile = k_decode_dot(k_code, NATIVE_CASTS).to(tl.float32)
+        if NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX; exact), then fp32
+            k_f0, k_f1 = k_decode_dot_bytes(k_byte)
+            k_tile = tl.reshape(tl.join(k_f0, k_f1), [BLOCK_N, HEAD_PAD])
+            k_tile = k_tile.to(tl.float32)
         else:
+            k_byte = k_byte.to(tl.uint32)
+            k_c0 = (k_byte >> 0) & 15
+            k_c1 = (k_byte >> 4) & 15
+            k_code = tl.reshape(tl.join(k_c0, k_c1), [BLOCK_N, HEAD_PAD])
             k_tile = k_decode(k_code)
         # one scale per row (per token and head), loaded once per row and returned apart
         k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
@@ -1007,13 +1012,15 @@ def dequantize_kernel(
         # 2 codes per byte: load the bytes, split them and interleave the codes back in element order
         v_db = tl.arange(0, HEAD_PAD // 2)
         v_byte = tl.load(v_row[:, None] + v_db[None, :], mask=n_mask[:, None] & (v_db < HEAD_SIZE // 2)[None, :], other=0)
-        v_byte = v_byte.to(tl.uint32)
-        v_c0 = (v_byte >> 0) & 15
-        v_c1 = (v_byte >> 4) & 15
-        v_code = tl.reshape(tl.join(v_c0, v_c1), [BLOCK_N, HEAD_PAD])
-        if NATIVE_CASTS:
-            v_tile = v_decode_dot(v_code, NATIVE_CASTS).to(tl.float32)
+        if NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX; exact), then fp32
+            v_f0, v_f1 = v_decode_dot_bytes(v_byte)
+            v_tile = tl.reshape(tl.join(v_f0, v_f1), [BLOCK_N, HEAD_PAD])
+            v_tile = v_tile.to(tl.float32)
         else:
+            v_byte = v_byte.to(tl.uint32)
+            v_c0 = (v_byte >> 0) & 15
+            v_c1 = (v_byte >> 4) & 15
+            v_code = tl.reshape(tl.join(v_c0, v_c1), [BLOCK_N, HEAD_PAD])
             v_tile = v_decode(v_code)
         # one scale per row (per token and head), loaded once per row and returned apart
         v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL

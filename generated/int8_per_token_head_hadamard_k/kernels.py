@@ -29,6 +29,9 @@ BLOCK_DOTS = {"k": False, "v": False}
 RATIO_PAIRS = {"k": False, "v": False}
 # keys scaled per channel and token group whose scales can fold into the query in decode (the kernel's KEY_FOLD)
 KEY_FOLD = False
+# rotated sides that dequantize_kernel rotates back by tensor-core dots with R (one scale per row, fp16 codes; the
+# others by the transform's butterflies): the runtime gives their dequantize programs rows for warpgroup dots
+ROTATE_BACK_BY_DOT = {"k": True, "v": False}
 
 # ---------------------------------------------------------------------------------------------------------------
 # Codecs. key: int8, round half away from zero, clamp to [-128, 127]; scales fp32 per token and head, inline

@@ -1550,47 +1550,74 @@ def dequantize_kernel(
         # 4 codes per byte: load the bytes, split them and interleave the codes back in element order
         k_db = tl.arange(0, HEAD_PAD // 4)
         k_byte = tl.load(k_row[:, None] + k_db[None, :], mask=n_mask[:, None] & (k_db < HEAD_SIZE // 4)[None, :], other=0)
-        k_byte = k_byte.to(tl.uint32)
-        k_c0 = (k_byte >> 0) & 3
-        k_c1 = (k_byte >> 2) & 3
-        k_c2 = (k_byte >> 4) & 3
-        k_c3 = (k_byte >> 6) & 3
-        k_code = tl.reshape(tl.join(tl.join(k_c0, k_c2), tl.join(k_c1, k_c3)), [BLOCK_N, HEAD_PAD])
-        if NATIVE_CASTS:
-            k_tile = k_decode_dot(k_code, NATIVE_CASTS).to(tl.float32)
+        if NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX; exact), then fp32
+            k_f0, k_f1, k_f2, k_f3 = k_decode_dot_bytes(k_byte)
+            k_tile = tl.reshape(tl.join(tl.join(k_f0, k_f2), tl.join(k_f1, k_f3)), [BLOCK_N, HEAD_PAD])
+            k_tile = k_tile.to(tl.float32)
         else:
+            k_byte = k_byte.to(tl.uint32)
+            k_c0 = (k_byte >> 0) & 3
+            k_c1 = (k_byte >> 2) & 3
+            k_c2 = (k_byte >> 4) & 3
+            k_c3 = (k_byte >> 6) & 3
+            k_code = tl.reshape(tl.join(tl.join(k_c0, k_c2), tl.join(k_c1, k_c3)), [BLOCK_N, HEAD_PAD])
             k_tile = k_decode(k_code)
-        # one scale and minimum per channel for the group of 32 tokens each row belongs to (same page)
-        k_grow = off // 32
-        k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (k_grow * NUM_KV_HEADS + head) * K_SCALE_CELL
-        k_zrow = k_cache_ptr + blk * K_ZP_PAGE + K_ZP_BASE + (k_grow * NUM_KV_HEADS + head) * K_ZP_CELL
-        k_gmask = n_mask[:, None] & dmask[None, :]
-        k_gs = k_scale_decode(tl.load((k_srow[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=k_gmask, other=0))
-        k_gm = k_zp_decode(tl.load((k_zrow[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=k_gmask, other=0))
-        k_tile = k_tile * k_gs + k_gm
+        if BLOCK_N % 32 == 0:
+            # whole token groups of 32 per tile (tiles start at multiples of BLOCK_N): each group's channel scales and
+            # minima loaded and decoded once. A group's rows share one page (pages hold whole groups: the layout checks
+            # block_size % 32), so its block id is the largest of its rows' (a masked row's reads 0; ids are >= 0)
+            # and its index in the page its first row's offset // 32
+            k_gblk = tl.max(tl.reshape(blk, [BLOCK_N // 32, 32]), axis=1)
+            k_grow = tl.min(tl.reshape(off, [BLOCK_N // 32, 32]), axis=1) // 32
+            k_gvalid = tl.max(tl.reshape(n_mask.to(tl.int32), [BLOCK_N // 32, 32]), axis=1) > 0
+            k_srow = k_cache_ptr + k_gblk * K_SCALE_PAGE + K_SCALE_BASE + (k_grow * NUM_KV_HEADS + head) * K_SCALE_CELL
+            k_zrow = k_cache_ptr + k_gblk * K_ZP_PAGE + K_ZP_BASE + (k_grow * NUM_KV_HEADS + head) * K_ZP_CELL
+            k_gmask = k_gvalid[:, None] & dmask[None, :]
+            k_gs = k_scale_decode(tl.load((k_srow[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=k_gmask, other=0))
+            k_gm = k_zp_decode(tl.load((k_zrow[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=k_gmask, other=0))
+            k_tile = tl.reshape(tl.reshape(k_tile, [BLOCK_N // 32, 32, HEAD_PAD]) * k_gs[:, None, :] + k_gm[:, None, :], [BLOCK_N, HEAD_PAD])
+        else:
+            # one scale and minimum per channel for the group of 32 tokens each row belongs to (same page), per row
+            k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + ((off // 32) * NUM_KV_HEADS + head) * K_SCALE_CELL
+            k_zrow = k_cache_ptr + blk * K_ZP_PAGE + K_ZP_BASE + ((off // 32) * NUM_KV_HEADS + head) * K_ZP_CELL
+            k_gmask = n_mask[:, None] & dmask[None, :]
+            k_gs = k_scale_decode(tl.load((k_srow[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=k_gmask, other=0))
+            k_gm = k_zp_decode(tl.load((k_zrow[:, None] + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=k_gmask, other=0))
+            k_tile = k_tile * k_gs + k_gm
         k_ring = r_decode(tl.load((k_res_ptr + ring).to(tl.pointer_type(tl.uint16))[:, None] + d[None, :], mask=ring_mask[:, None] & dmask[None, :], other=0))
         k_tile = tl.where(ring_mask[:, None], k_ring, k_tile)
         v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
         # 4 codes per byte: load the bytes, split them and interleave the codes back in element order
         v_db = tl.arange(0, HEAD_PAD // 4)
         v_byte = tl.load(v_row[:, None] + v_db[None, :], mask=n_mask[:, None] & (v_db < HEAD_SIZE // 4)[None, :], other=0)
-        v_byte = v_byte.to(tl.uint32)
-        v_c0 = (v_byte >> 0) & 3
-        v_c1 = (v_byte >> 2) & 3
-        v_c2 = (v_byte >> 4) & 3
-        v_c3 = (v_byte >> 6) & 3
-        v_code = tl.reshape(tl.join(tl.join(v_c0, v_c2), tl.join(v_c1, v_c3)), [BLOCK_N, HEAD_PAD])
-        if NATIVE_CASTS:
-            v_tile = v_decode_dot(v_code, NATIVE_CASTS).to(tl.float32)
+        if NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX; exact), then fp32
+            v_f0, v_f1, v_f2, v_f3 = v_decode_dot_bytes(v_byte)
+            v_tile = tl.reshape(tl.join(tl.join(v_f0, v_f2), tl.join(v_f1, v_f3)), [BLOCK_N, HEAD_PAD])
+            v_tile = v_tile.to(tl.float32)
         else:
+            v_byte = v_byte.to(tl.uint32)
+            v_c0 = (v_byte >> 0) & 3
+            v_c1 = (v_byte >> 2) & 3
+            v_c2 = (v_byte >> 4) & 3
+            v_c3 = (v_byte >> 6) & 3
+            v_code = tl.reshape(tl.join(tl.join(v_c0, v_c2), tl.join(v_c1, v_c3)), [BLOCK_N, HEAD_PAD])
             v_tile = v_decode(v_code)
+        # one scale per 32 elements: the row's scales (and zero points) loaded and decoded once per block, each
+        # applied to its block's elements (the same fp32 operations per element as one scale per element would take)
         v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
-        v_sidx = d // 32  # the scale of each element's group
-        v_scode = tl.load((v_srow[:, None] + v_sidx[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=n_mask[:, None] & dmask[None, :], other=0)
+        v_gi = tl.arange(0, HEAD_PAD // 32)
+        v_gmask = n_mask[:, None] & (v_gi < HEAD_SIZE // 32)[None, :]
+        if ((HEAD_PAD // 32 * 2) < 4) & (V_SCALE_PAGE % 4 == 0) & (V_SCALE_BASE % (HEAD_PAD // 32 * 2) == 0) & (V_SCALE_CELL % (HEAD_PAD // 32 * 2) == 0) & ((NUM_KV_HEADS * V_SCALE_CELL) % 4 == 0):
+            # the row's place in its word is the head's alone (whole words per position): one shift per scale, no
+            # per-row offsets; every scale loads its row's word (the tile keeps the layout of a load of the scales)
+            v_sword = tl.load(v_cache_ptr.to(tl.pointer_type(tl.uint32)) + ((blk * V_SCALE_PAGE + (V_SCALE_BASE - V_SCALE_BASE % 4) + off * NUM_KV_HEADS * V_SCALE_CELL + (head * V_SCALE_CELL + V_SCALE_BASE % 4) // 4 * 4) // 4)[:, None] + 0 * v_gi[None, :], mask=v_gmask, other=0)
+            v_sshift = 8 * ((head * V_SCALE_CELL + V_SCALE_BASE) % 4) + 16 * v_gi
+            v_scode = ((v_sword >> v_sshift.to(tl.uint32)[None, :]) & 65535).to(tl.uint16)  # little-endian
+        else:
+            v_scode = tl.load(v_srow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], mask=v_gmask, other=0)
         v_zrow = v_cache_ptr + blk * V_ZP_PAGE + V_ZP_BASE + (off * NUM_KV_HEADS + head) * V_ZP_CELL
-        v_min = v_zp_decode(tl.load((v_zrow[:, None] + v_sidx[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=n_mask[:, None] & dmask[None, :], other=0))
-        v_tile = v_tile * (v_scale_decode(v_scode))
-        v_tile = v_tile + v_min
+        v_gmin = v_zp_decode(tl.load(v_zrow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], mask=v_gmask, other=0))
+        v_tile = tl.reshape(tl.reshape(v_tile, [BLOCK_N, HEAD_PAD // 32, 32]) * (v_scale_decode(v_scode))[:, :, None] + v_gmin[:, :, None], [BLOCK_N, HEAD_PAD])
         v_ring = r_decode(tl.load((v_res_ptr + ring).to(tl.pointer_type(tl.uint16))[:, None] + d[None, :], mask=ring_mask[:, None] & dmask[None, :], other=0))
         v_tile = tl.where(ring_mask[:, None], v_ring, v_tile)
         out_row = ((seq * out_blocks + n // BLOCK_SIZE).to(tl.int64) * OUT_PAGE + (off * NUM_KV_HEADS + head) * OUT_CELL)

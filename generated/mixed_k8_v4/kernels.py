@@ -908,13 +908,15 @@ def dequantize_kernel(
         # 2 codes per byte: load the bytes, split them and interleave the codes back in element order
         v_db = tl.arange(0, HEAD_PAD // 2)
         v_byte = tl.load(v_row[:, None] + v_db[None, :], mask=n_mask[:, None] & (v_db < HEAD_SIZE // 2)[None, :], other=0)
-        v_byte = v_byte.to(tl.uint32)
-        v_c0 = (v_byte >> 0) & 15
-        v_c1 = (v_byte >> 4) & 15
-        v_code = tl.reshape(tl.join(v_c0, v_c1), [BLOCK_N, HEAD_PAD])
-        if NATIVE_CASTS:
-            v_tile = v_decode_dot(v_code, NATIVE_CASTS).to(tl.float32)
+        if NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX; exact), then fp32
+            v_f0, v_f1 = v_decode_dot_bytes(v_byte)
+            v_tile = tl.reshape(tl.join(v_f0, v_f1), [BLOCK_N, HEAD_PAD])
+            v_tile = v_tile.to(tl.float32)
         else:
+            v_byte = v_byte.to(tl.uint32)
+            v_c0 = (v_byte >> 0) & 15
+            v_c1 = (v_byte >> 4) & 15
+            v_code = tl.reshape(tl.join(v_c0, v_c1), [BLOCK_N, HEAD_PAD])
             v_tile = v_decode(v_code)
         # one scale per row (per token and head), loaded once per row
         v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL

@@ -1184,28 +1184,58 @@ def dequantize_kernel(
         # 2 codes per byte: load the bytes, split them and interleave the codes back in element order
         k_db = tl.arange(0, HEAD_PAD // 2)
         k_byte = tl.load(k_row[:, None] + k_db[None, :], mask=n_mask[:, None] & (k_db < HEAD_SIZE // 2)[None, :], other=0)
-        k_byte = k_byte.to(tl.uint32)
-        k_c0 = (k_byte >> 0) & 15
-        k_c1 = (k_byte >> 4) & 15
-        k_code = tl.reshape(tl.join(k_c0, k_c1), [BLOCK_N, HEAD_PAD])
-        k_tile = k_decode(k_code)
+        if NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX; exact), then fp32
+            k_f0, k_f1 = k_decode_dot_bytes(k_byte)
+            k_tile = tl.reshape(tl.join(k_f0, k_f1), [BLOCK_N, HEAD_PAD])
+            k_tile = k_tile.to(tl.float32)
+        else:
+            k_byte = k_byte.to(tl.uint32)
+            k_c0 = (k_byte >> 0) & 15
+            k_c1 = (k_byte >> 4) & 15
+            k_code = tl.reshape(tl.join(k_c0, k_c1), [BLOCK_N, HEAD_PAD])
+            k_tile = k_decode(k_code)
+        # one scale per 16 elements: the row's scales (and zero points) loaded and decoded once per block, each
+        # applied to its block's elements (the same fp32 operations per element as one scale per element would take)
         k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
-        k_sidx = d // 16  # the scale of each element's group
-        k_scode = tl.load((k_srow[:, None] + k_sidx[None, :] * 1).to(tl.pointer_type(tl.uint8)), mask=n_mask[:, None] & dmask[None, :], other=0)
-        k_tile = k_tile * (k_scale_decode(k_scode) * k_g)
+        k_gi = tl.arange(0, HEAD_PAD // 16)
+        k_gmask = n_mask[:, None] & (k_gi < HEAD_SIZE // 16)[None, :]
+        if ((HEAD_PAD // 16 * 1) < 4) & (K_SCALE_PAGE % 4 == 0) & (K_SCALE_BASE % (HEAD_PAD // 16 * 1) == 0) & (K_SCALE_CELL % (HEAD_PAD // 16 * 1) == 0) & ((NUM_KV_HEADS * K_SCALE_CELL) % 4 == 0):
+            # the row's place in its word is the head's alone (whole words per position): one shift per scale, no
+            # per-row offsets; every scale loads its row's word (the tile keeps the layout of a load of the scales)
+            k_sword = tl.load(k_cache_ptr.to(tl.pointer_type(tl.uint32)) + ((blk * K_SCALE_PAGE + (K_SCALE_BASE - K_SCALE_BASE % 4) + off * NUM_KV_HEADS * K_SCALE_CELL + (head * K_SCALE_CELL + K_SCALE_BASE % 4) // 4 * 4) // 4)[:, None] + 0 * k_gi[None, :], mask=k_gmask, other=0)
+            k_sshift = 8 * ((head * K_SCALE_CELL + K_SCALE_BASE) % 4) + 8 * k_gi
+            k_scode = ((k_sword >> k_sshift.to(tl.uint32)[None, :]) & 255).to(tl.uint8)  # little-endian
+        else:
+            k_scode = tl.load(k_srow[:, None] + k_gi[None, :], mask=k_gmask, other=0)
+        k_tile = tl.reshape(tl.reshape(k_tile, [BLOCK_N, HEAD_PAD // 16, 16]) * (k_scale_decode(k_scode) * k_g)[:, :, None], [BLOCK_N, HEAD_PAD])
         v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
         # 2 codes per byte: load the bytes, split them and interleave the codes back in element order
         v_db = tl.arange(0, HEAD_PAD // 2)
         v_byte = tl.load(v_row[:, None] + v_db[None, :], mask=n_mask[:, None] & (v_db < HEAD_SIZE // 2)[None, :], other=0)
-        v_byte = v_byte.to(tl.uint32)
-        v_c0 = (v_byte >> 0) & 15
-        v_c1 = (v_byte >> 4) & 15
-        v_code = tl.reshape(tl.join(v_c0, v_c1), [BLOCK_N, HEAD_PAD])
-        v_tile = v_decode(v_code)
+        if NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX; exact), then fp32
+            v_f0, v_f1 = v_decode_dot_bytes(v_byte)
+            v_tile = tl.reshape(tl.join(v_f0, v_f1), [BLOCK_N, HEAD_PAD])
+            v_tile = v_tile.to(tl.float32)
+        else:
+            v_byte = v_byte.to(tl.uint32)
+            v_c0 = (v_byte >> 0) & 15
+            v_c1 = (v_byte >> 4) & 15
+            v_code = tl.reshape(tl.join(v_c0, v_c1), [BLOCK_N, HEAD_PAD])
+            v_tile = v_decode(v_code)
+        # one scale per 16 elements: the row's scales (and zero points) loaded and decoded once per block, each
+        # applied to its block's elements (the same fp32 operations per element as one scale per element would take)
         v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
-        v_sidx = d // 16  # the scale of each element's group
-        v_scode = tl.load((v_srow[:, None] + v_sidx[None, :] * 1).to(tl.pointer_type(tl.uint8)), mask=n_mask[:, None] & dmask[None, :], other=0)
-        v_tile = v_tile * (v_scale_decode(v_scode) * v_g)
+        v_gi = tl.arange(0, HEAD_PAD // 16)
+        v_gmask = n_mask[:, None] & (v_gi < HEAD_SIZE // 16)[None, :]
+        if ((HEAD_PAD // 16 * 1) < 4) & (V_SCALE_PAGE % 4 == 0) & (V_SCALE_BASE % (HEAD_PAD // 16 * 1) == 0) & (V_SCALE_CELL % (HEAD_PAD // 16 * 1) == 0) & ((NUM_KV_HEADS * V_SCALE_CELL) % 4 == 0):
+            # the row's place in its word is the head's alone (whole words per position): one shift per scale, no
+            # per-row offsets; every scale loads its row's word (the tile keeps the layout of a load of the scales)
+            v_sword = tl.load(v_cache_ptr.to(tl.pointer_type(tl.uint32)) + ((blk * V_SCALE_PAGE + (V_SCALE_BASE - V_SCALE_BASE % 4) + off * NUM_KV_HEADS * V_SCALE_CELL + (head * V_SCALE_CELL + V_SCALE_BASE % 4) // 4 * 4) // 4)[:, None] + 0 * v_gi[None, :], mask=v_gmask, other=0)
+            v_sshift = 8 * ((head * V_SCALE_CELL + V_SCALE_BASE) % 4) + 8 * v_gi
+            v_scode = ((v_sword >> v_sshift.to(tl.uint32)[None, :]) & 255).to(tl.uint8)  # little-endian
+        else:
+            v_scode = tl.load(v_srow[:, None] + v_gi[None, :], mask=v_gmask, other=0)
+        v_tile = tl.reshape(tl.reshape(v_tile, [BLOCK_N, HEAD_PAD // 16, 16]) * (v_scale_decode(v_scode) * v_g)[:, :, None], [BLOCK_N, HEAD_PAD])
         out_row = ((seq * out_blocks + n // BLOCK_SIZE).to(tl.int64) * OUT_PAGE + (off * NUM_KV_HEADS + head) * OUT_CELL)
         out_mask = live[:, None] & dmask[None, :]
         tl.store(out_ptr + out_row[:, None] + OUT_K_BASE + d[None, :], dense_bits(k_tile, OUT_BF16, NATIVE_CASTS), mask=out_mask)
