@@ -13,7 +13,8 @@
 #   bash benchmarks/pending/next_session.sh cells      # profiles: the inline-scale cells converted first / 3 stages
 #   bash benchmarks/pending/next_session.sh hs64prof   # profiles at head size 64 (int8 / fp8 per token-head, bf16)
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs, KIVI's flush profile
-#   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled on the H200; write-fast-div.patch timed there (~300 s?)
+#   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled on the H200 (~200 s?)
+#   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch and write-slot-unsigned.patch timed against main (~230 s?)
 # Ran and removed (benchmarks/results_2026-12-04_h200_s28.md, _s29.md): rows128, hs256more, rules28, rules28b (s28);
 # hs256rest, kiviacc (merged) and the first rowspread (s29); tests, dequant, maskfree, rowspread, rowspread128 and
 # rowspreadtests (s32, benchmarks/results_2026-12-05_h200_s32.md); verify and tests ran on an H100 (s33,
@@ -27,7 +28,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossfast, kivicrash, cells, hs64prof, writes or writeprof"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossfast, kivicrash, cells, hs64prof, writes, writeprof or writeab"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -144,13 +145,16 @@ case "$step" in
     ;;
   writeprof)
     # the writes under 70% of copy bandwidth (H200 s27), profiled as they are: issue-bound (s13's profile: issue
-    # slots 64-78% busy, not_selected the largest stall) or limited elsewhere? and write-fast-div.patch (thirty-fifth
-    # session: 24% fewer instructions for nvfp4, 1-2% faster on an H100, whose copy bandwidth of 3020 GB/s may have
-    # bound it instead) timed and profiled on the H200; its nvfp4 branch miscompiles at head size 256 (s35), so
-    # this measures whether instruction cuts pay on the H200, not a merge
+    # slots 64-78% busy, not_selected the largest stall) or limited elsewhere, and on which pipe?
     timeout 200 python3 benchmarks/profile_decode.py --write --formats bf16 int4_per_token_head nvfp4 \
       int8_asym_per_token_head mxfp4 q4_0 int8_per_token_head_hadamard_k mixed_k8_v4 --out "$out/writeprof" 2>&1 \
       | tee "$out/writeprof.txt" | grep "^|"
+    ;;
+  writeab)
+    # the two pending write patches against main. write-fast-div.patch (thirty-fifth session: 24% fewer
+    # instructions for nvfp4, 1-2% faster on an H100, whose copy bandwidth of 3020 GB/s may have bound it instead),
+    # timed and profiled; its nvfp4 branch miscompiles at head size 256 (s35), so this measures whether instruction
+    # cuts pay on the H200, not a merge
     WD_FORMATS="nvfp4 nvfp4_separate int8_asym_per_token_head q4_0 kivi_2bit kivi_4bit"
     variant write-fast-div "KEEP: tl.constexpr" $WD_FORMATS || exit 1
     WD_TIMED="nvfp4 int8_asym_per_token_head q4_0"
@@ -178,7 +182,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossfast, kivicrash, cells, hs64prof, writes or writeprof" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossfast, kivicrash, cells, hs64prof, writes, writeprof or writeab" >&2
     exit 2
     ;;
 esac
