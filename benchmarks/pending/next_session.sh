@@ -14,7 +14,7 @@
 #   bash benchmarks/pending/next_session.sh hs64prof   # profiles at head size 64 (int8 / fp8 per token-head, bf16)
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs, KIVI's flush profile
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled on the H200 (~200 s?)
-#   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch and write-slot-unsigned.patch timed against main (~230 s?)
+#   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100)
 # Ran and removed (benchmarks/results_2026-12-04_h200_s28.md, _s29.md): rows128, hs256more, rules28, rules28b (s28);
 # hs256rest, kiviacc (merged) and the first rowspread (s29); tests, dequant, maskfree, rowspread, rowspread128 and
 # rowspreadtests (s32, benchmarks/results_2026-12-05_h200_s32.md); verify and tests ran on an H100 (s33,
@@ -22,7 +22,8 @@
 # benchmarks/results_2026-12-05_h100_s34.md) ran verify, tests, crossover and steprel (rejected, removed); s35
 # (H100, benchmarks/results_2026-12-05_h100_s35.md) ran writediv (write-fast-div.patch: 1-2%, wrong at head 256 with
 # its branch; removed) and tests; s36 (H100, benchmarks/results_2026-12-06_h100_s36.md) ran dequantall
-# (dequant-decode.patch merged; the dequant / dequanttime / dequantall steps removed).
+# (dequant-decode.patch merged; the dequant / dequanttime / dequantall steps removed), writeprof and writeab
+# (write-slot-unsigned.patch merged).
 #
 # Steps in priority order; each prints how long it took.
 set -uo pipefail
@@ -151,7 +152,7 @@ case "$step" in
       | tee "$out/writeprof.txt" | grep "^|"
     ;;
   writeab)
-    # the two pending write patches against main. write-fast-div.patch (thirty-fifth session: 24% fewer
+    # write-fast-div.patch against main (thirty-fifth session: 24% fewer
     # instructions for nvfp4, 1-2% faster on an H100, whose copy bandwidth of 3020 GB/s may have bound it instead),
     # timed and profiled; its nvfp4 branch miscompiles at head size 256 (s35), so this measures whether instruction
     # cuts pay on the H200, not a merge
@@ -165,15 +166,6 @@ case "$step" in
     (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 80 python3 benchmarks/profile_decode.py --write \
       --formats nvfp4 int8_asym_per_token_head --out "$out/writeprof_variant" 2>&1 \
       | tee "$out/writeprof_variant.txt" | grep "^|")
-    # write-slot-unsigned.patch (thirty-sixth session): the slot's block and offset computed unsigned, without the
-    # sign corrections of signed int64 // and % (static: 2-3% fewer warp instructions per token-head, e.g. fp8 per
-    # token-head 200 -> 194, int8 per token-head 190 -> 184); fp8 per token-head wrote at 69% of copy bandwidth (s27)
-    SU_FORMATS="fp8_per_token_head int8_per_token_head mixed_k8_v4 q4_0 mxfp4"
-    variant write-slot-unsigned "unsigned from here" $SU_FORMATS || exit 1
-    timeout 60 python3 benchmarks/time_writes.py $SU_FORMATS --tokens 32768 --rounds 2 2>&1 \
-      | tee "$out/slot_shipped.txt" | grep "^|"
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 60 python3 benchmarks/time_writes.py $SU_FORMATS \
-      --tokens 32768 --rounds 2 2>&1 | tee "$out/slot_variant.txt" | grep "^|")
     ;;
   writes)
     timeout 250 python3 benchmarks/write_state.py nvfp4 kivi_2bit fp8_e4m3 --states nothing copy --graph-nodes 2>&1 \

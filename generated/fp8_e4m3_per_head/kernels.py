@@ -192,9 +192,10 @@ def reshape_and_cache_kernel(
     tok = (tl.program_id(0) // NUM_KV_HEADS) * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slot_mapping_ptr + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
     valid = slot >= 0
-    slot = tl.where(valid, slot, 0)
-    blk = slot // BLOCK_SIZE
-    off = slot % BLOCK_SIZE
+    # unsigned from here (the slot is never negative), so the block and offset take no sign corrections
+    slot = tl.where(valid, slot, 0).to(tl.uint64)
+    blk = (slot // BLOCK_SIZE).to(tl.int64)
+    off = (slot % BLOCK_SIZE).to(tl.int64)
     d = tl.arange(0, HEAD_PAD)
     dmask = d < HEAD_SIZE
     in_mask = valid[:, None] & dmask[None, :]
