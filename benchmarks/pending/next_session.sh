@@ -8,7 +8,7 @@
 #   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~350 s?)
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~350 s?; prefill dequantize-first rows new)
 #   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused near auto's counts: H200, hs 64 / 256, groups 1 / 8 (~550 s?)
-#   bash benchmarks/pending/next_session.sh crossover2 # nvfp4's count, head sizes 64 / 256 near theirs (~300 s?)
+#   bash benchmarks/pending/next_session.sh crossover2 # head sizes 64 / 256 near the counts, nvfp4's (~400 s?)
 #   bash benchmarks/pending/next_session.sh crossfast  # the same under dot_precision="fast" for q4_0 / q8_0 / KIVI (~150 s?)
 #   bash benchmarks/pending/next_session.sh kivicrash  # KIVI's 32-position prefill crash: q4_0 / kivi_4bit too (~400 s)
 #   bash benchmarks/pending/next_session.sh cells      # profiles: the inline-scale cells converted first / 3 stages
@@ -99,18 +99,19 @@ case "$step" in
     done
     ;;
   crossover2)
-    # what crossover (s37, H100) left: nvfp4's count (2048, measured before its dequantize kernel got 2.5x faster),
-    # and head size: at 64 the per token-head and e8m0 fused kernels still win at 128 new tokens, at 256 dense-first
-    # wins there by 14%; do the counts scale inversely with head size (hs64 at 256, hs256 at 64 / 16)?
-    for q in 256 512 1024; do
-      timeout 80 python3 benchmarks/dequantize_first.py nvfp4 nvfp4_separate --shape "4x8192q$q" 2>&1 \
-        | tee -a "$out/crossover2.txt" | grep "^|\|^Chunked"
-    done
-    timeout 70 python3 benchmarks/dequantize_first.py int8_per_token_head mxfp8 --shape 4x8192q256hs64 2>&1 \
+    # what crossover (s37, H100) left: head size (at 64 the per token-head and e8m0 fused kernels still win at 128
+    # new tokens, at 256 dense-first wins there by 12-50%: do the counts scale inversely with head size? hs64 at
+    # 256, hs256 at 64 / 16; mxfp8 at hs256 timed out there), then nvfp4's count (2048, measured before its
+    # dequantize kernel got 2.5x faster)
+    timeout 80 python3 benchmarks/dequantize_first.py int8_per_token_head mxfp8 --shape 4x8192q256hs64 2>&1 \
       | tee -a "$out/crossover2.txt" | grep "^|\|^Chunked"
-    timeout 70 python3 benchmarks/dequantize_first.py int8_per_token_head mxfp8 --shape 4x8192q64hs256 2>&1 \
+    timeout 110 python3 benchmarks/dequantize_first.py int8_per_token_head mxfp8 --shape 4x8192q64hs256 2>&1 \
       | tee -a "$out/crossover2.txt" | grep "^|\|^Chunked"
-    timeout 70 python3 benchmarks/dequantize_first.py q4_0 kivi_2bit --shape 4x8192q16hs256 2>&1 \
+    timeout 110 python3 benchmarks/dequantize_first.py q4_0 kivi_2bit --shape 4x8192q16hs256 2>&1 \
+      | tee -a "$out/crossover2.txt" | grep "^|\|^Chunked"
+    timeout 100 python3 benchmarks/dequantize_first.py nvfp4 --shape 4x8192q512 2>&1 \
+      | tee -a "$out/crossover2.txt" | grep "^|\|^Chunked"
+    timeout 100 python3 benchmarks/dequantize_first.py nvfp4 --shape 4x8192q1024 2>&1 \
       | tee -a "$out/crossover2.txt" | grep "^|\|^Chunked"
     ;;
   crossfast)
