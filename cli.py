@@ -224,13 +224,14 @@ def show(name, block_size, num_kv_heads, head_size, png):
 
 def dequantize_first_summary(fmt) -> str:
     """Where ``attend(..., dequantize_first="auto")`` takes the dense path for ``fmt`` (runtime/dequantize.py)."""
-    from .runtime.dequantize import AUTO_GROUP, auto_min_new_tokens
+    from .runtime.dequantize import AUTO_GROUP, AUTO_HEAD_SIZE, auto_min_new_tokens
 
     fewest = auto_min_new_tokens(fmt)
     if fewest is None:
         return 'dequantize_first="auto" runs the fused kernels (measured faster for this kind of format)'
     return (f'dequantize_first="auto" dequantizes first from {fewest} new tokens per sequence on average at '
-            f"{AUTO_GROUP} query heads per KV head (fewer with more heads per KV head), fused below")
+            f"{AUTO_GROUP} query heads per KV head and head size {AUTO_HEAD_SIZE} (fewer with more heads per KV head, "
+            "more for smaller heads), fused below")
 
 
 @main.command()

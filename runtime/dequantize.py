@@ -45,43 +45,46 @@ DENSE_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 # DOT_OPERANDS: 2 where a code times its scale is not one fp16 value, as for q4_0's fp16 block scales or KIVI's
 # zero points; 0 for exact fp32 dots), block scales, e8m0 block scales, scales computed on write (per token-head,
 # per block, per channel group) -> the fewest new tokens per sequence (the batch's average) from which the dense
-# path is taken at AUTO_GROUP query heads per KV head, None for never. Other groups scale the count inversely (a
-# query of 2 heads per KV head needs twice the tokens; an extrapolation: only 4 was measured).
-# Measured on an H100 (thirty-fourth session, benchmarks/RESULTS.md; `python benchmarks/dequantize_first.py FORMATS
-# --shape 4x8192qN`, chunks of N = 16-1024 new tokens, and 2048 for some formats, on each of 4 sequences of 8192,
-# 32 query heads over 8 KV heads of 128), fused / dense-first us:
-# - two terms (and block scales): kivi_2bit 195 / 193 at 16, 297 / 216 at 32 (kivi_4bit 300 / 224), 3.5x faster
-#   dense at 512-1024; q4_0 104 / 176 at 16, 183 / 200 at 32 (9% lost there), 342 / 281 at 64 (q8_0, in this
-#   class, was measured at 2048 only, on the H200: dense faster). A side of two terms without block scales (KIVI's
-#   per-channel keys beside other values) is given the same count, unmeasured;
-# - per token-head (one term, no block scales): int8 247 / 272 at 64, 413 / 387 at 128, int8 asym 424 / 388 and
-#   int4 593 / 563 at 128; int8 with its scales apart 215 / 272 at 64, 685 / 583 at 256 (128 not measured). The
-#   Hadamard format, fp8 per token-head and mixed_k8_v4 share the class (measured at 2048 only: dense faster), and
-#   so do formats of exact fp32 dots (terms 0, fp32 zero points; unmeasured);
-# - e8m0 blocks: mxfp8 423 / 422 at 128, 785 / 622 at 256 (mxfp4 shares the class, not measured);
-# - other block-scaled formats of one term (nvfp4, nvfp4_separate): fused as fast or faster up to 1024 (1937 / 1947),
-#   dense 5% faster at 2048 on the H200 (thirty-second session, 4368 / 4152, before the fused prefill's later gains);
-# - static scales (fp8 per tensor / per head / e5m2: fused 0.89x bf16 against 1.01-1.02x dense-first, H200) and the
-#   dense formats: never.
-# Only head size 128 was measured, and only in batches of equal chunks: the batch's average stands for every
-# sequence's, so a decode sequence in a mixed batch pays the dense copy of its whole context for one query (one
-# chunk of 1024 with 31 decodes averages 33 new tokens per sequence). The fused kernels were timed under "auto"
-# dots; "fast" takes the same counts (its fused kernels drop a term where "auto" takes two, so they may cross
-# later: unmeasured). Also needed: 16-bit queries, "auto" / "fast" dots, and a scratch of at most
-# AUTO_MAX_SCRATCH_BYTES (num_seqs x the positions a sequence may hold: max_seq_len, else what the block table
-# addresses). `auto_min_new_tokens(fmt)` gives a format's count.
-# The dequantize kernels got 1.6-2.7x faster after these counts were measured (thirty-sixth session, H100: nvfp4
-# 195 -> 77 us at 4 x 8192, int4 per token-head 259 -> 94, q4_0 94 -> 71), so the dense path now pays from fewer
-# new tokens than these counts say; they stand until the crossover is measured again.
+# path is taken at AUTO_GROUP query heads per KV head and head size AUTO_HEAD_SIZE, None for never. Other groups
+# scale the count inversely (a query of 2 heads per KV head needs twice the tokens), and so do heads smaller than
+# AUTO_HEAD_SIZE (64 needs twice the tokens); larger heads keep the count.
+# Measured on an H100 (thirty-seventh session, after the dequantize kernels got 1.3-2.7x faster; benchmarks/
+# RESULTS.md; `python benchmarks/dequantize_first.py FORMATS --shape 4x8192qN[hsH] [--query-heads Q]`, chunks of N
+# new tokens on each of 4 sequences of 8192, 32 query heads over 8 KV heads of 128 unless named), fused /
+# dense-first us:
+# - two terms (and block scales): at 32, q4_0 180 / 177, q8_0 209 / 191, kivi_2bit 296 / 185; at 16 (thirty-fourth
+#   session, dense-first since faster) q4_0 104 / 176, kivi_2bit 195 / 193. A side of two terms without block
+#   scales (KIVI's per-channel keys beside other values) is given the same count, unmeasured;
+# - per token-head (one term, no block scales): at 32 every one fused (int8 156 / 190, int8 with its scales apart
+#   126 / 189, Hadamard 172 / 204); at 128 int8 411 / 387, Hadamard 484 / 398, int8 apart 366 / 386 (5% lost
+#   there, dense from 256: 686 / 585). fp8 per token-head, int8 asym, int4 per token-head and mixed_k8_v4 share
+#   the class (2048: dense 1.02-1.03x bf16 against fused 1.27-1.88x), and so do formats of exact fp32 dots (terms 0,
+#   fp32 zero points; unmeasured);
+# - e8m0 blocks: at 32 fused (mxfp8 145 / 189, mxfp4 132 / 179), at 128 mxfp8 422 / 384, mxfp4 382 / 376;
+# - other block-scaled formats of one term (nvfp4, nvfp4_separate): dense at 2048, 3576 / 3298 (bench.py); the
+#   thirty-fourth session's fused kernel was as fast up to 1024 against the old dequantize kernel;
+# - static scales (fp8 per tensor / per head / e5m2: fused 0.95x bf16 against 1.01-1.02x dense-first) and the dense
+#   formats: never.
+# Groups: at 1 query head per KV head and 512 new tokens (the per token-head count scaled) int8 403 / 385, mxfp8
+# 410 / 382; at 16 and 64 new tokens, int8 418 / 387, mxfp8 424 / 384. Head sizes: at 64 and 128 new tokens the
+# fused kernels win for int8 (233 / 277) and mxfp8 (238 / 277), dense-first for q4_0 (347 / 269) and KIVI (589 /
+# 267); at 256 and 128 new tokens dense-first wins for int8 (827 / 724), q4_0 and KIVI (2-4.6x). Only batches of
+# equal chunks were timed: the batch's average stands for every sequence's, so a decode sequence in a mixed batch
+# pays the dense copy of its whole context for one query (one chunk of 1024 with 31 decodes averages 33 new tokens
+# per sequence). The fused kernels were timed under "auto" dots; "fast" takes the same counts (its fused kernels
+# drop a term where "auto" takes two, so they may cross later: unmeasured). Also needed: 16-bit queries, "auto" /
+# "fast" dots, and a scratch of at most AUTO_MAX_SCRATCH_BYTES (num_seqs x the positions a sequence may hold:
+# max_seq_len, else what the block table addresses). `auto_min_new_tokens(fmt)` gives a format's count.
 AUTO_DENSE_RULES = (
     # terms, block scales, e8m0 blocks, scales computed on write -> fewest new tokens per sequence
     ((None, None, None, False), None),
     ((2,), 32),
-    ((None, True, True), 256),
+    ((None, True, True), 128),
     ((None, True), 2048),
     ((None, None), 128),
 )
 AUTO_GROUP = 4  # the query heads per KV head the counts were measured at
+AUTO_HEAD_SIZE = 128  # and the head size
 AUTO_MAX_SCRATCH_BYTES = 1 << 30
 
 
@@ -91,15 +94,18 @@ def dense_blocks(positions: int, table_width: int, block_size: int) -> int:
     return max(1, min(triton_cdiv(positions, block_size), table_width))
 
 
-def auto_min_new_tokens(fmt, group: int = AUTO_GROUP) -> Optional[int]:
+def auto_min_new_tokens(fmt, group: int = AUTO_GROUP, head_size: int = AUTO_HEAD_SIZE) -> Optional[int]:
     """The fewest new tokens per sequence, on average, from which dequantize_first="auto" takes the dense path for
-    ``fmt`` with ``group`` query heads per KV head (AUTO_DENSE_RULES; None: never)."""
+    ``fmt`` with ``group`` query heads per KV head at ``head_size`` (AUTO_DENSE_RULES; None: never)."""
     ks = fmt._kernels
     key = (max(terms for _, terms, _ in ks.module.DOT_OPERANDS.values()), ks.block_scaled, ks.pow2_blocks,
            ks.position_scales)
     for rule, fewest in AUTO_DENSE_RULES:
         if kernels.rule_matches(rule, key):
-            return None if fewest is None else max(1, -(-fewest * AUTO_GROUP // group))
+            if fewest is None:
+                return None
+            scaled = fewest * AUTO_GROUP * AUTO_HEAD_SIZE
+            return max(1, -(-scaled // (group * min(head_size, AUTO_HEAD_SIZE))))
     raise AssertionError("the last rule matches every format")
 
 
@@ -111,7 +117,7 @@ def auto_dense(fmt, query: torch.Tensor, num_seqs: int, block_table: torch.Tenso
     ``attend``'s own, sized by the longest sequence, is no larger)."""
     if query.dtype not in DENSE_FORMATS or dot_precision not in ("auto", "fast"):
         return False
-    fewest = auto_min_new_tokens(fmt, query.shape[1] // num_kv_heads)
+    fewest = auto_min_new_tokens(fmt, query.shape[1] // num_kv_heads, query.shape[2])
     if fewest is None or query.shape[0] < fewest * num_seqs:
         return False
     width = block_table.shape[1]

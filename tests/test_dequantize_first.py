@@ -301,6 +301,7 @@ def test_auto_dequantizes_first_where_it_was_measured_faster(monkeypatch):
     # KV head
     monkeypatch.setattr(D, "AUTO_DENSE_RULES", tuple((rule, fewest and 3) for rule, fewest in D.AUTO_DENSE_RULES))
     monkeypatch.setattr(D, "AUTO_GROUP", 2)
+    monkeypatch.setattr(D, "AUTO_HEAD_SIZE", 16)
 
     def dense(f=fmt, q=query, c=cache, **kw):
         plan = f.plan_attention(q, c, table, seq_lens, qsl, dequantize_first="auto", **kw)
@@ -329,42 +330,74 @@ def test_auto_dequantizes_first_where_it_was_measured_faster(monkeypatch):
     assert dense(q=torch.randn(6, 8, 16).bfloat16().to(DEVICE))
 
 
-# Chunked prefill on an H100 (thirty-fourth session, benchmarks/results_2026-12-05_h100_s34.md;
-# `python benchmarks/dequantize_first.py FORMATS --shape 4x8192qN`): new tokens per sequence N -> (fused us,
-# dense-first us), 4 sequences of 8192 positions, 32 query heads over 8 KV heads of 128
+# Chunked prefill on an H100 (thirty-seventh session, benchmarks/results_2026-12-06_h100_s37.md: `python
+# benchmarks/dequantize_first.py FORMATS --shape 4x8192qN[hsH] [--query-heads Q]`, and bench.py's prefill rows for
+# 2048): (new tokens per sequence, query heads, head size) -> (fused us, dense-first us), 4 sequences of 8192
+# positions, 8 KV heads. The 16 / 64 points of int8 per token-head (scales inline and apart) are the thirty-fourth
+# session's (results_2026-12-05_h100_s34.md): their dequantize kernels did not change since (32 / 128 / 256 timed
+# the same, within 1%).
 MEASURED_CHUNKS = {
-    "int8_per_token_head": {16: (94, 166), 32: (155, 191), 64: (247, 272), 128: (413, 387), 256: (752, 591),
-                            512: (1261, 1006), 1024: (2392, 1836), 2048: (4192, 3265)},
-    "int8_asym_per_token_head": {32: (159, 192), 128: (424, 388), 512: (1327, 1005), 2048: (4159, 3278)},
-    "int8_per_token_head_separate": {16: (71, 165), 64: (215, 272), 256: (685, 583), 1024: (2000, 1834)},
-    "int8_per_token_head_hadamard_k": {2048: (5424, 3329)},
-    "int4_per_token_head": {32: (204, 372), 128: (593, 563), 512: (1917, 1174), 2048: (6071, 3429)},
-    "mxfp8": {16: (96, 204), 32: (145, 228), 64: (248, 309), 128: (423, 422), 256: (785, 622), 512: (1304, 1040),
-              1024: (2289, 1874)},
-    "nvfp4": {16: (66, 279), 64: (191, 391), 256: (517, 715), 1024: (1937, 1947),
-              2048: (4368, 4152)},  # 2048: the H200 (thirty-second session)
-    "q4_0": {16: (104, 176), 32: (183, 200), 64: (342, 281), 128: (609, 401), 256: (1169, 593), 512: (2128, 1013),
-             1024: (4090, 1843)},
-    "kivi_2bit": {16: (195, 193), 32: (297, 216), 64: (566, 295), 128: (1001, 408), 256: (1907, 610),
-                  512: (3571, 1029), 1024: (6519, 1852)},
-    "kivi_4bit": {32: (300, 224), 128: (991, 420), 512: (3576, 1037)},
+    "int8_per_token_head": {(16, 32, 128): (94, 166), (32, 32, 128): (156, 190), (64, 32, 128): (247, 272),
+                            (128, 32, 128): (411, 387), (256, 32, 128): (753, 584), (2048, 32, 128): (4143, 3260),
+                            (512, 8, 128): (403, 385), (64, 64, 128): (418, 387), (128, 32, 64): (233, 277),
+                            (128, 32, 256): (827, 724)},
+    "int8_per_token_head_separate": {(16, 32, 128): (71, 165), (32, 32, 128): (126, 189), (64, 32, 128): (215, 272),
+                                     (128, 32, 128): (366, 386), (256, 32, 128): (686, 585),
+                                     (2048, 32, 128): (3631, 3247)},
+    "int8_per_token_head_hadamard_k": {(32, 32, 128): (172, 204), (128, 32, 128): (484, 398),
+                                       (256, 32, 128): (852, 596), (2048, 32, 128): (5386, 3266)},
+    "fp8_per_token_head": {(2048, 32, 128): (4122, 3285)},
+    "int8_asym_per_token_head": {(2048, 32, 128): (4101, 3307)},
+    "int4_per_token_head": {(2048, 32, 128): (6081, 3301)},
+    "mixed_k8_v4": {(2048, 32, 128): (4124, 3293)},
+    "mxfp8": {(32, 32, 128): (145, 189), (128, 32, 128): (422, 384), (256, 32, 128): (773, 580),
+              (2048, 32, 128): (4040, 3248), (512, 8, 128): (410, 382), (64, 64, 128): (424, 384),
+              (128, 32, 64): (238, 277)},
+    "mxfp4": {(32, 32, 128): (132, 179), (128, 32, 128): (382, 376), (256, 32, 128): (665, 573),
+              (2048, 32, 128): (4260, 3238)},
+    "nvfp4": {(2048, 32, 128): (3576, 3298)},
+    "nvfp4_separate": {(2048, 32, 128): (3559, 3296)},
+    "q4_0": {(32, 32, 128): (180, 177), (128, 32, 128): (613, 374), (256, 32, 128): (1166, 568),
+             (2048, 32, 128): (7475, 3243), (512, 8, 128): (606, 370), (64, 64, 128): (613, 373),
+             (128, 32, 64): (347, 269), (128, 32, 256): (1454, 707)},
+    "q8_0": {(32, 32, 128): (209, 191), (128, 32, 128): (619, 388), (256, 32, 128): (1187, 584),
+             (2048, 32, 128): (7345, 3253)},
+    "kivi_2bit": {(32, 32, 128): (296, 185), (128, 32, 128): (986, 378), (256, 32, 128): (1895, 579),
+                  (2048, 32, 128): (11503, 3295), (512, 8, 128): (988, 378), (64, 64, 128): (998, 380),
+                  (128, 32, 64): (589, 267), (128, 32, 256): (3416, 745)},
+    "kivi_4bit": {(2048, 32, 128): (11408, 3350)},
 }
 
 
 @pytest.mark.parametrize("name", sorted(MEASURED_CHUNKS))
 def test_auto_takes_the_path_measured_faster(name):
-    """At every chunk measured, "auto" takes the faster path, or one at most 10% slower (the crossover falls between
-    the chunks measured, and the rules go by classes of formats). Reads only shapes: the queries are never run. This
-    pins the two-term count (KIVI at 32, q4_0 at 16), the per token-head one (int8 at 64 and 256) and mxfp8's (64 and
-    512) from both sides; nvfp4's fused and dense-first stay within 10% of each other up to 2048."""
+    """At every chunk, group and head size measured, "auto" takes the faster path, or one at most 10% slower (the
+    crossover falls between the chunks measured, and the rules go by classes of formats). Reads only shapes: the
+    queries are never run. This pins the per token-head count between 64 and 256 (int8), mxfp8's between 32 and 256,
+    the two-term count from above (KIVI at 32) and the scaling by head size (at 64, fused for int8 and mxfp8 at 128
+    new tokens); the groups' points (1 and 16 query heads per KV head) hold either way."""
     from kvgen.runtime import dequantize as D
     fmt = kvgen.load(name)
-    seqs, heads, kv_heads, head, block = 4, 32, 8, 128, 16
+    seqs, kv_heads, block = 4, 8, 16
     table = torch.zeros(seqs, 8192 // block, dtype=torch.int32)
-    for chunk, (fused, dense) in MEASURED_CHUNKS[name].items():
+    for (chunk, heads, head), (fused, dense) in MEASURED_CHUNKS[name].items():
         query = torch.empty(seqs * chunk, heads, head, dtype=torch.bfloat16)
         took = dense if D.auto_dense(fmt, query, seqs, table, block, kv_heads, "auto", 8192) else fused
-        assert took <= 1.1 * min(fused, dense), (name, chunk, fused, dense)
+        assert took <= 1.1 * min(fused, dense), (name, chunk, heads, head, fused, dense)
+
+
+def test_auto_counts_scale_with_group_and_head_size():
+    """The counts are for AUTO_GROUP query heads per KV head at AUTO_HEAD_SIZE: more query heads per KV head need
+    proportionally fewer new tokens, smaller heads proportionally more; larger heads keep the count."""
+    from kvgen.runtime import dequantize as D
+    fmt = kvgen.load("int8_per_token_head")
+    base = D.auto_min_new_tokens(fmt)
+    assert base == D.auto_min_new_tokens(fmt, D.AUTO_GROUP, D.AUTO_HEAD_SIZE)
+    assert D.auto_min_new_tokens(fmt, 2 * D.AUTO_GROUP) == -(-base // 2)
+    assert D.auto_min_new_tokens(fmt, D.AUTO_GROUP, D.AUTO_HEAD_SIZE // 2) == 2 * base
+    assert D.auto_min_new_tokens(fmt, D.AUTO_GROUP, 2 * D.AUTO_HEAD_SIZE) == base
+    assert D.auto_min_new_tokens(fmt, 1000 * D.AUTO_GROUP) == 1  # never below one token
+    assert D.auto_min_new_tokens(kvgen.load("fp8_e4m3"), 1, 64) is None
 
 
 def test_max_seq_len_must_bound_every_sequence(monkeypatch):

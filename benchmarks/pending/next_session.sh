@@ -24,7 +24,8 @@
 # (H100, benchmarks/results_2026-12-05_h100_s35.md) ran writediv (write-fast-div.patch: 1-2%, wrong at head 256 with
 # its branch; removed) and tests; s36 (H100, benchmarks/results_2026-12-06_h100_s36.md) ran dequantall
 # (dequant-decode.patch merged; the dequant / dequanttime / dequantall steps removed), writeprof and writeab
-# (write-slot-unsigned.patch merged).
+# (write-slot-unsigned.patch merged); s37 (H100, benchmarks/results_2026-12-06_h100_s37.md) ran crossover (the
+# counts lowered for e8m0 blocks, scaled by head size), bench1, bench2 and tests; they stay for the H200.
 #
 # Steps in priority order; each prints how long it took.
 set -uo pipefail
@@ -77,8 +78,7 @@ case "$step" in
     ;;
   crossover)
     # where dequantize-first starts to pay (runtime/dequantize.py AUTO_DENSE_RULES, from the H100 at head size 128
-    # in s34): on the H200, at the counts next to each class's (32 two-term block-scaled, 128 per token-head, 256
-    # e8m0, 2048 nvfp4), with the formats the rules class unmeasured (q8_0, mxfp4, Hadamard, fp8 per token-head)
+    # in s37): on the H200, at and around the classes' counts (32 two-term block-scaled, 128 per token-head and e8m0)
     for q in 32 128 256; do
       timeout 100 python3 benchmarks/dequantize_first.py int8_per_token_head int8_per_token_head_separate \
         int8_per_token_head_hadamard_k mxfp8 mxfp4 q4_0 q8_0 kivi_2bit --shape "4x8192q$q" 2>&1 \
