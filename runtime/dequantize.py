@@ -66,7 +66,7 @@ DENSE_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 # - static scales (fp8 per tensor / per head / e5m2: fused 0.95x bf16 against 1.01-1.02x dense-first) and the dense
 #   formats: never.
 # Groups: at 1 query head per KV head and 512 new tokens (the per token-head count scaled) int8 403 / 385, mxfp8
-# 410 / 382; at 16 and 64 new tokens, int8 418 / 387, mxfp8 424 / 384. Head sizes: at 64 and 128 new tokens the
+# 410 / 382; at 8 and 64 new tokens, int8 418 / 387, mxfp8 424 / 384. Head sizes: at 64 and 128 new tokens the
 # fused kernels win for int8 (233 / 277) and mxfp8 (238 / 277), dense-first for q4_0 (347 / 269) and KIVI (589 /
 # 267); at 256 and 128 new tokens dense-first wins for int8 (827 / 724), q4_0 and KIVI (2-4.6x). Only batches of
 # equal chunks were timed: the batch's average stands for every sequence's, so a decode sequence in a mixed batch

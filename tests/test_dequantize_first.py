@@ -335,7 +335,7 @@ def test_auto_dequantizes_first_where_it_was_measured_faster(monkeypatch):
 # 2048): (new tokens per sequence, query heads, head size) -> (fused us, dense-first us), 4 sequences of 8192
 # positions, 8 KV heads. The 16 / 64 points of int8 per token-head (scales inline and apart) are the thirty-fourth
 # session's (results_2026-12-05_h100_s34.md): their dequantize kernels did not change since (32 / 128 / 256 timed
-# the same, within 1%).
+# the same, within 1.2%).
 MEASURED_CHUNKS = {
     "int8_per_token_head": {(16, 32, 128): (94, 166), (32, 32, 128): (156, 190), (64, 32, 128): (247, 272),
                             (128, 32, 128): (411, 387), (256, 32, 128): (753, 584), (2048, 32, 128): (4143, 3260),
@@ -374,8 +374,8 @@ def test_auto_takes_the_path_measured_faster(name):
     """At every chunk, group and head size measured, "auto" takes the faster path, or one at most 10% slower (the
     crossover falls between the chunks measured, and the rules go by classes of formats). Reads only shapes: the
     queries are never run. This pins the per token-head count between 64 and 256 (int8), mxfp8's between 32 and 256,
-    the two-term count from above (KIVI at 32) and the scaling by head size (at 64, fused for int8 and mxfp8 at 128
-    new tokens); the groups' points (1 and 16 query heads per KV head) hold either way."""
+    the two-term count from above (KIVI at 32), the scaling by head size (at 64, fused for int8 and mxfp8 at 128 new
+    tokens) and by group (at 8 query heads per KV head and 64 new tokens, dense-first for mxfp8)."""
     from kvgen.runtime import dequantize as D
     fmt = kvgen.load(name)
     seqs, kv_heads, block = 4, 8, 16

@@ -90,9 +90,8 @@ case "$step" in
       timeout 70 python3 benchmarks/dequantize_first.py int8_per_token_head q4_0 kivi_2bit mxfp8 \
         --shape "4x8192q128hs$hs" 2>&1 | tee -a "$out/crossover.txt" | grep "^|\|^Chunked"
     done
-    # the counts scale inversely with the query heads per KV head (unmeasured): group 1 at 4x the new tokens of
-    # group 4's counts, group 8 at half (int8 per token-head 512 / 64, q4_0 128 / 16, mxfp8 1024 / 128); if each
-    # class's fused and dense-first cross near there, the scaling holds
+    # the counts scale inversely with the query heads per KV head (H100 s37: consistent at groups 1 and 8): group 1
+    # at 4x the new tokens of group 4's counts, group 8 at half
     for g in "8 4x8192q512" "64 4x8192q64"; do
       set -- $g
       timeout 70 python3 benchmarks/dequantize_first.py int8_per_token_head q4_0 mxfp8 kivi_2bit --query-heads "$1" \
