@@ -208,7 +208,7 @@ def show(name, block_size, num_kv_heads, head_size, png):
                       f"{d['residual_bytes_per_seq']:,} B", highlight=False)
     for side, where in d["scales"].items():
         console.print(f"{side} scale: {where}", highlight=False)
-    console.print(f"chunked prefill: {dequantize_first_summary(fmt)}", highlight=False)
+    console.print(f"chunked prefill: {dequantize_first_summary(fmt, head_size)}", highlight=False)
     t = Table(title="fields of one (slot, KV head): offset in its region's cell; region start in the page")
     for col in ("tensor", "region", "offset", "bytes", "field", "holds"):
         t.add_column(col, justify="right" if col in ("region", "offset", "bytes") else "left")
@@ -222,16 +222,17 @@ def show(name, block_size, num_kv_heads, head_size, png):
         console.print(f"byte map written to {png}", highlight=False)
 
 
-def dequantize_first_summary(fmt) -> str:
-    """Where ``attend(..., dequantize_first="auto")`` takes the dense path for ``fmt`` (runtime/dequantize.py)."""
+def dequantize_first_summary(fmt, head_size: int) -> str:
+    """Where ``attend(..., dequantize_first="auto")`` takes the dense path for ``fmt`` at ``head_size``
+    (runtime/dequantize.py)."""
     from .runtime.dequantize import AUTO_GROUP, AUTO_HEAD_SIZE, auto_min_new_tokens
 
-    fewest = auto_min_new_tokens(fmt)
+    fewest = auto_min_new_tokens(fmt, AUTO_GROUP, head_size)
     if fewest is None:
         return 'dequantize_first="auto" runs the fused kernels (measured faster for this kind of format)'
     return (f'dequantize_first="auto" dequantizes first from {fewest} new tokens per sequence on average at '
-            f"{AUTO_GROUP} query heads per KV head and head size {AUTO_HEAD_SIZE} (fewer with more heads per KV head, "
-            "more for smaller heads), fused below")
+            f"{AUTO_GROUP} query heads per KV head and head size {head_size} (fewer with more heads per KV head, "
+            f"more for heads under {AUTO_HEAD_SIZE}), fused below")
 
 
 @main.command()
