@@ -52,9 +52,9 @@ DENSE_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 # RESULTS.md; `python benchmarks/dequantize_first.py FORMATS --shape 4x8192qN[hsH] [--query-heads Q]`, chunks of N
 # new tokens on each of 4 sequences of 8192, 32 query heads over 8 KV heads of 128 unless named), fused /
 # dense-first us:
-# - two terms (and block scales): at 32, q4_0 180 / 177, q8_0 209 / 191, kivi_2bit 296 / 185; at 16 (thirty-fourth
-#   session, dense-first since faster) q4_0 104 / 176, kivi_2bit 195 / 193. A side of two terms without block
-#   scales (KIVI's per-channel keys beside other values) is given the same count, unmeasured;
+# - two terms (and block scales): at 32, q4_0 180 / 177, q8_0 209 / 191, kivi_2bit 296 / 185; at 16 in the
+#   thirty-fourth session (dense-first has got faster since) q4_0 104 / 176, kivi_2bit 195 / 193. A side of two
+#   terms without block scales (KIVI's per-channel keys beside other values) is given the same count, unmeasured;
 # - per token-head (one term, no block scales): at 32 every one fused (int8 156 / 190, int8 with its scales apart
 #   126 / 189, Hadamard 172 / 204); at 128 int8 411 / 387, Hadamard 484 / 398, int8 apart 366 / 386 (5% lost
 #   there, dense from 256: 686 / 585). fp8 per token-head, int8 asym, int4 per token-head and mixed_k8_v4 share
