@@ -105,7 +105,7 @@ case "$step" in
     # GPU writes only use it for fp4 (fp8 takes the hardware's conversion); exhaustive NumPy emulation: 0 codes
     # differ from the reference over every fp32 for e2m1, e4m3 and e5m2. Timed against main, then the GPU tests of
     # the changed writes and the exhaustive native-against-portable check of every fp8 codec (now the new encode)
-    FE_FORMATS="mxfp4 nvfp4 nvfp4_separate fp8_e4m3 fp8_e5m2 fp8_per_token_head mxfp8"
+    FE_FORMATS="mxfp4 nvfp4 nvfp4_separate fp8_e4m3 fp8_e4m3_per_head fp8_e5m2 fp8_per_token_head mxfp8"
     variant float-encode "rounded = (a + c) - c" $FE_FORMATS || exit 1
     timeout 60 python3 benchmarks/time_writes.py mxfp4 nvfp4 --tokens 32768 --rounds 2 2>&1 \
       | tee "$out/floatenc_shipped.txt" | grep "^|"
