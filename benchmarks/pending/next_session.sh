@@ -9,6 +9,7 @@
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~350 s?; prefill dequantize-first rows new)
 #   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused near auto's counts: H200, hs 64 / 256, groups 1 / 8 (~550 s?)
 #   bash benchmarks/pending/next_session.sh floatenc   # float-encode.patch: fp4 writes timed, GPU tests (~250 s?)
+#   bash benchmarks/pending/next_session.sh loadearly  # write-load-early.patch: writes' loads beside the slot's, timed, tested (~450 s?)
 #   bash benchmarks/pending/next_session.sh crossover2 # head sizes 64 / 256 near the counts, nvfp4's (~400 s?)
 #   bash benchmarks/pending/next_session.sh crossfast  # the same under dot_precision="fast" for q4_0 / q8_0 / KIVI (~150 s?)
 #   bash benchmarks/pending/next_session.sh kivicrash  # KIVI's 32-position prefill crash: q4_0 / kivi_4bit too (~400 s)
@@ -113,6 +114,24 @@ case "$step" in
       --tokens 32768 --rounds 2 2>&1 | tee "$out/floatenc_variant.txt" | grep "^|")
     variant_tests floatenc tests/test_native_decode.py tests/test_golden.py tests/test_numerics.py
     variant_tests floatenc_conf tests/test_conformance.py -k "test_conformance and (mxfp4 or nvfp4)"
+    ;;
+  loadearly)
+    # write-load-early.patch (s38, static): the write's input loads were masked by the slot (slot >= 0), so they
+    # waited for the slot's load: two memory latencies in a row per program (SASS: the key / value LDG predicated on
+    # the slot's compare). Masked by the token count instead they issue beside it. Every format but KIVI (its
+    # flush reads positions from the sequence's lengths first). Timed against main, then the write tests on the GPU
+    LE_FORMATS="bf16 fp16 fp8_e4m3 fp8_e4m3_per_head fp8_e5m2 fp8_per_token_head int8_per_token_head \
+      int8_per_token_head_separate int8_asym_per_token_head int8_per_token_head_hadamard_k mixed_k8_v4 mxfp8 q8_0 \
+      nvfp4 nvfp4_separate mxfp4 int4_per_token_head q4_0"
+    variant write-load-early "two memory latencies in a row" $LE_FORMATS || exit 1
+    LE_TIMED="bf16 fp8_e4m3 fp8_per_token_head int8_per_token_head int8_per_token_head_separate \
+      int8_asym_per_token_head int8_per_token_head_hadamard_k mixed_k8_v4 mxfp8 q8_0 nvfp4 mxfp4 int4_per_token_head q4_0"
+    timeout 170 python3 benchmarks/time_writes.py $LE_TIMED --tokens 32768 256 --rounds 2 2>&1 \
+      | tee "$out/loadearly_shipped.txt" | grep "^|"
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 170 python3 benchmarks/time_writes.py $LE_TIMED \
+      --tokens 32768 256 --rounds 2 2>&1 | tee "$out/loadearly_variant.txt" | grep "^|")
+    variant_tests loadearly tests/test_golden.py tests/test_numerics.py tests/test_write_plan.py \
+      tests/test_native_decode.py tests/test_sm90_compile.py
     ;;
   crossover2)
     # what crossover (s37, H100) left: head size (at 64 the per token-head and e8m0 fused kernels still win at 128
