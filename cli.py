@@ -232,7 +232,7 @@ def dequantize_first_summary(fmt, head_size: int) -> str:
         return 'dequantize_first="auto" runs the fused kernels (measured faster for this kind of format)'
     return (f'dequantize_first="auto" dequantizes first from {fewest} new tokens per sequence on average at '
             f"{AUTO_GROUP} query heads per KV head and head size {head_size} (fewer with more heads per KV head, "
-            f"more for heads under {AUTO_HEAD_SIZE}), fused below")
+            f"more for heads under {AUTO_HEAD_SIZE}, fewer over it), fused below")
 
 
 @main.command()

@@ -46,8 +46,8 @@ DENSE_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 # zero points; 0 for exact fp32 dots), block scales, e8m0 block scales, scales computed on write (per token-head,
 # per block, per channel group) -> the fewest new tokens per sequence (the batch's average) from which the dense
 # path is taken at AUTO_GROUP query heads per KV head and head size AUTO_HEAD_SIZE, None for never. Other groups
-# scale the count inversely (a query of 2 heads per KV head needs twice the tokens), and so do heads smaller than
-# AUTO_HEAD_SIZE (64 needs twice the tokens); larger heads keep the count.
+# scale the count inversely (a query of 2 heads per KV head needs twice the tokens); so do larger heads (256 needs
+# half the tokens), and smaller heads by the square of the ratio (64 needs four times the tokens).
 # Measured on an H100 (thirty-seventh session, after the dequantize kernels got 1.3-2.7x faster; benchmarks/
 # RESULTS.md; `python benchmarks/dequantize_first.py FORMATS --shape 4x8192qN[hsH] [--query-heads Q]`, chunks of N
 # new tokens on each of 4 sequences of 8192, 32 query heads over 8 KV heads of 128 unless named), fused /
@@ -61,17 +61,21 @@ DENSE_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 #   the class (2048: dense 1.02-1.03x bf16 against fused 1.27-1.88x), and so do formats of exact fp32 dots (terms 0,
 #   fp32 zero points; unmeasured);
 # - e8m0 blocks: at 32 fused (mxfp8 145 / 189, mxfp4 132 / 179), at 128 mxfp8 422 / 384, mxfp4 382 / 376;
-# - other block-scaled formats of one term (nvfp4, nvfp4_separate): dense at 2048, 3576 / 3298 (bench.py); the
-#   thirty-fourth session's fused kernel was as fast up to 1024 against the old dequantize kernel;
+# - other block-scaled formats of one term (nvfp4, nvfp4_separate): dense at 2048, 3576 / 3298 (bench.py); at 512
+#   1030 / 996 and at 1024 1928 / 1829 (thirty-eighth session, against the faster dequantize kernel; the
+#   thirty-fourth session's fused kernel was as fast up to 1024 against the old one);
 # - static scales (fp8 per tensor / per head / e5m2: fused 0.95x bf16 against 1.01-1.02x dense-first) and the dense
 #   formats: never.
 # Groups: at 1 query head per KV head and 512 new tokens (the per token-head count scaled) int8 403 / 385, mxfp8
 # 410 / 382; at 8 and 64 new tokens, int8 418 / 387, mxfp8 424 / 384. Head sizes: at 64 and 128 new tokens the
 # fused kernels win for int8 (233 / 277) and mxfp8 (238 / 277), dense-first for q4_0 (347 / 269) and KIVI (589 /
-# 267); at 256 and 128 new tokens dense-first wins for int8 (827 / 724), q4_0 and KIVI (2-4.6x). Only batches of
-# equal chunks were timed: the batch's average stands for every sequence's, so a decode sequence in a mixed batch
-# pays the dense copy of its whole context for one query (one chunk of 1024 with 31 decodes averages 33 new tokens
-# per sequence). The fused kernels were timed under "auto" dots; "fast" takes the same counts (its fused kernels
+# 267); at 256 and 128 new tokens dense-first wins for int8 (827 / 724), q4_0 and KIVI (2-4.6x). The thirty-eighth
+# session went on: at 64 the one-term fused kernels still win at 256 (int8 428 / 456, mxfp8 431 / 455), 512 (int8
+# 790 / 805) and 1024 (int8 1467 / 1490, mxfp8 1450 / 1492), hence the square; at 256, 64 new tokens tie for int8
+# (508 / 501; mxfp8 472 / 502) and 16 for q4_0 (351 / 352), where KIVI's dense-first is 2.4x faster (946 / 397),
+# hence half the count. Only batches of equal chunks were timed: the batch's average stands for every sequence's,
+# so a decode sequence in a mixed batch pays the dense copy of its whole context for one query (one chunk of 1024
+# with 31 decodes averages 33 new tokens per sequence). The fused kernels were timed under "auto" dots; "fast" takes the same counts (its fused kernels
 # drop a term where "auto" takes two, so they may cross later: unmeasured). Also needed: 16-bit queries, "auto" /
 # "fast" dots, and a scratch of at most AUTO_MAX_SCRATCH_BYTES (num_seqs x the positions a sequence may hold:
 # max_seq_len, else what the block table addresses). `auto_min_new_tokens(fmt)` gives a format's count.
@@ -80,7 +84,7 @@ AUTO_DENSE_RULES = (
     ((None, None, None, False), None),
     ((2,), 32),
     ((None, True, True), 128),
-    ((None, True), 2048),
+    ((None, True), 512),
     ((None, None), 128),
 )
 AUTO_GROUP = 4  # the query heads per KV head the counts were measured at
@@ -104,8 +108,10 @@ def auto_min_new_tokens(fmt, group: int = AUTO_GROUP, head_size: int = AUTO_HEAD
         if kernels.rule_matches(rule, key):
             if fewest is None:
                 return None
-            scaled = fewest * AUTO_GROUP * AUTO_HEAD_SIZE
-            return max(1, -(-scaled // (group * min(head_size, AUTO_HEAD_SIZE))))
+            # fewest x (AUTO_GROUP / group) x (AUTO_HEAD_SIZE / head_size), squared for heads under AUTO_HEAD_SIZE
+            power = 2 if head_size < AUTO_HEAD_SIZE else 1
+            scaled = fewest * AUTO_GROUP * AUTO_HEAD_SIZE ** power
+            return max(1, -(-scaled // (group * head_size ** power)))
     raise AssertionError("the last rule matches every format")
 
 

@@ -8,8 +8,6 @@
 #   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~350 s?)
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~350 s?; prefill dequantize-first rows new)
 #   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused near auto's counts: H200, hs 64 / 256, groups 1 / 8 (~550 s?)
-#   bash benchmarks/pending/next_session.sh floatenc   # float-encode.patch: fp4 writes timed, GPU tests (~250 s?)
-#   bash benchmarks/pending/next_session.sh loadearly  # write-load-early.patch: writes' loads beside the slot's, timed, tested (~450 s?)
 #   bash benchmarks/pending/next_session.sh crossover2 # head sizes 64 / 256 near the counts, nvfp4's (~400 s?)
 #   bash benchmarks/pending/next_session.sh crossfast  # the same under dot_precision="fast" for q4_0 / q8_0 / KIVI (~150 s?)
 #   bash benchmarks/pending/next_session.sh kivicrash  # KIVI's 32-position prefill crash: q4_0 / kivi_4bit too (~400 s)
@@ -27,7 +25,10 @@
 # its branch; removed) and tests; s36 (H100, benchmarks/results_2026-12-06_h100_s36.md) ran dequantall
 # (dequant-decode.patch merged; the dequant / dequanttime / dequantall steps removed), writeprof and writeab
 # (write-slot-unsigned.patch merged); s37 (H100, benchmarks/results_2026-12-06_h100_s37.md) ran crossover (the
-# counts lowered for e8m0 blocks, scaled by head size), bench1, bench2 and tests; they stay for the H200.
+# counts lowered for e8m0 blocks, scaled by head size), bench1, bench2 and tests; they stay for the H200; s38 (H100,
+# benchmarks/results_2026-12-06_h100_s38.md) ran loadearly (write-load-early.patch merged), floatenc
+# (float-encode.patch slower: removed) and crossover2's shapes (the counts rescaled by head size, nvfp4's lowered; the
+# step stays for the H200).
 #
 # Steps in priority order; each prints how long it took.
 set -uo pipefail
@@ -98,39 +99,6 @@ case "$step" in
       timeout 70 python3 benchmarks/dequantize_first.py int8_per_token_head q4_0 mxfp8 kivi_2bit --query-heads "$1" \
         --shape "$2" 2>&1 | tee -a "$out/crossover.txt" | grep "^|\|^Chunked"
     done
-    ;;
-  floatenc)
-    # float-encode.patch (s37): the minifloat encode rounds with two fp32 adds and reads the code off the rounded
-    # value scaled by 2**(bias - 127) (fp32 subnormals for the code's), 6 logic-pipe operations per element instead
-    # of ~9 (static: mxfp4's write 930 -> 865 ALU instructions per program, nvfp4 549 -> 524 but 2% more in all). The
-    # GPU writes only use it for fp4 (fp8 takes the hardware's conversion); exhaustive NumPy emulation: 0 codes
-    # differ from the reference over every fp32 for e2m1, e4m3 and e5m2. Timed against main, then the GPU tests of
-    # the changed writes and the exhaustive native-against-portable check of every fp8 codec (now the new encode)
-    FE_FORMATS="mxfp4 nvfp4 nvfp4_separate fp8_e4m3 fp8_e4m3_per_head fp8_e5m2 fp8_per_token_head mxfp8"
-    variant float-encode "rounded = (a + c) - c" $FE_FORMATS || exit 1
-    timeout 60 python3 benchmarks/time_writes.py mxfp4 nvfp4 --tokens 32768 --rounds 2 2>&1 \
-      | tee "$out/floatenc_shipped.txt" | grep "^|"
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 60 python3 benchmarks/time_writes.py mxfp4 nvfp4 \
-      --tokens 32768 --rounds 2 2>&1 | tee "$out/floatenc_variant.txt" | grep "^|")
-    variant_tests floatenc tests/test_native_decode.py tests/test_golden.py tests/test_numerics.py
-    variant_tests floatenc_conf tests/test_conformance.py -k "test_conformance and (mxfp4 or nvfp4)"
-    ;;
-  loadearly)
-    # write-load-early.patch (s38, static): the write's input loads were masked by the slot (slot >= 0), so they
-    # waited for the slot's load: two memory latencies in a row per program (SASS: the key / value LDG predicated on
-    # the slot's compare). Masked by the token count instead they issue beside it. Every format but KIVI (its
-    # flush reads positions from the sequence's lengths first). Timed against main, then the write tests on the GPU
-    LE_FORMATS="bf16 fp16 fp8_e4m3 fp8_e4m3_per_head fp8_e5m2 fp8_per_token_head int8_per_token_head \
-      int8_per_token_head_separate int8_asym_per_token_head int8_per_token_head_hadamard_k mixed_k8_v4 mxfp8 q8_0 \
-      nvfp4 nvfp4_separate mxfp4 int4_per_token_head q4_0"
-    variant write-load-early "two memory latencies in a row" $LE_FORMATS || exit 1
-    LE_TIMED="bf16 int8_per_token_head int8_asym_per_token_head nvfp4 int4_per_token_head q4_0"
-    timeout 170 python3 benchmarks/time_writes.py $LE_TIMED --tokens 32768 256 --rounds 2 2>&1 \
-      | tee "$out/loadearly_shipped.txt" | grep "^|"
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 170 python3 benchmarks/time_writes.py $LE_TIMED \
-      --tokens 32768 256 --rounds 2 2>&1 | tee "$out/loadearly_variant.txt" | grep "^|")
-    variant_tests loadearly tests/test_golden.py tests/test_numerics.py tests/test_write_plan.py \
-      tests/test_native_decode.py tests/test_sm90_compile.py
     ;;
   crossover2)
     # what crossover (s37, H100) left: head size (at 64 the per token-head and e8m0 fused kernels still win at 128
