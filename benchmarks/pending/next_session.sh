@@ -8,6 +8,7 @@
 #   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~350 s?)
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~350 s?; prefill dequantize-first rows new)
 #   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused near auto's counts: H200, hs 64 / 256, groups 1 / 8 (~550 s?)
+#   bash benchmarks/pending/next_session.sh writeprefetch # write-prefetch.patch: programs taking write items in turn (~400 s?)
 #   bash benchmarks/pending/next_session.sh crossover2 # head sizes 64 / 256 near the counts, nvfp4's (~400 s?)
 #   bash benchmarks/pending/next_session.sh crossfast  # the same under dot_precision="fast" for q4_0 / q8_0 / KIVI (~150 s?)
 #   bash benchmarks/pending/next_session.sh kivicrash  # KIVI's 32-position prefill crash: q4_0 / kivi_4bit too (~400 s)
@@ -99,6 +100,22 @@ case "$step" in
       timeout 70 python3 benchmarks/dequantize_first.py int8_per_token_head q4_0 mxfp8 kivi_2bit --query-heads "$1" \
         --shape "$2" 2>&1 | tee -a "$out/crossover.txt" | grep "^|\|^Chunked"
     done
+    ;;
+  writeprefetch)
+    # write-prefetch.patch (s38, static): reshape-and-cache programs that take several (tokens, KV head) items in
+    # turn, each next item's inputs loaded before the current one is quantized, the grid near N programs per SM
+    # (@N; 4/1 alone: one item per program, the shipped launch, which compiles to the shipped kernel). The writes
+    # under 70% wait on their loads (int8 asym: issue 39%, long_scoreboard 10.7): loads in flight while a program
+    # computes may lift them; registers rise by ~33 (int8 asym 64 -> 97). Then its GPU tests
+    WP_FORMATS="bf16 int8_per_token_head int8_asym_per_token_head int8_per_token_head_hadamard_k nvfp4 \
+      int4_per_token_head q4_0 fp8_per_token_head mixed_k8_v4 mxfp8 fp8_e4m3"
+    # (every format but KIVI rebuilt: the patched runtime passes the new argument to each paged write)
+    variant write-prefetch "items_per_program" bf16 fp16 fp8_e4m3 fp8_e4m3_per_head fp8_e5m2 fp8_per_token_head \
+      int8_per_token_head int8_per_token_head_separate int8_asym_per_token_head int8_per_token_head_hadamard_k \
+      mixed_k8_v4 mxfp8 q8_0 nvfp4 nvfp4_separate mxfp4 int4_per_token_head q4_0 || exit 1
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 400 python3 benchmarks/tune_writes.py $WP_FORMATS \
+      --configs 4/1 4/1@8 4/1@12 4/1@16 4/1@24 --tokens 32768 2>&1 | tee "$out/writeprefetch.txt" | grep "^|")
+    variant_tests writeprefetch tests/test_write_items.py tests/test_golden.py tests/test_write_plan.py
     ;;
   crossover2)
     # what crossover (s37, H100) left: head size (at 64 the per token-head and e8m0 fused kernels still win at 128
