@@ -114,7 +114,7 @@ case "$step" in
       int8_per_token_head int8_per_token_head_separate int8_asym_per_token_head int8_per_token_head_hadamard_k \
       mixed_k8_v4 mxfp8 q8_0 nvfp4 nvfp4_separate mxfp4 int4_per_token_head q4_0 || exit 1
     (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 400 python3 benchmarks/tune_writes.py $WP_FORMATS \
-      --configs 4/1 4/1@8 4/1@12 4/1@16 4/1@24 --tokens 32768 2>&1 | tee "$out/writeprefetch.txt" | grep "^|")
+      --configs 4/1 4/1@8 4/1@16 4/1@24 4/1/80@24 --tokens 32768 2>&1 | tee "$out/writeprefetch.txt" | grep "^|")
     variant_tests writeprefetch tests/test_write_items.py tests/test_golden.py tests/test_write_plan.py
     ;;
   crossover2)
