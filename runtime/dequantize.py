@@ -75,10 +75,11 @@ DENSE_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 # (508 / 501; mxfp8 472 / 502) and 16 for q4_0 (351 / 352), where KIVI's dense-first is 2.4x faster (946 / 397),
 # hence half the count. Only batches of equal chunks were timed: the batch's average stands for every sequence's,
 # so a decode sequence in a mixed batch pays the dense copy of its whole context for one query (one chunk of 1024
-# with 31 decodes averages 33 new tokens per sequence). The fused kernels were timed under "auto" dots; "fast" takes the same counts (its fused kernels
-# drop a term where "auto" takes two, so they may cross later: unmeasured). Also needed: 16-bit queries, "auto" /
-# "fast" dots, and a scratch of at most AUTO_MAX_SCRATCH_BYTES (num_seqs x the positions a sequence may hold:
-# max_seq_len, else what the block table addresses). `auto_min_new_tokens(fmt)` gives a format's count.
+# with 31 decodes averages 33 new tokens per sequence). The fused kernels were timed under "auto" dots; "fast" takes
+# the same counts (its fused kernels drop a term where "auto" takes two, so they may cross later: unmeasured). Also
+# needed: 16-bit queries, "auto" / "fast" dots, and a scratch of at most AUTO_MAX_SCRATCH_BYTES (num_seqs x the
+# positions a sequence may hold: max_seq_len, else what the block table addresses). `auto_min_new_tokens(fmt)`
+# gives a format's count.
 AUTO_DENSE_RULES = (
     # terms, block scales, e8m0 blocks, scales computed on write -> fewest new tokens per sequence
     ((None, None, None, False), None),

@@ -429,7 +429,8 @@ class Format:
         are computed on write; batches averaging enough new tokens per sequence for the format's class, 32 for
         q4_0, q8_0 and KIVI, 128 per token-head, mxfp8 and mxfp4, 512 nvfp4 at 4 query heads per KV head and
         head size 128, more for smaller heads, fewer for larger ones:
-        ``kvgen.runtime.dequantize.auto_min_new_tokens(fmt, group, head_size)``; bf16 / fp16 queries, "auto" / "fast" dots),
+        ``kvgen.runtime.dequantize.auto_min_new_tokens(fmt, group, head_size)``; bf16 / fp16 queries, "auto" /
+        "fast" dots),
         else runs fused. The average stands for every sequence: in a mixed batch, each decode sequence pays a
         dense copy of its whole context. The choice reads nothing from the device, but where it takes the dense
         path ``attend`` sizes the scratch by the longest sequence unless ``max_seq_len`` is given (one
