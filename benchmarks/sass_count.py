@@ -232,17 +232,17 @@ def count_write(name: str, tokens: int = 4096) -> dict:
     args, kwargs = _captured(fmt, lambda: fmt.write(cache, key, key.clone(), slots))["reshape_and_cache_kernel"]
     src, launch = _bound_source(fmt._kernels.module.reshape_and_cache_kernel, args, kwargs)
     block_t = kwargs["BLOCK_T"]
-    _, sass, usage = compile_sm90(src, launch)
+    kernel, sass, usage = compile_sm90(src, launch)
     lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
     ops = collections.Counter(opcode(line) for line in lines)
     moved = 2 * 128 * 2 + fmt.page_bytes(16, 8, 128) / 16 / 8  # bf16 K and V in, the cell out, per token-head
     # every warp runs the listed instructions once: warp instructions per token-head (before the seventh session
     # this printed instructions per thread at 4 warps and 16 tokens per program: a quarter of this measure)
     warp_instructions = len(lines) * launch.get("num_warps", 4)
+    regs, warps = int(re.search(r"REG:(\d+)", usage).group(1)), launch.get("num_warps", 4)
     return dict(format=name, per_token=warp_instructions / block_t, bytes=moved,
-                per_byte=warp_instructions / block_t / moved,
-                regs=int(re.search(r"REG:(\d+)", usage).group(1)), mix=ops.most_common(8), block_t=block_t,
-                warps=launch.get("num_warps", 4))
+                per_byte=warp_instructions / block_t / moved, regs=regs, mix=ops.most_common(8), block_t=block_t,
+                warps=warps, programs=resident_programs(regs, warps, kernel.metadata.shared))
 
 
 def count_dequantize(name: str, seqs: int = 4, ctx: int = 8192, q_len: int = 2048) -> dict:
@@ -331,15 +331,18 @@ def main_write_streaming(names: list) -> int:
 
 
 def main_write(names: list) -> int:
-    print("| format | warp instructions / token-head | bytes / token-head | per byte | registers | most frequent |")
-    print("|---|---|---|---|---|---|")
+    # programs / SM: what sm_90 holds of the launch's programs at once (registers, warps, shared memory; at most 32
+    # blocks), and the tokens whose loads they can have in flight
+    print("| format | warp instructions / token-head | bytes / token-head | per byte | registers | programs / SM "
+          "(tokens x KV heads) | most frequent |")
+    print("|---|---|---|---|---|---|---|")
     for name in names:
         if kvgen.load(name).spec.streaming:
             continue
         r = count_write(name)
         mix = ", ".join(f"{op} {n * r['warps'] / r['block_t']:.1f}" for op, n in r["mix"])
-        print(f"| {name} | {r['per_token']:.1f} | {r['bytes']:.0f} | {r['per_byte']:.3f} | {r['regs']} | {mix} |",
-              flush=True)
+        print(f"| {name} | {r['per_token']:.1f} | {r['bytes']:.0f} | {r['per_byte']:.3f} | {r['regs']} | "
+              f"{r['programs']} ({r['programs'] * r['block_t']}) | {mix} |", flush=True)
     return 0
 
 
