@@ -132,6 +132,31 @@ def test_groups_without_finite_values_bytes(name, dtype):
         assert np.array_equal(got, want), f"{t}: bytes differ at {np.argwhere(got != want)[:3].tolist()}"
 
 
+@pytest.mark.parametrize("name", FORMATS)
+def test_skipped_tokens_of_any_value_store_nothing(name):
+    """Tokens of slot -1 are read with the rest (their loads do not wait for the slot's) and quantized, never stored:
+    with NaN, +-inf, huge values and subnormals at slot -1 in every token tile, the cache holds the reference's
+    bytes of the other tokens alone, and the bytes a fresh cache starts with elsewhere."""
+    fmt = kvgen.load(name)
+    edge = edge_tokens()  # tokens 0-5 extreme, 6-7 normal
+    normal = np.random.default_rng(3).standard_normal((8, H, D)).astype(np.float32)
+    x = np.concatenate([edge, normal])[np.r_[0:16].reshape(2, 8).T.reshape(-1)]  # edge and normal alternate
+    slots = np.where(np.arange(16) % 2 == 0, -1, np.arange(16) // 2).astype(np.int64)  # the edge tokens skipped
+    scales = {key: 0.5 for side, key in (("key", "k_scale"), ("value", "v_scale"))
+              if fmt.static_scale_kind(side) is not None}
+    xt = torch.from_numpy(x).to(DEVICE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache = fmt.allocate(4, BS, H, D, device=DEVICE, **scales)
+        fmt.write(cache, xt, xt.clone(), torch.from_numpy(slots).to(DEVICE))
+        expected = R.new_cache(fmt.spec, 4, BS, H, D)
+        R.write(fmt.spec, expected, x, x, slots, k_scale=scales.get("k_scale"), v_scale=scales.get("v_scale"))
+    for t, want in expected.items():
+        got = cache.tensors[t].view(torch.uint8).reshape(4, -1).cpu().numpy()
+        assert np.array_equal(got, want), f"{t}: bytes differ at {np.argwhere(got != want)[:3].tolist()}"
+    assert any(np.any(want != 0) for want in expected.values())  # the normal tokens were stored
+
+
 def _bytes_match_reference(tmp_path, spec: dict, x: np.ndarray, **scales) -> None:
     """Write the tokens x [T, 1, D] as keys and values of a one-head cache (slot t = token t) and compare every byte
     of the cache with the reference's encoding."""
