@@ -46,6 +46,13 @@ def as_input(x: np.ndarray, dtype: str, fmt) -> tuple[np.ndarray, torch.Tensor]:
     return xt.float().numpy(), xt.to(DEVICE)
 
 
+def assert_reference_bytes(cache, expected: dict, blocks: int) -> None:
+    """Every byte of the kernel-written cache equals the reference's encoding (``expected``, per tensor)."""
+    for t, want in expected.items():
+        got = cache.tensors[t].view(torch.uint8).reshape(blocks, -1).cpu().numpy()
+        assert np.array_equal(got, want), f"{t}: bytes differ at {np.argwhere(got != want)[:3].tolist()}"
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", FORMATS)
 def test_edge_values_bytes_and_behaviour(name, dtype):
@@ -63,9 +70,7 @@ def test_edge_values_bytes_and_behaviour(name, dtype):
     fmt.write(cache, xt, xt.clone(), torch.from_numpy(slots).to(DEVICE))
     expected = R.new_cache(spec, 2, BS, H, D)
     R.write(spec, expected, x, x, slots, k_scale=scales.get("k_scale"), v_scale=scales.get("v_scale"))
-    for t, want in expected.items():
-        got = cache.tensors[t].view(torch.uint8).reshape(2, -1).cpu().numpy()
-        assert np.array_equal(got, want), f"{t}: bytes differ at {np.argwhere(got != want)[:3].tolist()}"
+    assert_reference_bytes(cache, expected, 2)
 
     k, _ = R.read(spec, expected, scales.get("k_scale"), scales.get("v_scale"), head_size=D, block_size=BS,
                   num_kv_heads=H)
@@ -127,9 +132,7 @@ def test_groups_without_finite_values_bytes(name, dtype):
         fmt.write(cache, xt, xt.clone(), torch.from_numpy(slots).to(DEVICE))
         expected = R.new_cache(fmt.spec, 2, BS, H, D)
         R.write(fmt.spec, expected, x, x, slots, k_scale=scales.get("k_scale"), v_scale=scales.get("v_scale"))
-    for t, want in expected.items():
-        got = cache.tensors[t].view(torch.uint8).reshape(2, -1).cpu().numpy()
-        assert np.array_equal(got, want), f"{t}: bytes differ at {np.argwhere(got != want)[:3].tolist()}"
+    assert_reference_bytes(cache, expected, 2)
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -151,9 +154,7 @@ def test_skipped_tokens_of_any_value_store_nothing(name):
         fmt.write(cache, xt, xt.clone(), torch.from_numpy(slots).to(DEVICE))
         expected = R.new_cache(fmt.spec, 4, BS, H, D)
         R.write(fmt.spec, expected, x, x, slots, k_scale=scales.get("k_scale"), v_scale=scales.get("v_scale"))
-    for t, want in expected.items():
-        got = cache.tensors[t].view(torch.uint8).reshape(4, -1).cpu().numpy()
-        assert np.array_equal(got, want), f"{t}: bytes differ at {np.argwhere(got != want)[:3].tolist()}"
+    assert_reference_bytes(cache, expected, 4)
     assert any(np.any(want != 0) for want in expected.values())  # the normal tokens were stored
 
 
@@ -174,9 +175,7 @@ def _bytes_match_reference(tmp_path, spec: dict, x: np.ndarray, **scales) -> Non
     fmt.write(cache, xt, xt, torch.from_numpy(slots).to(DEVICE))
     expected = R.new_cache(fmt.spec, 1, tokens, 1, head)
     R.write(fmt.spec, expected, x, x, slots, **scales)
-    for t, want in expected.items():
-        got = cache.tensors[t].view(torch.uint8).reshape(1, -1).cpu().numpy()
-        assert np.array_equal(got, want), f"{t}: bytes differ at {np.argwhere(got != want)[:3].tolist()}"
+    assert_reference_bytes(cache, expected, 1)
 
 
 @pytest.mark.parametrize("element", ["int8", "fp8_e4m3"])
