@@ -230,9 +230,11 @@ def dequantize_first_summary(fmt, head_size: int) -> str:
     fewest = auto_min_new_tokens(fmt, AUTO_GROUP, head_size)
     if fewest is None:
         return 'dequantize_first="auto" runs the fused kernels (measured faster for this kind of format)'
+    fast = auto_min_new_tokens(fmt, AUTO_GROUP, head_size, "fast")
+    under_fast = f'; from {fast} under dot_precision="fast"' if fast != fewest else ""
     return (f'dequantize_first="auto" dequantizes first from {fewest} new tokens per sequence on average at '
             f"{AUTO_GROUP} query heads per KV head and head size {head_size} (fewer with more heads per KV head, "
-            f"more for heads under {AUTO_HEAD_SIZE}, fewer over it), fused below")
+            f"more for heads under {AUTO_HEAD_SIZE}, fewer over it{under_fast}), fused below")
 
 
 @main.command()

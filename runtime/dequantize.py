@@ -44,8 +44,10 @@ DENSE_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 # (kernels.rule_matches; None admits anything). Fields: the most terms of a cache-side dot operand (the generated
 # DOT_OPERANDS: 2 where a code times its scale is not one fp16 value, as for q4_0's fp16 block scales or KIVI's
 # zero points; 0 for exact fp32 dots), block scales, e8m0 block scales, scales computed on write (per token-head,
-# per block, per channel group) -> the fewest new tokens per sequence (the batch's average) from which the dense
-# path is taken at AUTO_GROUP query heads per KV head and head size AUTO_HEAD_SIZE, None for never. Other groups
+# per block, per channel group), the dots ("fast" or "auto"), the widest code in bits, keys grouped over positions
+# (KIVI's per-channel groups: the generated BLOCK_N_GROUP) -> the fewest new tokens per sequence (the batch's
+# average) from which the dense path is taken at AUTO_GROUP query heads per KV head and head size AUTO_HEAD_SIZE,
+# None for never. Other groups
 # scale the count inversely (a query of 2 heads per KV head needs twice the tokens); so do larger heads (256 needs
 # half the tokens), and smaller heads by the square of the ratio (64 needs four times the tokens).
 # Measured on an H100 (thirty-seventh session, after the dequantize kernels got 1.3-2.7x faster; benchmarks/
@@ -75,14 +77,21 @@ DENSE_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 # (508 / 501; mxfp8 472 / 502) and 16 for q4_0 (351 / 352), where KIVI's dense-first is 2.4x faster (946 / 397),
 # hence half the count. Only batches of equal chunks were timed: the batch's average stands for every sequence's,
 # so a decode sequence in a mixed batch pays the dense copy of its whole context for one query (one chunk of 1024
-# with 31 decodes averages 33 new tokens per sequence). The fused kernels were timed under "auto" dots; "fast" takes
-# the same counts (its fused kernels drop a term where "auto" takes two, so they may cross later: unmeasured). Also
+# with 31 decodes averages 33 new tokens per sequence). Under "fast" dots the two-term fused kernels take one term
+# (thirty-ninth session, H100, `... --dot-precision fast --shape 4x8192qN`): q8_0 wins up to 96 new tokens (148 /
+# 190 at 32, 236 / 274 at 64, 335 / 351 at 96; 399 / 391 at 128), q4_0 at 32 (141 / 176; 245 / 224 at 48, 256 /
+# 259 at 64, 362 / 337 at 96), hence their own counts by the widest code (8 bits: 128, fewer: 48); KIVI's keys,
+# grouped over positions, keep it slower (267 / 185 at 32): the two-term count. Other formats' fast kernels are
+# auto's. Also
 # needed: 16-bit queries, "auto" / "fast" dots, and a scratch of at most AUTO_MAX_SCRATCH_BYTES (num_seqs x the
 # positions a sequence may hold: max_seq_len, else what the block table addresses). `auto_min_new_tokens(fmt)`
 # gives a format's count.
 AUTO_DENSE_RULES = (
-    # terms, block scales, e8m0 blocks, scales computed on write -> fewest new tokens per sequence
+    # terms, block scales, e8m0 blocks, scales computed on write, dots, widest code bits, keys grouped over positions
+    # -> fewest new tokens per sequence
     ((None, None, None, False), None),
+    ((2, None, None, None, "fast", (5, 6, 7, 8), False), 128),
+    ((2, None, None, None, "fast", None, False), 48),
     ((2,), 32),
     ((None, True, True), 128),
     ((None, True), 512),
@@ -99,12 +108,15 @@ def dense_blocks(positions: int, table_width: int, block_size: int) -> int:
     return max(1, min(triton_cdiv(positions, block_size), table_width))
 
 
-def auto_min_new_tokens(fmt, group: int = AUTO_GROUP, head_size: int = AUTO_HEAD_SIZE) -> Optional[int]:
+def auto_min_new_tokens(fmt, group: int = AUTO_GROUP, head_size: int = AUTO_HEAD_SIZE,
+                        dot_precision: str = "auto") -> Optional[int]:
     """The fewest new tokens per sequence, on average, from which dequantize_first="auto" takes the dense path for
-    ``fmt`` with ``group`` query heads per KV head at ``head_size`` (AUTO_DENSE_RULES; None: never)."""
+    ``fmt`` with ``group`` query heads per KV head at ``head_size`` under ``dot_precision`` (AUTO_DENSE_RULES;
+    None: never)."""
     ks = fmt._kernels
     key = (max(terms for _, terms, _ in ks.module.DOT_OPERANDS.values()), ks.block_scaled, ks.pow2_blocks,
-           ks.position_scales)
+           ks.position_scales, "fast" if dot_precision == "fast" else "auto", max(ks.module.CODE_BITS.values()),
+           getattr(ks.module, "BLOCK_N_GROUP", None) is not None)
     for rule, fewest in AUTO_DENSE_RULES:
         if kernels.rule_matches(rule, key):
             if fewest is None:
@@ -124,7 +136,7 @@ def auto_dense(fmt, query: torch.Tensor, num_seqs: int, block_table: torch.Tenso
     ``attend``'s own, sized by the longest sequence, is no larger)."""
     if query.dtype not in DENSE_FORMATS or dot_precision not in ("auto", "fast"):
         return False
-    fewest = auto_min_new_tokens(fmt, query.shape[1] // num_kv_heads, query.shape[2])
+    fewest = auto_min_new_tokens(fmt, query.shape[1] // num_kv_heads, query.shape[2], dot_precision)
     if fewest is None or query.shape[0] < fewest * num_seqs:
         return False
     width = block_table.shape[1]

@@ -428,9 +428,9 @@ class Format:
         where it was measured faster than the fused kernels and the scratch stays bounded (formats whose scales
         are computed on write; batches averaging enough new tokens per sequence for the format's class, 32 for
         q4_0, q8_0 and KIVI, 128 per token-head, mxfp8 and mxfp4, 512 nvfp4 at 4 query heads per KV head and
-        head size 128, more for smaller heads, fewer for larger ones:
-        ``kvgen.runtime.dequantize.auto_min_new_tokens(fmt, group, head_size)``; bf16 / fp16 queries, "auto" /
-        "fast" dots),
+        head size 128, more for smaller heads, fewer for larger ones; under "fast" dots 48 for q4_0 and 128 for
+        q8_0: ``kvgen.runtime.dequantize.auto_min_new_tokens(fmt, group, head_size, dot_precision)``; bf16 / fp16
+        queries, "auto" / "fast" dots),
         else runs fused. The average stands for every sequence: in a mixed batch, each decode sequence pays a
         dense copy of its whole context. The choice reads nothing from the device, but where it takes the dense
         path ``attend`` sizes the scratch by the longest sequence unless ``max_seq_len`` is given (one

@@ -153,6 +153,11 @@ def test_show_says_where_auto_dequantizes_first():
     assert f"from {4 * auto_min_new_tokens(kvgen.load('int8_per_token_head'))} new tokens" in at_64, at_64
     assert "head size 64" in at_64, at_64
     assert "runs the fused kernels" in line_with(invoke("show", "fp8_e4m3").stdout, "chunked prefill")
+    # q8_0's own count under "fast" dots, where its fused kernel drops a term; none where fast changes nothing
+    fast = auto_min_new_tokens(kvgen.load("q8_0"), dot_precision="fast")
+    assert fast != auto_min_new_tokens(kvgen.load("q8_0"))
+    assert f'from {fast} under dot_precision="fast"' in line_with(invoke("show", "q8_0").stdout, "chunked prefill")
+    assert "under dot_precision" not in line_with(invoke("show", "int8_per_token_head").stdout, "chunked prefill")
 
 
 def test_show_prints_storage_dtype_and_shape():
