@@ -8,10 +8,7 @@
 #   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~350 s?)
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~350 s?; prefill dequantize-first rows new)
 #   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused near auto's counts: H200, hs 64 / 256, groups 1 / 8 (~550 s?)
-#   bash benchmarks/pending/next_session.sh writeprefetch # write-prefetch.patch: programs taking write items in turn (~400 s?)
 #   bash benchmarks/pending/next_session.sh crossover2 # head sizes 64 / 256 near the counts, nvfp4's (~400 s?)
-#   bash benchmarks/pending/next_session.sh crossfast  # the same under dot_precision="fast" for q4_0 / q8_0 / KIVI (~150 s?)
-#   bash benchmarks/pending/next_session.sh kivicrash  # KIVI's 32-position prefill crash: q4_0 / kivi_4bit too (~400 s)
 #   bash benchmarks/pending/next_session.sh cells      # profiles: the inline-scale cells converted first / 3 stages
 #   bash benchmarks/pending/next_session.sh hs64prof   # profiles at head size 64 (int8 / fp8 per token-head, bf16)
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs, KIVI's flush profile
@@ -29,13 +26,16 @@
 # counts lowered for e8m0 blocks, scaled by head size), bench1, bench2 and tests; they stay for the H200; s38 (H100,
 # benchmarks/results_2026-12-06_h100_s38.md) ran loadearly (write-load-early.patch merged), floatenc
 # (float-encode.patch slower: removed) and crossover2's shapes (the counts rescaled by head size, nvfp4's lowered; the
-# step stays for the H200).
+# step stays for the H200); s39 (H100, benchmarks/results_2026-12-06_h100_s39.md) ran writeprefetch
+# (write-prefetch.patch slower everywhere: removed), tests (635 passed), crossfast ("fast" got its own dequantize-first
+# counts; removed) and kivicrash (KIVI's kernel only, at head size 256; the step removed, kivi_block32_crash.sh
+# kept as the reproducer for a Triton upgrade).
 #
 # Steps in priority order; each prints how long it took.
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossfast, kivicrash, cells, hs64prof, writes, writeprof or writeab"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, cells, hs64prof, writes, writeprof or writeab"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -101,22 +101,6 @@ case "$step" in
         --shape "$2" 2>&1 | tee -a "$out/crossover.txt" | grep "^|\|^Chunked"
     done
     ;;
-  writeprefetch)
-    # write-prefetch.patch (s38, static): reshape-and-cache programs that take several (tokens, KV head) items in
-    # turn, each next item's inputs loaded before the current one is quantized, the grid near N programs per SM
-    # (@N; 4/1 alone: one item per program, the shipped launch, which compiles to the shipped kernel). The writes
-    # under 70% wait on their loads (int8 asym: issue 39%, long_scoreboard 10.7): loads in flight while a program
-    # computes may lift them; registers rise by ~33 (int8 asym 64 -> 97). Then its GPU tests
-    WP_FORMATS="bf16 int8_per_token_head int8_asym_per_token_head int8_per_token_head_hadamard_k nvfp4 \
-      int4_per_token_head q4_0 fp8_per_token_head mixed_k8_v4 mxfp8 fp8_e4m3"
-    # (every format but KIVI rebuilt: the patched runtime passes the new argument to each paged write)
-    variant write-prefetch "items_per_program" bf16 fp16 fp8_e4m3 fp8_e4m3_per_head fp8_e5m2 fp8_per_token_head \
-      int8_per_token_head int8_per_token_head_separate int8_asym_per_token_head int8_per_token_head_hadamard_k \
-      mixed_k8_v4 mxfp8 q8_0 nvfp4 nvfp4_separate mxfp4 int4_per_token_head q4_0 || exit 1
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 400 python3 benchmarks/tune_writes.py $WP_FORMATS \
-      --configs 4/1 4/1@8 4/1@16 4/1@24 4/1/80@24 --tokens 32768 2>&1 | tee "$out/writeprefetch.txt" | grep "^|")
-    variant_tests writeprefetch tests/test_write_items.py tests/test_golden.py tests/test_write_plan.py
-    ;;
   crossover2)
     # what crossover (s37, H100) left: head size (at 64 the per token-head and e8m0 fused kernels still win at 128
     # new tokens, at 256 dense-first wins there by 12-50%: do the counts scale inversely with head size? hs64 at
@@ -133,14 +117,6 @@ case "$step" in
     timeout 100 python3 benchmarks/dequantize_first.py nvfp4 --shape 4x8192q1024 2>&1 \
       | tee -a "$out/crossover2.txt" | grep "^|\|^Chunked"
     ;;
-  crossfast)
-    # dequantize_first="auto" under "fast" dots takes auto's counts (runtime/dequantize.py), unmeasured: the
-    # two-term formats' fused kernels drop a term there, so they may cross later than the 32 new tokens of auto's
-    for q in 32 128 512; do
-      timeout 80 python3 benchmarks/dequantize_first.py q4_0 q8_0 kivi_2bit --dot-precision fast --shape "4x8192q$q" \
-        2>&1 | tee -a "$out/crossfast.txt" | grep "^|\|^Chunked"
-    done
-    ;;
   tests)
     # (30 random specs, not the GPU's default 40: each now also compiles a dequantize kernel and bf16's attention)
     KVGEN_RANDOM_SPECS=30 timeout 560 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_tiles.py tests/test_attention_plan.py \
@@ -151,13 +127,6 @@ case "$step" in
       "tests/test_conformance.py::test_long_decode_many_tiles" \
       "tests/test_conformance.py::test_prefill_rows_128_conform" "tests/test_conformance.py::test_kivi_decode_256" \
       2>&1 | tee "$out/tests.txt" | tail -15
-    ;;
-  kivicrash)
-    # the illegal shared address of KIVI's prefill on 32-position tiles (twenty-ninth session, runs 4-7; no rule
-    # takes such tiles): kivi_4bit's cases, and q4_0's (block-scaled two-term operands without a residual window),
-    # to tell whether it is KIVI's or any two-term block-scaled kernel's
-    timeout 280 bash benchmarks/pending/kivi_block32_crash.sh kivi_4bit 2>&1 | tee "$out/kivicrash.txt"
-    timeout 280 bash benchmarks/pending/kivi_block32_crash.sh q4_0 2>&1 | tee -a "$out/kivicrash.txt"
     ;;
   bench1)
     timeout 560 python3 benchmarks/bench.py --cuda-graphs --out "$out/benchA" --formats bf16 fp16 fp8_e4m3 \
@@ -211,7 +180,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossfast, kivicrash, cells, hs64prof, writes, writeprof or writeab" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, cells, hs64prof, writes, writeprof or writeab" >&2
     exit 2
     ;;
 esac
