@@ -30,7 +30,7 @@ from .kivi import (KiviLayout, encode_key_group, is_kivi, kivi_attention, kivi_e
                    kivi_residual_shapes, kivi_write, quantized_length, residual_values)
 from .codes import decode_codes, encode_codes, half_ulp
 from .layout import (FieldLayout, RegionLayout, TensorLayout, as_cache_bytes, bytes_per_token_head, cell_layout,
-                     field_views, infer_head_size, layout, new_cache, new_cache_bytes, page_bytes, read,
+                     field_views, infer_head_size, layout, new_cache, new_cache_bytes, padding_bytes, page_bytes, read,
                      tensor_names, tensor_page_bytes, tensor_shapes, write)
 from .quant import (SideEncoding, data_bytes, decode_side, dynamic_scale, encode_side, error_bound, rotate_side,
                     unrotate_side)
@@ -73,6 +73,7 @@ __all__ = [
     "layout",
     "new_cache",
     "new_cache_bytes",
+    "padding_bytes",
     "page_bytes",
     "paged_attention",
     "quantized_length",

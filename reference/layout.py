@@ -122,6 +122,14 @@ class TensorLayout:
         return None
 
 
+def padding_bytes(region: RegionLayout) -> list[int]:
+    """The bytes of a region's cell that no field holds (alignment padding), which writes store as zeros."""
+    held = np.zeros(region.cell, bool)
+    for f in region.fields:
+        held[f.offset:f.offset + f.nbytes] = True
+    return [int(i) for i in np.flatnonzero(~held)]
+
+
 def _data_align(side: SideSpec) -> int:
     if side.data_align is not None:
         return side.data_align
@@ -422,6 +430,13 @@ def write(spec: FormatSpec, cache: Union[Cache, np.ndarray], key: np.ndarray, va
             t_name, index, f = located
             view = _region_view(pages[t_name], lay[t_name], index, block_size, num_heads)
             view[blocks, offsets, :, f.offset:f.offset + f.nbytes] = values[written]
+    # the written cells' padding (bytes of a cell outside every field) is stored as zeros
+    for t in lay.values():
+        for index, region in enumerate(t.regions):
+            gaps = padding_bytes(region)
+            if gaps:
+                view = _region_view(pages[t.name], t, index, block_size, num_heads)
+                view[blocks[:, None], offsets[:, None], :, np.array(gaps)[None, :]] = 0
 
 
 def _infer_geometry(spec: FormatSpec, cache: Mapping[str, np.ndarray],

@@ -13,7 +13,7 @@ import torch
 
 from . import checks
 from .dequantize import DequantizedLaunch, auto_dense, dense_dtype
-from .kernels import DOT_PRECISIONS, KernelSet
+from .kernels import DOT_PRECISIONS, KernelSet, write_pads
 
 try:
     from ..codegen.spec import FormatSpec, Granularity, ScaleDType
@@ -78,6 +78,7 @@ class Format:
                                   pow2_blocks=any(sc.dtype == ScaleDType.e8m0 for sc in blocks), scale_rows=scale_rows,
                                   position_scales=dynamic)
         self._consts: dict = {}
+        self._pads: dict = {}  # the write kernel's padding constexprs (write_pads) by (block size, heads, head size)
         self._tensor_of: dict = {}
         self.spec_hash = spec.spec_hash()  # computed once: write() and attend() compare it on every call
         self._shapes: dict = {}
@@ -235,6 +236,7 @@ class Format:
                 consts[f"{side[0].upper()}_LOG_B"] = rotation_log_b(cache.head_size) \
                     if self.spec.side(side).rotation is not None else 0
             self._consts[key] = consts
+            self._pads[key] = write_pads(lay)
             self._tensor_of = {f: lay["fields"][f]["tensor"] for f in lay["fields"]}
         t = cache.tensors
         ptrs = {}
@@ -328,7 +330,8 @@ class Format:
         slots = slot_mapping.to(torch.int64)
         if not streaming:
             recheck = (lambda c: checks.slots_in_range(slots, c.num_slots), slots)
-            return self._kernels.plan_write(key, slots, ptrs, consts), ptrs, recheck
+            pads = self._pads[(cache.block_size, cache.num_kv_heads, cache.head_size)]
+            return self._kernels.plan_write(key, slots, ptrs, {**consts, **pads}), ptrs, recheck
         max_query_len = self._check_sequences(cache, meta, key.shape[0], max_query_len)
         if meta["seq_lens"].shape[0] == 0:
             return None, None, None
@@ -566,7 +569,7 @@ class Format:
         for name, tensor, region, size, align, what in self.layout.FIELDS:
             f = lay["fields"][name]
             fields.append(dict(field=name, tensor=tensor, region=region, offset=f["offset"], base=f["base"],
-                               bytes=f["bytes"], what=what))
+                               bytes=f["bytes"], pad=f["pad"], what=what))
         k = sum(f["bytes"] for f in fields if f["field"].startswith("k_"))
         v = sum(f["bytes"] for f in fields if f["field"].startswith("v_"))
         page = self.page_bytes(block_size, num_kv_heads, head_size)

@@ -319,6 +319,28 @@ def rule_matches(rule: tuple, key: tuple) -> bool:
     return all(r is None or (k in r if isinstance(r, tuple) else r == k) for r, k in zip(rule, key))
 
 
+# The write kernel stores every byte of the cells it writes, the padding after a field (to the next field's alignment
+# or the cell's end) as zeros (docs/SEMANTICS.md). A 32-byte sector that a write covers only in part makes the GPU's
+# L2 read it from DRAM to merge it: int8 asym's cell [K 128 | scale 4 | zp 1 | pad 3 | V 128 | scale 4 | zp 1 | pad
+# 3] wrote 32768 tokens in 130 us (52% of copy bandwidth) on an H100 with its pads left alone, in 82 us (83%) with
+# them written (benchmarks/RESULTS.md, thirty-ninth session)
+PAD_FIELDS = ("k_data", "k_scale", "k_zp", "v_data", "v_scale", "v_zp")
+
+
+def write_pads(lay: dict) -> dict:
+    """The write kernel's padding constexprs for a page layout (the generated layout's ``page_layout``): per field F,
+    F_PAD_AT (bytes from the field's start to its padding) and F_PAD (the padding's bytes; 0 for none or no such
+    field), and PAD_SPAN, a power of two at least every F_PAD (the width of the kernel's zero stores)."""
+    out, span = {}, 1
+    for name in PAD_FIELDS:
+        f = lay["fields"].get(name)
+        out[f"{name.upper()}_PAD_AT"] = f["bytes"] if f else 0
+        out[f"{name.upper()}_PAD"] = f["pad"] if f else 0
+        span = max(span, out[f"{name.upper()}_PAD"])
+    out["PAD_SPAN"] = _next_pow2(span)
+    return out
+
+
 def write_tiles(code_bits: dict, pow2_blocks: bool) -> dict:
     """The reshape-and-cache launch of a compiled format (a new dict: BLOCK_T, num_warps, optional maxnreg)."""
     if WRITE_OVERRIDE is not None:

@@ -160,6 +160,17 @@ def test_show_says_where_auto_dequantizes_first():
     assert "under dot_precision" not in line_with(invoke("show", "int8_per_token_head").stdout, "chunked prefill")
 
 
+def test_show_prints_each_fields_padding():
+    """int8 asym's zero points are followed by 3 bytes of padding (the values' codes start at a multiple of 4), which a
+    write stores as zeros; `kvgen show` says so on each zero point's row."""
+    out = invoke("show", "int8_asym_per_token_head", "--head-size", "128").stdout
+    assert "pad" in line_with(out, "offset")
+    def pad_of(field):  # the pad column, just before the field's name
+        cells = [c.strip() for c in line_with(out, f" {field} ").replace("┃", "│").split("│")]
+        return cells[cells.index(field) - 1]
+    assert (pad_of("k_zp"), pad_of("v_zp"), pad_of("k_data"), pad_of("v_scale")) == ("3", "3", "0", "0")
+
+
 def test_show_prints_storage_dtype_and_shape():
     r = invoke("show", "int8_per_token_head")
     storage = line_with(r.stdout, "storage")

@@ -26,22 +26,26 @@ DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 SPECS = int(os.environ.get("KVGEN_RANDOM_SPECS", "40" if DEVICE == "cuda" else "20"))
 
 
-@settings(max_examples=SPECS, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                     HealthCheck.too_slow])
-@given(spec=format_specs(), data=st.data())
-def test_random_spec_builds_and_conforms(spec, data, tmp_path_factory):
-    root = tmp_path_factory.mktemp("spec")
+def load_spec_data(spec: dict, root):
+    """``kvgen.load`` of a spec given as plain data, written to ``root`` and built into a cache of its own there."""
     path = root / "random_spec.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     before = os.environ.get("KVGEN_CACHE_DIR")
     os.environ["KVGEN_CACHE_DIR"] = str(root / "cache")
     try:
-        fmt = kvgen.load(path)  # validation and build: a valid spec never raises here
+        return kvgen.load(path)
     finally:
         if before is None:
             del os.environ["KVGEN_CACHE_DIR"]
         else:
             os.environ["KVGEN_CACHE_DIR"] = before
+
+
+@settings(max_examples=SPECS, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                     HealthCheck.too_slow])
+@given(spec=format_specs(), data=st.data())
+def test_random_spec_builds_and_conforms(spec, data, tmp_path_factory):
+    fmt = load_spec_data(spec, tmp_path_factory.mktemp("spec"))  # validation and build: a valid spec never raises
     for _ in range(2):
         case = data.draw(cases(fmt, max_len=30))
         failures = {p: m for p, m in run_case(fmt, case, DEVICE).items() if m}

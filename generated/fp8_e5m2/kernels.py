@@ -183,6 +183,11 @@ def reshape_and_cache_kernel(
     V_DATA_PAGE: tl.constexpr, V_DATA_BASE: tl.constexpr, V_DATA_CELL: tl.constexpr,
     V_SCALE_PAGE: tl.constexpr, V_SCALE_BASE: tl.constexpr, V_SCALE_CELL: tl.constexpr,
     V_ZP_PAGE: tl.constexpr, V_ZP_BASE: tl.constexpr, V_ZP_CELL: tl.constexpr,
+    # the padding after each field in its cell, stored as zeros: PAD_AT bytes after the field's start, PAD bytes
+    K_DATA_PAD_AT: tl.constexpr, K_DATA_PAD: tl.constexpr, K_SCALE_PAD_AT: tl.constexpr, K_SCALE_PAD: tl.constexpr,
+    K_ZP_PAD_AT: tl.constexpr, K_ZP_PAD: tl.constexpr, V_DATA_PAD_AT: tl.constexpr, V_DATA_PAD: tl.constexpr,
+    V_SCALE_PAD_AT: tl.constexpr, V_SCALE_PAD: tl.constexpr, V_ZP_PAD_AT: tl.constexpr, V_ZP_PAD: tl.constexpr,
+    PAD_SPAN: tl.constexpr,  # a power of two at least every PAD
     BLOCK_T: tl.constexpr, NATIVE_CASTS: tl.constexpr,  # compiled: hardware fp8 / int8 conversions (the same bytes)
     FAST_DIV: tl.constexpr,  # compiled: divisions by a group's scale through its reciprocal (the same codes)
 ):
@@ -222,6 +227,10 @@ def reshape_and_cache_kernel(
         tl.store(k_wp + 1, k_w1, mask=k_wmask)
     else:
         tl.store(k_row[:, None] + d[None, :], k_codes, mask=valid[:, None] & dmask[None, :])
+    if K_DATA_PAD > 0:  # the padding after this field: zeros
+        k_pi = tl.arange(0, PAD_SPAN)
+        tl.store((k_row + K_DATA_PAD_AT)[:, None] + k_pi[None, :], tl.zeros([BLOCK_T, PAD_SPAN], tl.uint8),
+                 mask=valid[:, None] & (k_pi < K_DATA_PAD)[None, :])
 
     # ---- value ----
     v_eff = tl.load(v_scale_ptr)  # static scale of the layer
@@ -241,6 +250,10 @@ def reshape_and_cache_kernel(
         tl.store(v_wp + 1, v_w1, mask=v_wmask)
     else:
         tl.store(v_row[:, None] + d[None, :], v_codes, mask=valid[:, None] & dmask[None, :])
+    if V_DATA_PAD > 0:  # the padding after this field: zeros
+        v_pi = tl.arange(0, PAD_SPAN)
+        tl.store((v_row + V_DATA_PAD_AT)[:, None] + v_pi[None, :], tl.zeros([BLOCK_T, PAD_SPAN], tl.uint8),
+                 mask=valid[:, None] & (v_pi < V_DATA_PAD)[None, :])
 
 
 # ---------------------------------------------------------------------------------------------------------------

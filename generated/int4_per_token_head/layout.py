@@ -31,9 +31,10 @@ def _align_up(x, a):
 def page_layout(block_size, num_kv_heads, head_size):
     """Where every field lives for concrete sizes.
 
-    Returns {"fields": {name: {"tensor", "base", "cell", "offset", "bytes"}}, "regions": {tensor: [cell bytes]},
-    "page_bytes": {tensor: bytes}}. A field of (block b, slot offset o, head h) starts at byte
-    b * page_bytes[tensor] + base + (o * num_kv_heads + h) * cell of its tensor.
+    Returns {"fields": {name: {"tensor", "base", "cell", "offset", "bytes", "pad"}}, "regions": {tensor: [cell
+    bytes]}, "page_bytes": {tensor: bytes}}. A field of (block b, slot offset o, head h) starts at byte
+    b * page_bytes[tensor] + base + (o * num_kv_heads + h) * cell of its tensor; "pad" is the padding that follows
+    it in the cell (up to the next field's alignment or the cell's end), which a write stores as zeros.
     """
     cells = {t: [] for t in TENSORS}  # tensor -> per region: [end of the last field, alignment]
     placed = {}
@@ -58,8 +59,15 @@ def page_layout(block_size, num_kv_heads, head_size):
                 raise ValueError(f"block_size {block_size} is not a multiple of the token group {rows_per}")
             page += block_size // rows_per * num_kv_heads * cell
         pages[tensor] = _align_up(page, max(a for _, a in rs))
+    # each field's padding: to the next field of its cell, or to the cell's end after the last one
+    ends = {name: regions[t][r] for name, (t, r, _, _) in placed.items()}
+    for name, (t, r, off, _) in placed.items():
+        for other, (t2, r2, off2, _) in placed.items():
+            if (t2, r2) == (t, r) and off2 > off:
+                ends[name] = min(ends[name], off2)
     fields = {
-        name: {"tensor": t, "base": starts[(t, r)] + off, "cell": regions[t][r], "offset": off, "bytes": n}
+        name: {"tensor": t, "base": starts[(t, r)] + off, "cell": regions[t][r], "offset": off, "bytes": n,
+               "pad": ends[name] - off - n}
         for name, (t, r, off, n) in placed.items()
     }
     return {"fields": fields, "regions": regions, "page_bytes": pages}

@@ -326,6 +326,11 @@ def reshape_and_cache_kernel(
     V_DATA_PAGE: tl.constexpr, V_DATA_BASE: tl.constexpr, V_DATA_CELL: tl.constexpr,
     V_SCALE_PAGE: tl.constexpr, V_SCALE_BASE: tl.constexpr, V_SCALE_CELL: tl.constexpr,
     V_ZP_PAGE: tl.constexpr, V_ZP_BASE: tl.constexpr, V_ZP_CELL: tl.constexpr,
+    # the padding after each field in its cell, stored as zeros: PAD_AT bytes after the field's start, PAD bytes
+    K_DATA_PAD_AT: tl.constexpr, K_DATA_PAD: tl.constexpr, K_SCALE_PAD_AT: tl.constexpr, K_SCALE_PAD: tl.constexpr,
+    K_ZP_PAD_AT: tl.constexpr, K_ZP_PAD: tl.constexpr, V_DATA_PAD_AT: tl.constexpr, V_DATA_PAD: tl.constexpr,
+    V_SCALE_PAD_AT: tl.constexpr, V_SCALE_PAD: tl.constexpr, V_ZP_PAD_AT: tl.constexpr, V_ZP_PAD: tl.constexpr,
+    PAD_SPAN: tl.constexpr,  # a power of two at least every PAD
     BLOCK_T: tl.constexpr, NATIVE_CASTS: tl.constexpr,  # compiled: hardware fp8 / int8 conversions (the same bytes)
     FAST_DIV: tl.constexpr,  # compiled: divisions by a group's scale through its reciprocal (the same codes)
 ):
@@ -380,6 +385,14 @@ def reshape_and_cache_kernel(
     k_gmask = valid[:, None] & (k_gi < HEAD_SIZE // 16)[None, :]
     k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
     tl.store(k_srow[:, None] + k_gi[None, :], k_scode, mask=k_gmask)
+    if K_DATA_PAD > 0:  # the padding after this field: zeros
+        k_pi = tl.arange(0, PAD_SPAN)
+        tl.store((k_row + K_DATA_PAD_AT)[:, None] + k_pi[None, :], tl.zeros([BLOCK_T, PAD_SPAN], tl.uint8),
+                 mask=valid[:, None] & (k_pi < K_DATA_PAD)[None, :])
+    if K_SCALE_PAD > 0:  # the padding after this field: zeros
+        k_pi = tl.arange(0, PAD_SPAN)
+        tl.store((k_srow + K_SCALE_PAD_AT)[:, None] + k_pi[None, :], tl.zeros([BLOCK_T, PAD_SPAN], tl.uint8),
+                 mask=valid[:, None] & (k_pi < K_SCALE_PAD)[None, :])
 
     # ---- value ----
     # value codes have no NaN: widen() stored NaN as 0.0 would be
@@ -414,6 +427,14 @@ def reshape_and_cache_kernel(
     v_gmask = valid[:, None] & (v_gi < HEAD_SIZE // 16)[None, :]
     v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
     tl.store(v_srow[:, None] + v_gi[None, :], v_scode, mask=v_gmask)
+    if V_DATA_PAD > 0:  # the padding after this field: zeros
+        v_pi = tl.arange(0, PAD_SPAN)
+        tl.store((v_row + V_DATA_PAD_AT)[:, None] + v_pi[None, :], tl.zeros([BLOCK_T, PAD_SPAN], tl.uint8),
+                 mask=valid[:, None] & (v_pi < V_DATA_PAD)[None, :])
+    if V_SCALE_PAD > 0:  # the padding after this field: zeros
+        v_pi = tl.arange(0, PAD_SPAN)
+        tl.store((v_srow + V_SCALE_PAD_AT)[:, None] + v_pi[None, :], tl.zeros([BLOCK_T, PAD_SPAN], tl.uint8),
+                 mask=valid[:, None] & (v_pi < V_SCALE_PAD)[None, :])
 
 
 # ---------------------------------------------------------------------------------------------------------------
