@@ -322,8 +322,9 @@ def rule_matches(rule: tuple, key: tuple) -> bool:
 # The write kernel stores every byte of the cells it writes, the padding after a field (to the next field's alignment
 # or the cell's end) as zeros (docs/SEMANTICS.md). A 32-byte sector that a write covers only in part makes the GPU's
 # L2 read it from DRAM to merge it: int8 asym's cell [K 128 | scale 4 | zp 1 | pad 3 | V 128 | scale 4 | zp 1 | pad
-# 3] wrote 32768 tokens in 130 us (52% of copy bandwidth) on an H100 with its pads left alone, in 82 us (83%) with
-# them written (benchmarks/RESULTS.md, thirty-ninth session)
+# 3] wrote 32768 tokens in 130 us (52% of copy bandwidth) on an H100 with its pads left alone, in 84 us (80%) with
+# them written as bytes and 82 us (83%) with each zero point and its pad stored as one word (side.jinja's zp_word;
+# benchmarks/RESULTS.md, thirty-ninth session)
 PAD_FIELDS = ("k_data", "k_scale", "k_zp", "v_data", "v_scale", "v_zp")
 
 

@@ -294,7 +294,11 @@ def reshape_and_cache_kernel(
     k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
     tl.store(k_srow.to(tl.pointer_type(tl.uint32))[:, None] + k_gi[None, :], k_scode, mask=k_gmask)
     k_zrow = k_cache_ptr + blk * K_ZP_PAGE + K_ZP_BASE + (off * NUM_KV_HEADS + head) * K_ZP_CELL
-    tl.store(k_zrow[:, None] + k_gi[None, :], k_zcode, mask=k_gmask)
+    if (K_ZP_PAD == 3) and (K_ZP_BASE % 4 == 0) and (K_ZP_CELL % 4 == 0) and (K_ZP_PAGE % 4 == 0):
+        # the zero point and the 3 bytes of padding after it as one word (the zero point its low byte), one store
+        tl.store(k_zrow.to(tl.pointer_type(tl.uint32))[:, None] + k_gi[None, :], k_zcode.to(tl.uint32), mask=k_gmask)
+    else:
+        tl.store(k_zrow[:, None] + k_gi[None, :], k_zcode, mask=k_gmask)
     if K_DATA_PAD > 0:  # the padding after this field: zeros
         k_pi = tl.arange(0, PAD_SPAN)
         tl.store((k_row + K_DATA_PAD_AT)[:, None] + k_pi[None, :], tl.zeros([BLOCK_T, PAD_SPAN], tl.uint8),
@@ -303,7 +307,7 @@ def reshape_and_cache_kernel(
         k_pi = tl.arange(0, PAD_SPAN)
         tl.store((k_srow + K_SCALE_PAD_AT)[:, None] + k_pi[None, :], tl.zeros([BLOCK_T, PAD_SPAN], tl.uint8),
                  mask=valid[:, None] & (k_pi < K_SCALE_PAD)[None, :])
-    if K_ZP_PAD > 0:  # the padding after this field: zeros
+    if (K_ZP_PAD > 0) and not ((K_ZP_PAD == 3) and (K_ZP_BASE % 4 == 0) and (K_ZP_CELL % 4 == 0) and (K_ZP_PAGE % 4 == 0)):  # the padding after this field: zeros (unless stored with it)
         k_pi = tl.arange(0, PAD_SPAN)
         tl.store((k_zrow + K_ZP_PAD_AT)[:, None] + k_pi[None, :], tl.zeros([BLOCK_T, PAD_SPAN], tl.uint8),
                  mask=valid[:, None] & (k_pi < K_ZP_PAD)[None, :])
@@ -359,7 +363,11 @@ def reshape_and_cache_kernel(
     v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
     tl.store(v_srow.to(tl.pointer_type(tl.uint32))[:, None] + v_gi[None, :], v_scode, mask=v_gmask)
     v_zrow = v_cache_ptr + blk * V_ZP_PAGE + V_ZP_BASE + (off * NUM_KV_HEADS + head) * V_ZP_CELL
-    tl.store(v_zrow[:, None] + v_gi[None, :], v_zcode, mask=v_gmask)
+    if (V_ZP_PAD == 3) and (V_ZP_BASE % 4 == 0) and (V_ZP_CELL % 4 == 0) and (V_ZP_PAGE % 4 == 0):
+        # the zero point and the 3 bytes of padding after it as one word (the zero point its low byte), one store
+        tl.store(v_zrow.to(tl.pointer_type(tl.uint32))[:, None] + v_gi[None, :], v_zcode.to(tl.uint32), mask=v_gmask)
+    else:
+        tl.store(v_zrow[:, None] + v_gi[None, :], v_zcode, mask=v_gmask)
     if V_DATA_PAD > 0:  # the padding after this field: zeros
         v_pi = tl.arange(0, PAD_SPAN)
         tl.store((v_row + V_DATA_PAD_AT)[:, None] + v_pi[None, :], tl.zeros([BLOCK_T, PAD_SPAN], tl.uint8),
@@ -368,7 +376,7 @@ def reshape_and_cache_kernel(
         v_pi = tl.arange(0, PAD_SPAN)
         tl.store((v_srow + V_SCALE_PAD_AT)[:, None] + v_pi[None, :], tl.zeros([BLOCK_T, PAD_SPAN], tl.uint8),
                  mask=valid[:, None] & (v_pi < V_SCALE_PAD)[None, :])
-    if V_ZP_PAD > 0:  # the padding after this field: zeros
+    if (V_ZP_PAD > 0) and not ((V_ZP_PAD == 3) and (V_ZP_BASE % 4 == 0) and (V_ZP_CELL % 4 == 0) and (V_ZP_PAGE % 4 == 0)):  # the padding after this field: zeros (unless stored with it)
         v_pi = tl.arange(0, PAD_SPAN)
         tl.store((v_zrow + V_ZP_PAD_AT)[:, None] + v_pi[None, :], tl.zeros([BLOCK_T, PAD_SPAN], tl.uint8),
                  mask=valid[:, None] & (v_pi < V_ZP_PAD)[None, :])
