@@ -9,6 +9,7 @@
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~350 s?; prefill dequantize-first rows new)
 #   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused near auto's counts: H200, hs 64 / 256, groups 1 / 8 (~550 s?)
 #   bash benchmarks/pending/next_session.sh kiviheads  # kivi-flush-heads.patch: the flush's KV heads in consecutive programs (~120 s?)
+#   bash benchmarks/pending/next_session.sh int4div    # write-int4-fastdiv.patch: int4 per token-head divides through div_fast (~120 s?)
 #   bash benchmarks/pending/next_session.sh crossover2 # head sizes 64 / 256 near the counts, nvfp4's (~400 s?)
 #   bash benchmarks/pending/next_session.sh cells      # profiles: the inline-scale cells converted first / 3 stages
 #   bash benchmarks/pending/next_session.sh hs64prof   # profiles at head size 64 (int8 / fp8 per token-head, bf16)
@@ -36,7 +37,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, kiviheads, crossover2, cells, hs64prof, writes, writeprof or writeab"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, kiviheads, int4div, crossover2, cells, hs64prof, writes, writeprof or writeab"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -117,6 +118,20 @@ case "$step" in
     done
     variant_tests kiviheads tests/test_kivi.py tests/test_kivi_reference.py tests/test_write_plan.py
     ;;
+  int4div)
+    # write-int4-fastdiv.patch (s39, static): rotated integer sides divide through div_fast (the tile's guarded
+    # reciprocal) instead of fp64, chosen in the eighth session against div_rn before div_fast existed: int4 per
+    # token-head's write 90 -> 78 registers (21 -> 25 programs per SM), no F2F conversions. Then its GPU tests
+    variant write-int4-fastdiv "def recip_fast" int4_per_token_head || exit 1
+    for r in 1 2; do
+      timeout 60 python3 benchmarks/time_writes.py int4_per_token_head --tokens 32768 256 --rounds 2 2>&1 \
+        | tee -a "$out/int4div_main.txt" | grep "^|"
+      (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 60 python3 benchmarks/time_writes.py \
+        int4_per_token_head --tokens 32768 256 --rounds 2 2>&1 | tee -a "$out/int4div_variant.txt" | grep "^|")
+    done
+    variant_tests int4div tests/test_fast_div.py tests/test_golden.py tests/test_numerics.py tests/test_padding.py \
+      tests/test_write_arithmetic.py
+    ;;
   crossover2)
     # what crossover (s37, H100) left: head size (at 64 the per token-head and e8m0 fused kernels still win at 128
     # new tokens, at 256 dense-first wins there by 12-50%: do the counts scale inversely with head size? hs64 at
@@ -196,7 +211,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, kiviheads, crossover2, cells, hs64prof, writes, writeprof or writeab" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, kiviheads, int4div, crossover2, cells, hs64prof, writes, writeprof or writeab" >&2
     exit 2
     ;;
 esac
