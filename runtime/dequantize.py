@@ -47,9 +47,9 @@ DENSE_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 # per block, per channel group), the dots ("fast" or "auto"), the widest code in bits, keys grouped over positions
 # (KIVI's per-channel groups: the generated BLOCK_N_GROUP) -> the fewest new tokens per sequence (the batch's
 # average) from which the dense path is taken at AUTO_GROUP query heads per KV head and head size AUTO_HEAD_SIZE,
-# None for never. Other groups
-# scale the count inversely (a query of 2 heads per KV head needs twice the tokens); so do larger heads (256 needs
-# half the tokens), and smaller heads by the square of the ratio (64 needs four times the tokens).
+# None for never. Other groups scale the count inversely (a query of 2 heads per KV head needs twice the tokens); so
+# do larger heads (256 needs half the tokens), and smaller heads by the square of the ratio (64 needs four times the
+# tokens).
 # Measured on an H100 (thirty-seventh session, after the dequantize kernels got 1.3-2.7x faster; benchmarks/
 # RESULTS.md; `python benchmarks/dequantize_first.py FORMATS --shape 4x8192qN[hsH] [--query-heads Q]`, chunks of N
 # new tokens on each of 4 sequences of 8192, 32 query heads over 8 KV heads of 128 unless named), fused /
@@ -82,10 +82,9 @@ DENSE_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 # 190 at 32, 236 / 274 at 64, 335 / 351 at 96; 399 / 391 at 128), q4_0 at 32 (141 / 176; 245 / 224 at 48, 256 /
 # 259 at 64, 362 / 337 at 96), hence their own counts by the widest code (8 bits: 128, fewer: 48); KIVI's keys,
 # grouped over positions, keep it slower (267 / 185 at 32): the two-term count. Other formats' fast kernels are
-# auto's. Also
-# needed: 16-bit queries, "auto" / "fast" dots, and a scratch of at most AUTO_MAX_SCRATCH_BYTES (num_seqs x the
-# positions a sequence may hold: max_seq_len, else what the block table addresses). `auto_min_new_tokens(fmt)`
-# gives a format's count.
+# auto's. Also needed: 16-bit queries, "auto" / "fast" dots, and a scratch of at most AUTO_MAX_SCRATCH_BYTES
+# (num_seqs x the positions a sequence may hold: max_seq_len, else what the block table addresses).
+# `auto_min_new_tokens(fmt)` gives a format's count.
 AUTO_DENSE_RULES = (
     # terms, block scales, e8m0 blocks, scales computed on write, dots, widest code bits, keys grouped over positions
     # -> fewest new tokens per sequence

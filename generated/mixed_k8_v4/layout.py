@@ -60,7 +60,7 @@ def page_layout(block_size, num_kv_heads, head_size):
     # each field's padding: to the next field of its cell, or to the cell's end after the last one
     ends = {name: regions[t][r] for name, (t, r, _, _) in placed.items()}
     for name, (t, r, off, _) in placed.items():
-        for other, (t2, r2, off2, _) in placed.items():
+        for t2, r2, off2, _ in placed.values():
             if (t2, r2) == (t, r) and off2 > off:
                 ends[name] = min(ends[name], off2)
     fields = {
