@@ -165,6 +165,7 @@ def test_show_prints_each_fields_padding():
     write stores as zeros; `kvgen show` says so on each zero point's row."""
     out = invoke("show", "int8_asym_per_token_head", "--head-size", "128").stdout
     assert "pad" in line_with(out, "offset")
+
     def pad_of(field):  # the pad column, just before the field's name
         cells = [c.strip() for c in line_with(out, f" {field} ").replace("┃", "│").split("│")]
         return cells[cells.index(field) - 1]
