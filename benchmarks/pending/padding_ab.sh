@@ -1,4 +1,6 @@
-# the padding writes (thirty-ninth session) timed against the last commit's tree, then their GPU tests
+# the padding writes (thirty-ninth session) timed against the tree of the device copy's HEAD, then their GPU tests.
+# (The device's copy of .git held the session's first commit as HEAD, 19205e9 there, not the session's later
+# commits: the base is that commit, whatever was committed since.)
 out=${OUT:-/tmp/out}
 rm -rf /tmp/base /tmp/baseroot && mkdir -p /tmp/base /tmp/baseroot && git archive HEAD | tar -x -C /tmp/base \
   && ln -sfn /tmp/base /tmp/baseroot/kvgen || exit 1
