@@ -30,8 +30,9 @@ DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 FILL = 0xA5
 BLOCKS, BLOCK_SIZE, HEADS = 3, 4, 2
 
-# a key of int4 codes and fp32 scales at head size 20: 10 bytes of codes, 2 of padding before the scale (aligned to 4),
-# then a zero point and 3 bytes to the value's codes (data_align 4); bf16 values and 2 bytes at the cell's end (align 4)
+# a key of uint4 codes and fp32 scales at head size 20: 10 bytes of codes, 2 of padding before the scale (aligned to
+# 4), then a zero point and 3 bytes to the value's codes (data_align 4); int8 values with an fp16 scale aligned to 4,
+# then 2 bytes to the cell's end
 PADDED = """
 kvgen_spec: 1
 name: padded_cells
