@@ -78,7 +78,9 @@ class Format:
                                   pow2_blocks=any(sc.dtype == ScaleDType.e8m0 for sc in blocks), scale_rows=scale_rows,
                                   position_scales=dynamic)
         self._consts: dict = {}
-        self._pads: dict = {}  # the write kernel's padding constexprs (write_pads) by (block size, heads, head size)
+        # the write kernel's constexprs: the shared ones and its padding's (write_pads), by (block size, heads, head
+        # size)
+        self._write_consts: dict = {}
         self._tensor_of: dict = {}
         self.spec_hash = spec.spec_hash()  # computed once: write() and attend() compare it on every call
         self._shapes: dict = {}
@@ -236,7 +238,7 @@ class Format:
                 consts[f"{side[0].upper()}_LOG_B"] = rotation_log_b(cache.head_size) \
                     if self.spec.side(side).rotation is not None else 0
             self._consts[key] = consts
-            self._pads[key] = write_pads(lay)
+            self._write_consts[key] = {**consts, **write_pads(lay)}
             self._tensor_of = {f: lay["fields"][f]["tensor"] for f in lay["fields"]}
         t = cache.tensors
         ptrs = {}
@@ -330,8 +332,8 @@ class Format:
         slots = slot_mapping.to(torch.int64)
         if not streaming:
             recheck = (lambda c: checks.slots_in_range(slots, c.num_slots), slots)
-            pads = self._pads[(cache.block_size, cache.num_kv_heads, cache.head_size)]
-            return self._kernels.plan_write(key, slots, ptrs, {**consts, **pads}), ptrs, recheck
+            consts = self._write_consts[(cache.block_size, cache.num_kv_heads, cache.head_size)]
+            return self._kernels.plan_write(key, slots, ptrs, consts), ptrs, recheck
         max_query_len = self._check_sequences(cache, meta, key.shape[0], max_query_len)
         if meta["seq_lens"].shape[0] == 0:
             return None, None, None

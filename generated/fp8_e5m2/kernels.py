@@ -158,6 +158,16 @@ def v_decode_dot(code, NATIVE: tl.constexpr):
     return x
 
 
+@triton.jit
+def store_padding(row, PAD_AT: tl.constexpr, PAD: tl.constexpr, PAD_SPAN: tl.constexpr, valid, BLOCK_T: tl.constexpr):
+    # zeros over the PAD bytes of padding that follow a field, PAD_AT bytes after each valid row's start (row: [BLOCK_T]
+    # byte pointers to the field); nothing where PAD is 0 (side.jinja's store_pads)
+    if PAD > 0:
+        i = tl.arange(0, PAD_SPAN)
+        tl.store((row + PAD_AT)[:, None] + i[None, :], tl.zeros([BLOCK_T, PAD_SPAN], tl.uint8),
+                 mask=valid[:, None] & (i < PAD)[None, :])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # reshape_and_cache: one program per (BLOCK_T tokens, KV head), the heads of a token tile in consecutive programs
 # (pid = tile * NUM_KV_HEADS + head), so a page's neighbouring cells (one token's heads) are written at about the
@@ -227,10 +237,7 @@ def reshape_and_cache_kernel(
         tl.store(k_wp + 1, k_w1, mask=k_wmask)
     else:
         tl.store(k_row[:, None] + d[None, :], k_codes, mask=valid[:, None] & dmask[None, :])
-    if K_DATA_PAD > 0:  # the padding after this field: zeros
-        k_pi = tl.arange(0, PAD_SPAN)
-        tl.store((k_row + K_DATA_PAD_AT)[:, None] + k_pi[None, :], tl.zeros([BLOCK_T, PAD_SPAN], tl.uint8),
-                 mask=valid[:, None] & (k_pi < K_DATA_PAD)[None, :])
+    store_padding(k_row, K_DATA_PAD_AT, K_DATA_PAD, PAD_SPAN, valid, BLOCK_T)
 
     # ---- value ----
     v_eff = tl.load(v_scale_ptr)  # static scale of the layer
@@ -250,10 +257,7 @@ def reshape_and_cache_kernel(
         tl.store(v_wp + 1, v_w1, mask=v_wmask)
     else:
         tl.store(v_row[:, None] + d[None, :], v_codes, mask=valid[:, None] & dmask[None, :])
-    if V_DATA_PAD > 0:  # the padding after this field: zeros
-        v_pi = tl.arange(0, PAD_SPAN)
-        tl.store((v_row + V_DATA_PAD_AT)[:, None] + v_pi[None, :], tl.zeros([BLOCK_T, PAD_SPAN], tl.uint8),
-                 mask=valid[:, None] & (v_pi < V_DATA_PAD)[None, :])
+    store_padding(v_row, V_DATA_PAD_AT, V_DATA_PAD, PAD_SPAN, valid, BLOCK_T)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -192,6 +192,16 @@ def v_scale_decode(code):
     return code.to(tl.uint32).to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def store_padding(row, PAD_AT: tl.constexpr, PAD: tl.constexpr, PAD_SPAN: tl.constexpr, valid, BLOCK_T: tl.constexpr):
+    # zeros over the PAD bytes of padding that follow a field, PAD_AT bytes after each valid row's start (row: [BLOCK_T]
+    # byte pointers to the field); nothing where PAD is 0 (side.jinja's store_pads)
+    if PAD > 0:
+        i = tl.arange(0, PAD_SPAN)
+        tl.store((row + PAD_AT)[:, None] + i[None, :], tl.zeros([BLOCK_T, PAD_SPAN], tl.uint8),
+                 mask=valid[:, None] & (i < PAD)[None, :])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # reshape_and_cache: one program per (BLOCK_T tokens, KV head), the heads of a token tile in consecutive programs
 # (pid = tile * NUM_KV_HEADS + head), so a page's neighbouring cells (one token's heads) are written at about the
@@ -299,18 +309,10 @@ def reshape_and_cache_kernel(
         tl.store(k_zrow.to(tl.pointer_type(tl.uint32))[:, None] + k_gi[None, :], k_zcode.to(tl.uint32), mask=k_gmask)
     else:
         tl.store(k_zrow[:, None] + k_gi[None, :], k_zcode, mask=k_gmask)
-    if K_DATA_PAD > 0:  # the padding after this field: zeros
-        k_pi = tl.arange(0, PAD_SPAN)
-        tl.store((k_row + K_DATA_PAD_AT)[:, None] + k_pi[None, :], tl.zeros([BLOCK_T, PAD_SPAN], tl.uint8),
-                 mask=valid[:, None] & (k_pi < K_DATA_PAD)[None, :])
-    if K_SCALE_PAD > 0:  # the padding after this field: zeros
-        k_pi = tl.arange(0, PAD_SPAN)
-        tl.store((k_srow + K_SCALE_PAD_AT)[:, None] + k_pi[None, :], tl.zeros([BLOCK_T, PAD_SPAN], tl.uint8),
-                 mask=valid[:, None] & (k_pi < K_SCALE_PAD)[None, :])
-    if (K_ZP_PAD > 0) and not ((K_ZP_PAD == 3) and (K_ZP_BASE % 4 == 0) and (K_ZP_CELL % 4 == 0) and (K_ZP_PAGE % 4 == 0)):  # the padding after this field: zeros (unless stored with it)
-        k_pi = tl.arange(0, PAD_SPAN)
-        tl.store((k_zrow + K_ZP_PAD_AT)[:, None] + k_pi[None, :], tl.zeros([BLOCK_T, PAD_SPAN], tl.uint8),
-                 mask=valid[:, None] & (k_pi < K_ZP_PAD)[None, :])
+    store_padding(k_row, K_DATA_PAD_AT, K_DATA_PAD, PAD_SPAN, valid, BLOCK_T)
+    store_padding(k_srow, K_SCALE_PAD_AT, K_SCALE_PAD, PAD_SPAN, valid, BLOCK_T)
+    if not ((K_ZP_PAD == 3) and (K_ZP_BASE % 4 == 0) and (K_ZP_CELL % 4 == 0) and (K_ZP_PAGE % 4 == 0)):  # (else stored with the zero point)
+        store_padding(k_zrow, K_ZP_PAD_AT, K_ZP_PAD, PAD_SPAN, valid, BLOCK_T)
 
     # ---- value ----
     # value codes have no NaN: widen() stored NaN as 0.0 would be
@@ -368,18 +370,10 @@ def reshape_and_cache_kernel(
         tl.store(v_zrow.to(tl.pointer_type(tl.uint32))[:, None] + v_gi[None, :], v_zcode.to(tl.uint32), mask=v_gmask)
     else:
         tl.store(v_zrow[:, None] + v_gi[None, :], v_zcode, mask=v_gmask)
-    if V_DATA_PAD > 0:  # the padding after this field: zeros
-        v_pi = tl.arange(0, PAD_SPAN)
-        tl.store((v_row + V_DATA_PAD_AT)[:, None] + v_pi[None, :], tl.zeros([BLOCK_T, PAD_SPAN], tl.uint8),
-                 mask=valid[:, None] & (v_pi < V_DATA_PAD)[None, :])
-    if V_SCALE_PAD > 0:  # the padding after this field: zeros
-        v_pi = tl.arange(0, PAD_SPAN)
-        tl.store((v_srow + V_SCALE_PAD_AT)[:, None] + v_pi[None, :], tl.zeros([BLOCK_T, PAD_SPAN], tl.uint8),
-                 mask=valid[:, None] & (v_pi < V_SCALE_PAD)[None, :])
-    if (V_ZP_PAD > 0) and not ((V_ZP_PAD == 3) and (V_ZP_BASE % 4 == 0) and (V_ZP_CELL % 4 == 0) and (V_ZP_PAGE % 4 == 0)):  # the padding after this field: zeros (unless stored with it)
-        v_pi = tl.arange(0, PAD_SPAN)
-        tl.store((v_zrow + V_ZP_PAD_AT)[:, None] + v_pi[None, :], tl.zeros([BLOCK_T, PAD_SPAN], tl.uint8),
-                 mask=valid[:, None] & (v_pi < V_ZP_PAD)[None, :])
+    store_padding(v_row, V_DATA_PAD_AT, V_DATA_PAD, PAD_SPAN, valid, BLOCK_T)
+    store_padding(v_srow, V_SCALE_PAD_AT, V_SCALE_PAD, PAD_SPAN, valid, BLOCK_T)
+    if not ((V_ZP_PAD == 3) and (V_ZP_BASE % 4 == 0) and (V_ZP_CELL % 4 == 0) and (V_ZP_PAGE % 4 == 0)):  # (else stored with the zero point)
+        store_padding(v_zrow, V_ZP_PAD_AT, V_ZP_PAD, PAD_SPAN, valid, BLOCK_T)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -177,6 +177,16 @@ def v_scale_decode(code):
     return code.to(tl.uint32).to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def store_padding(row, PAD_AT: tl.constexpr, PAD: tl.constexpr, PAD_SPAN: tl.constexpr, valid, BLOCK_T: tl.constexpr):
+    # zeros over the PAD bytes of padding that follow a field, PAD_AT bytes after each valid row's start (row: [BLOCK_T]
+    # byte pointers to the field); nothing where PAD is 0 (side.jinja's store_pads)
+    if PAD > 0:
+        i = tl.arange(0, PAD_SPAN)
+        tl.store((row + PAD_AT)[:, None] + i[None, :], tl.zeros([BLOCK_T, PAD_SPAN], tl.uint8),
+                 mask=valid[:, None] & (i < PAD)[None, :])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # reshape_and_cache: one program per (BLOCK_T tokens, KV head), the heads of a token tile in consecutive programs
 # (pid = tile * NUM_KV_HEADS + head), so a page's neighbouring cells (one token's heads) are written at about the
@@ -267,14 +277,8 @@ def reshape_and_cache_kernel(
     k_gmask = valid[:, None] & (k_gi < 1)[None, :]
     k_srow = k_meta_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
     tl.store(k_srow.to(tl.pointer_type(tl.uint32))[:, None] + k_gi[None, :], k_scode, mask=k_gmask)
-    if K_DATA_PAD > 0:  # the padding after this field: zeros
-        k_pi = tl.arange(0, PAD_SPAN)
-        tl.store((k_row + K_DATA_PAD_AT)[:, None] + k_pi[None, :], tl.zeros([BLOCK_T, PAD_SPAN], tl.uint8),
-                 mask=valid[:, None] & (k_pi < K_DATA_PAD)[None, :])
-    if K_SCALE_PAD > 0:  # the padding after this field: zeros
-        k_pi = tl.arange(0, PAD_SPAN)
-        tl.store((k_srow + K_SCALE_PAD_AT)[:, None] + k_pi[None, :], tl.zeros([BLOCK_T, PAD_SPAN], tl.uint8),
-                 mask=valid[:, None] & (k_pi < K_SCALE_PAD)[None, :])
+    store_padding(k_row, K_DATA_PAD_AT, K_DATA_PAD, PAD_SPAN, valid, BLOCK_T)
+    store_padding(k_srow, K_SCALE_PAD_AT, K_SCALE_PAD, PAD_SPAN, valid, BLOCK_T)
 
     # ---- value ----
     if not NATIVE_CASTS:  # value codes have no NaN: NaN is stored as 0.0 would be (compiled, encode_native does it)
@@ -315,14 +319,8 @@ def reshape_and_cache_kernel(
     v_gmask = valid[:, None] & (v_gi < 1)[None, :]
     v_srow = v_meta_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
     tl.store(v_srow.to(tl.pointer_type(tl.uint32))[:, None] + v_gi[None, :], v_scode, mask=v_gmask)
-    if V_DATA_PAD > 0:  # the padding after this field: zeros
-        v_pi = tl.arange(0, PAD_SPAN)
-        tl.store((v_row + V_DATA_PAD_AT)[:, None] + v_pi[None, :], tl.zeros([BLOCK_T, PAD_SPAN], tl.uint8),
-                 mask=valid[:, None] & (v_pi < V_DATA_PAD)[None, :])
-    if V_SCALE_PAD > 0:  # the padding after this field: zeros
-        v_pi = tl.arange(0, PAD_SPAN)
-        tl.store((v_srow + V_SCALE_PAD_AT)[:, None] + v_pi[None, :], tl.zeros([BLOCK_T, PAD_SPAN], tl.uint8),
-                 mask=valid[:, None] & (v_pi < V_SCALE_PAD)[None, :])
+    store_padding(v_row, V_DATA_PAD_AT, V_DATA_PAD, PAD_SPAN, valid, BLOCK_T)
+    store_padding(v_srow, V_SCALE_PAD_AT, V_SCALE_PAD, PAD_SPAN, valid, BLOCK_T)
 
 
 # ---------------------------------------------------------------------------------------------------------------
