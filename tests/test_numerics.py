@@ -123,16 +123,22 @@ def test_groups_without_finite_values_bytes(name, dtype):
     equal the reference's (the scale is the floor, zero points and minima those of an empty range)."""
     fmt = kvgen.load(name)
     x, xt = as_input(no_finite_tokens(), dtype, fmt)
-    slots = np.arange(8, dtype=np.int64)
+    write_like_reference(fmt, x, xt, np.arange(8, dtype=np.int64), 2)
+
+
+def write_like_reference(fmt, x: np.ndarray, xt: torch.Tensor, slots: np.ndarray, blocks: int) -> dict:
+    """Write ``xt`` (the kernel's input; ``x`` the same values in fp32) as keys and values at ``slots`` into a fresh
+    cache of ``blocks`` blocks (static scales 0.5), and check its bytes against the reference's, which it returns."""
     scales = {key: 0.5 for side, key in (("key", "k_scale"), ("value", "v_scale"))
               if fmt.static_scale_kind(side) is not None}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cache = fmt.allocate(2, BS, H, D, device=DEVICE, **scales)
+        cache = fmt.allocate(blocks, BS, H, D, device=DEVICE, **scales)
         fmt.write(cache, xt, xt.clone(), torch.from_numpy(slots).to(DEVICE))
-        expected = R.new_cache(fmt.spec, 2, BS, H, D)
+        expected = R.new_cache(fmt.spec, blocks, BS, H, D)
         R.write(fmt.spec, expected, x, x, slots, k_scale=scales.get("k_scale"), v_scale=scales.get("v_scale"))
-    assert_reference_bytes(cache, expected, 2)
+    assert_reference_bytes(cache, expected, blocks)
+    return expected
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -145,16 +151,7 @@ def test_skipped_tokens_of_any_value_store_nothing(name):
     normal = np.random.default_rng(3).standard_normal((8, H, D)).astype(np.float32)
     x = np.concatenate([edge, normal])[np.r_[0:16].reshape(2, 8).T.reshape(-1)]  # edge and normal alternate
     slots = np.where(np.arange(16) % 2 == 0, -1, np.arange(16) // 2).astype(np.int64)  # the edge tokens skipped
-    scales = {key: 0.5 for side, key in (("key", "k_scale"), ("value", "v_scale"))
-              if fmt.static_scale_kind(side) is not None}
-    xt = torch.from_numpy(x).to(DEVICE)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        cache = fmt.allocate(4, BS, H, D, device=DEVICE, **scales)
-        fmt.write(cache, xt, xt.clone(), torch.from_numpy(slots).to(DEVICE))
-        expected = R.new_cache(fmt.spec, 4, BS, H, D)
-        R.write(fmt.spec, expected, x, x, slots, k_scale=scales.get("k_scale"), v_scale=scales.get("v_scale"))
-    assert_reference_bytes(cache, expected, 4)
+    expected = write_like_reference(fmt, x, torch.from_numpy(x).to(DEVICE), slots, 4)
     assert any(np.any(want != 0) for want in expected.values())  # the normal tokens were stored
 
 
