@@ -150,11 +150,14 @@ def fp64_quotient(side: SideSpec) -> bool:
     where the per-element quotient x / s is most of the work, static scales (fp8_e4m3 64 -> 59 us) and rotated sides
     (int4_per_token_head 141 -> 128 us); it loses where the per-group reciprocal and range divisions dominate
     (per-token-head reciprocal_multiply: int8 / fp8 85 / 82 -> 90 / 87 us, q8_0 80 -> 88, int8 asym 108 -> 115) and
-    ties on the per-block divide formats (nvfp4, q4_0, mxfp8, mxfp4), which keep div_rn."""
+    ties on the per-block divide formats (nvfp4, q4_0, mxfp8, mxfp4), which keep div_rn. Rotated sides of integer
+    codes take fast_division's reciprocal instead (thirty-ninth session, static: int4 per token-head's write 90 -> 78
+    registers, 21 -> 25 programs per SM; write-int4-fastdiv.patch, untimed); rotated float codes keep fp64."""
     sc = side.scale
     if sc is None or sc.apply != ApplyScale.divide:
         return False
-    return sc.granularity.is_static or side.rotation is not None
+    return sc.granularity.is_static or (side.rotation is not None
+                                        and ELEMENTS[side.element].kind not in ("int", "uint"))
 
 
 def range_first(side: SideSpec) -> bool:

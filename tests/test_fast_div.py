@@ -18,8 +18,9 @@ on_gpu = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "0" or not tor
 
 def test_fast_division_where_the_scales_allow():
     """The sides that take it: integer codes divided per element; always for fp16 scales (q4_0, KIVI), behind a test
-    of each tile's scales for fp32 or global scales (int8 asym); not for float codes (nvfp4: measured no faster),
-    power-of-two scales (a multiply), static scales, or the rotated sides' fp64 quotient."""
+    of each tile's scales for fp32 or global scales (int8 asym, int4 per token-head, rotated); not for float codes
+    (nvfp4: measured no faster), power-of-two scales (a multiply), static scales, or rotated float codes' fp64
+    quotient."""
     from kvgen.codegen.render import FAST_ALWAYS, FAST_GUARDED, fast_division
     verdicts = {}
     for name in kvgen.shipped_names():
@@ -27,7 +28,7 @@ def test_fast_division_where_the_scales_allow():
         for side in {fast_division(spec.key), fast_division(spec.value)} - {""}:
             verdicts.setdefault(side, set()).add(name)
     assert verdicts == {FAST_ALWAYS: {"q4_0", "kivi_2bit", "kivi_4bit"},
-                        FAST_GUARDED: {"int8_asym_per_token_head"}}
+                        FAST_GUARDED: {"int8_asym_per_token_head", "int4_per_token_head"}}
 
 
 def boundary_tokens(tokens: int, heads: int, head: int, gen: torch.Generator) -> torch.Tensor:
@@ -134,7 +135,8 @@ def _side(element="int4", rotation=False, **scale):
     (dict(dtype="e8m0", global_scale=True), "guarded"),
     (dict(element="fp8_e4m3"), ""),  # float codes
     (dict(element="fp4_e2m1", dtype="fp8_e4m3"), ""),  # float codes (nvfp4 measured no faster)
-    (dict(rotation=True), ""),  # rotated sides divide through fp64
+    (dict(rotation=True), "always"),  # rotated integer codes too (rotated float codes divide through fp64)
+    (dict(rotation=True, element="fp8_e4m3"), ""),
     (dict(apply="reciprocal_multiply"), ""),
 ])
 def test_fast_division_verdicts(side, verdict):

@@ -237,21 +237,24 @@ def test_scale_division_rounds_subnormal_ties_like_ieee(tmp_path, path):
     fp32 scale per 16 elements, a global scale of 98 and no floor above fp32's smallest: the block's absmax is
     127 * 147 * 2**-149, so absmax / 127 = 147 * 2**-149 and over 98 it is 1.5 * 2**-149 (IEEE: 2 * 2**-149).
     Both division paths of the writes (codegen.render.fp64_quotient): the default side keeps tl.math.div_rn; a
-    rotated side that divides takes the fp64 quotient (the one-hot token rotates to 16 elements of the same size)."""
+    rotated side of fp8 codes that divides takes the fp64 quotient (the one-hot token rotates to 16 elements of the
+    same size; fp8_e4m3's range 448 in place of 127)."""
     from kvgen.codegen.render import fp64_quotient
     from kvgen.codegen.spec import SideSpec
 
     side = {"element": "int8", "scale": {"granularity": "per_block", "block": 16, "dtype": "fp32",
                                          "global_scale": True, "min": 1.0e-45}}
+    qmax = 448.0 if path == "fp64" else 127.0
     x = np.zeros((1, 1, 16), dtype=np.float32)
-    x[0, 0, 3] = np.float32(127 * 147 * 2.0 ** -149)
+    x[0, 0, 3] = np.float32(qmax * 147 * 2.0 ** -149)
     if path == "fp64":
+        side["element"] = "fp8_e4m3"
         side["rotation"] = {"kind": "hadamard", "seed": 0}
         side["scale"]["apply"] = "divide"
     else:
         x[0, 0, 7] = -np.float32(5 * 2.0 ** -149)
     assert fp64_quotient(SideSpec.model_validate(side)) == (path == "fp64")
-    premise = np.float32(x[0, 0, 3] / np.float32(127.0)) / np.float32(98.0)
+    premise = np.float32(x[0, 0, 3] / np.float32(qmax)) / np.float32(98.0)
     assert premise.view(np.uint32) == 2  # the test's premise: 1.5 * 2**-149, a tie that rounds to even
     spec = {"name": f"subnormal_scales_{path}", "cache": {"layout": "interleaved", "storage_dtype": "uint8"},
             "key": side, "value": side}

@@ -38,6 +38,43 @@ ROTATE_BACK_BY_DOT = {"k": True, "v": True}
 # ---------------------------------------------------------------------------------------------------------------
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Division of codes by their group's scale (render.fast_division). ptxas expands every div.rn.f32 into MUFU.RCP, a
+# Newton step of the reciprocal, q0 = x * r, one correction q0 + r * (x - s * q0) (FFMAs), and FCHK with a branch to
+# a slow path for operands out of its range. Compiled (FAST), the reciprocal and its Newton step run once per scale
+# here and every element keeps the same q0 and correction: the same operations up to signs (the residual computed
+# negated, s * q0 - x, which rounds to the exact negative, and subtracted), so the same quotient wherever FCHK
+# passes. For x = +-0 the residual is +0 either way; subtracted, the last fma gives (-0) + (-0) = -0 for x = -0, as
+# div_rn does, where adding it gave +0. For scales in [2**-30, 2**17] (fp16 scales always; fp32 or global scales
+# where a test of the tile's scales says so, else div_rn) and integer codes: elements with |x| >= 2**64 keep x
+# itself (q would be at least 2**47, clamped like x to the same code, and the fast path could overflow into NaN);
+# for |x| < 2**-40 both quotients are below 2**-10 in magnitude, with x's sign, so the same zero code. The codes
+# are therefore those of div_rn; the interpreter, whose fma rounds twice, divides with div_rn.
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def recip_fast(s, FAST: tl.constexpr):
+    # div.rn's reciprocal of s, refined as ptxas refines it (FAST); unused otherwise
+    if FAST:
+        r0 = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [s], dtype=tl.float32, is_pure=True,
+                                       pack=1)
+        return tl.fma(r0, tl.fma(-s, r0, 1.0), r0)
+    else:
+        return s
+
+
+@triton.jit
+def div_fast(x, s, r, FAST: tl.constexpr):
+    # x / s for codes: div_rn's quotient, or (FAST, r = recip_fast(s)) one that rounds and clamps to the same code
+    if FAST:
+        q0 = x * r
+        # q0 - r * (s * q0 - x): for x = -0 the last fma gives -0, as div_rn. x * -1.0 rather than -x, which Triton
+        # writes as 0 - x: the compiler may not fold that into the fma (it differs at +0), and it cost an add per element
+        q = tl.fma(-r, tl.fma(s, q0, x * -1.0), q0)
+        return tl.where(tl.abs(x) < 18446744073709551616.0, q, x)
+    else:
+        return tl.math.div_rn(x, s)
+
+
 @triton.jit
 def widen(x, NATIVE: tl.constexpr, NAN_ZERO: tl.constexpr):
     # a write's input in fp32, NaN as 0.0 where NAN_ZERO. Compiled, bf16 inputs widen by bits, two per register: the
@@ -274,15 +311,21 @@ def reshape_and_cache_kernel(
     # the range always includes 0 (so the zero padding does not move it): lo = min(min x, 0), hi = max(max x, 0)
     k_lo = tl.minimum(k_lo, 0.0)
     k_hi = tl.maximum(k_hi, 0.0)
-    k_s = ((k_hi - k_lo).to(tl.float64) * (1.0 / tl.full([], 15.0, tl.float64))).to(tl.float32)
+    k_s = tl.math.div_rn(k_hi - k_lo, 15.0)
     k_s = tl.maximum(k_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     k_scode = k_scale_encode(k_s)
     k_scode = k_scode & 0xfffffff0  # the low 4 bits will hold the zero point
     k_eff_g = k_scale_decode(k_scode)
-    k_rcp = (1.0 / (k_eff_g).to(tl.float64))  # fp64 reciprocal of each group's scale, for x / s
     # zero point, rounded and clamped like a code
-    k_zcode = k_encode(((-k_lo).to(tl.float64) * k_rcp).to(tl.float32))
-    k_v = ((x_key).to(tl.float64) * tl.reshape(tl.broadcast_to(k_rcp[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])).to(tl.float32)  # x / s
+    k_zcode = k_encode(tl.math.div_rn(-k_lo, k_eff_g))
+    k_eff = tl.reshape(tl.broadcast_to(k_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
+    if FAST_DIV:  # compiled: x / s through each group's reciprocal where every scale of the tile allows it
+        if (tl.min(k_eff_g) >= 9.313225746154785e-10) & (tl.max(k_eff_g) <= 131072.0):
+            k_v = div_fast(x_key, k_eff, tl.reshape(tl.broadcast_to(recip_fast(k_eff_g, True)[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD]), True)
+        else:
+            k_v = tl.math.div_rn(x_key, k_eff)
+    else:
+        k_v = tl.math.div_rn(x_key, k_eff)  # x / s
     k_v = k_v + tl.reshape(tl.broadcast_to(k_zcode.to(tl.float32)[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
     k_codes = k_encode(k_v)
     k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
@@ -318,15 +361,21 @@ def reshape_and_cache_kernel(
     # the range always includes 0 (so the zero padding does not move it): lo = min(min x, 0), hi = max(max x, 0)
     v_lo = tl.minimum(v_lo, 0.0)
     v_hi = tl.maximum(v_hi, 0.0)
-    v_s = ((v_hi - v_lo).to(tl.float64) * (1.0 / tl.full([], 15.0, tl.float64))).to(tl.float32)
+    v_s = tl.math.div_rn(v_hi - v_lo, 15.0)
     v_s = tl.maximum(v_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
     v_scode = v_scale_encode(v_s)
     v_scode = v_scode & 0xfffffff0  # the low 4 bits will hold the zero point
     v_eff_g = v_scale_decode(v_scode)
-    v_rcp = (1.0 / (v_eff_g).to(tl.float64))  # fp64 reciprocal of each group's scale, for x / s
     # zero point, rounded and clamped like a code
-    v_zcode = v_encode(((-v_lo).to(tl.float64) * v_rcp).to(tl.float32))
-    v_v = ((x_value).to(tl.float64) * tl.reshape(tl.broadcast_to(v_rcp[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])).to(tl.float32)  # x / s
+    v_zcode = v_encode(tl.math.div_rn(-v_lo, v_eff_g))
+    v_eff = tl.reshape(tl.broadcast_to(v_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
+    if FAST_DIV:  # compiled: x / s through each group's reciprocal where every scale of the tile allows it
+        if (tl.min(v_eff_g) >= 9.313225746154785e-10) & (tl.max(v_eff_g) <= 131072.0):
+            v_v = div_fast(x_value, v_eff, tl.reshape(tl.broadcast_to(recip_fast(v_eff_g, True)[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD]), True)
+        else:
+            v_v = tl.math.div_rn(x_value, v_eff)
+    else:
+        v_v = tl.math.div_rn(x_value, v_eff)  # x / s
     v_v = v_v + tl.reshape(tl.broadcast_to(v_zcode.to(tl.float32)[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
     v_codes = v_encode(v_v)
     v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
