@@ -608,7 +608,11 @@ class KernelSet:
                      block_table_ptr=block_table, stride_bt=block_table.stride(0), **consts, BLOCK_T=group,
                      RESIDUAL=residual["tokens"], RING=ring, NATIVE_CASTS=native_fp8(key.device),
                      FAST_DIV=FAST_DIV and not interpreting(), STORE_NEW=max_query_len == 1, **compile_options)
-        launches = [((num_seqs, max_groups, consts["NUM_KV_HEADS"]), "kivi_flush_kernel", flush)]
+        # prefill: (sequence, KV head) on axis 0, heads fastest, the group on axis 1; a decode step: the heads on the
+        # slowest axis (kivi_write.py.jinja says why)
+        heads = consts["NUM_KV_HEADS"]
+        grid = (num_seqs, max_groups, heads) if max_query_len == 1 else (num_seqs * heads, max_groups)
+        launches = [(grid, "kivi_flush_kernel", flush)]
         if max_query_len > 1:  # (a decode step's flush kernel stores its new tokens itself: kivi_write.py.jinja)
             # the tokens that stay in full precision are among each sequence's last RING new tokens: tiles for those
             kept = min(max_query_len, ring)
