@@ -92,10 +92,22 @@ _MINIFLOATS = {
 }
 
 
+def _envelope(p: dict) -> list:
+    """The lines (factor, constant) of a minifloat's encode as the least of one fma per binade (minifloat.py.jinja):
+    binade e's code is (e - emin) * 2**mant + round(|v| * 2**(mant - e)), rounded by adding 1.5 * 2**23 plus the
+    offset. For codes without special values whose binades are few (e2m1: 3); [] keeps the bit encoder, whose
+    integer work does not grow with the binades. The offsets must be even for the sum's rounding to keep the code's
+    parity, so at least one mantissa bit."""
+    emin, emax = 1 - p["bias"], (1 << p["ebits"]) - 1 - p["bias"]
+    if p["special"] != "none" or p["mant"] < 1 or emax - emin + 1 > 3:
+        return []
+    return [(2.0 ** (p["mant"] - e), RNE_MAGIC + (e - emin) * 2 ** p["mant"]) for e in range(emin, emax + 1)]
+
+
 def _minifloat(name: str) -> Codec:
     p = dict(_MINIFLOATS[name])
     p.update(emin=1 - p["bias"], exp_mask=(1 << p["ebits"]) - 1, sign_bit=1 << (p["nbits"] - 1),
-             rne_magic=RNE_MAGIC)
+             rne_magic=RNE_MAGIC, max_code=(1 << (p["nbits"] - 1)) - 1, envelope=_envelope(p))
     return Codec(name, "minifloat.py.jinja", p["nbits"], p,
                  f"{name} by bit manipulation: saturate to +-{p['max_finite']:g}, round half to even")
 

@@ -54,19 +54,23 @@ def widen(x, NATIVE: tl.constexpr, NAN_ZERO: tl.constexpr):
 
 @triton.jit
 def k_encode(v):
-    # fp32 -> fp4_e2m1 code by bit manipulation (the interpreter's low-precision casts are wrong):
-    # saturate |v| to 6.0, find its binade e (clamped to the subnormal binade 0), and round it half to even
-    # onto the binade's grid of 2**1 steps by one fp32 add: c = 1.5 * 2**(23 + e - 1) has that step as its ulp, so
-    # the bits of a + c minus those of c are m = round(a / step) (a < 2**(e + 1) stays far below c's binade). Then
-    # code = (e - (0)) * 2**1 + m  (a carry of m moves into the next binade by itself).
-    bits = v.to(tl.uint32, bitcast=True)
-    sign = (bits >> 28) & 8
-    a = tl.minimum(tl.abs(v), 6.0)
-    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, 0)  # a >= 0: no sign bit
-    c = (e << 23) + 1254096896  # bits of 1.5 * 2**(23 + e - 1)
-    m = (a + c.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - c
-    code = ((e - (0)) * 2 + m).to(tl.uint32)
-    return (code | sign).to(tl.uint8)
+    # fp32 -> fp4_e2m1 code. A code's magnitude is concave and piecewise linear in |v|: in binade e (the
+    # subnormal one, [0, 2**1), taking the first normal binade's step) it is (e - (0)) * 2**1 + round(|v| / step_e),
+    # step_e = 2**(e - 1), and the lines meet at the binade edges with slopes falling. So the rounded magnitude is the least
+    # of the lines each rounded half to even (rounding is monotone), saturated at 7. Each line is one fma onto
+    # 1.5 * 2**23 + offset (ulp 1, so the fma rounds |v| / step_e half to even; offsets are even, so the parity is
+    # the code's): the minimum's low 3 bits are the magnitude (1.5 * 2**23 has zero low bits). |v| / step_e is a
+    # multiply by a power of two, exact (but where |v| is subnormal, which no line's minimum then takes), so the
+    # interpreter's fma, rounding twice, rounds once here too. A NaN v saturates (min drops NaN), as the bit
+    # encoder did compiled. Integer ops are the writes' scarce pipe: 3 fmas and 3 mins, where binade arithmetic
+    # took 4 integer ops per element more.
+    a = tl.abs(v)
+    m = tl.fma(a, 2.0, 12582912.0)
+    m = tl.minimum(m, tl.fma(a, 1.0, 12582914.0))
+    m = tl.minimum(m, tl.fma(a, 0.5, 12582916.0))
+    m = tl.minimum(m, 12582919.0)  # saturate at 6.0
+    sign = (v.to(tl.uint32, bitcast=True) >> 28) & 8
+    return (m.to(tl.uint32, bitcast=True) | sign).to(tl.uint8)
 
 
 @triton.jit
@@ -163,19 +167,23 @@ def k_scale_reciprocal(code):
 
 @triton.jit
 def v_encode(v):
-    # fp32 -> fp4_e2m1 code by bit manipulation (the interpreter's low-precision casts are wrong):
-    # saturate |v| to 6.0, find its binade e (clamped to the subnormal binade 0), and round it half to even
-    # onto the binade's grid of 2**1 steps by one fp32 add: c = 1.5 * 2**(23 + e - 1) has that step as its ulp, so
-    # the bits of a + c minus those of c are m = round(a / step) (a < 2**(e + 1) stays far below c's binade). Then
-    # code = (e - (0)) * 2**1 + m  (a carry of m moves into the next binade by itself).
-    bits = v.to(tl.uint32, bitcast=True)
-    sign = (bits >> 28) & 8
-    a = tl.minimum(tl.abs(v), 6.0)
-    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, 0)  # a >= 0: no sign bit
-    c = (e << 23) + 1254096896  # bits of 1.5 * 2**(23 + e - 1)
-    m = (a + c.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - c
-    code = ((e - (0)) * 2 + m).to(tl.uint32)
-    return (code | sign).to(tl.uint8)
+    # fp32 -> fp4_e2m1 code. A code's magnitude is concave and piecewise linear in |v|: in binade e (the
+    # subnormal one, [0, 2**1), taking the first normal binade's step) it is (e - (0)) * 2**1 + round(|v| / step_e),
+    # step_e = 2**(e - 1), and the lines meet at the binade edges with slopes falling. So the rounded magnitude is the least
+    # of the lines each rounded half to even (rounding is monotone), saturated at 7. Each line is one fma onto
+    # 1.5 * 2**23 + offset (ulp 1, so the fma rounds |v| / step_e half to even; offsets are even, so the parity is
+    # the code's): the minimum's low 3 bits are the magnitude (1.5 * 2**23 has zero low bits). |v| / step_e is a
+    # multiply by a power of two, exact (but where |v| is subnormal, which no line's minimum then takes), so the
+    # interpreter's fma, rounding twice, rounds once here too. A NaN v saturates (min drops NaN), as the bit
+    # encoder did compiled. Integer ops are the writes' scarce pipe: 3 fmas and 3 mins, where binade arithmetic
+    # took 4 integer ops per element more.
+    a = tl.abs(v)
+    m = tl.fma(a, 2.0, 12582912.0)
+    m = tl.minimum(m, tl.fma(a, 1.0, 12582914.0))
+    m = tl.minimum(m, tl.fma(a, 0.5, 12582916.0))
+    m = tl.minimum(m, 12582919.0)  # saturate at 6.0
+    sign = (v.to(tl.uint32, bitcast=True) >> 28) & 8
+    return (m.to(tl.uint32, bitcast=True) | sign).to(tl.uint8)
 
 
 @triton.jit
