@@ -8,8 +8,6 @@
 #   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~350 s?)
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~350 s?; prefill dequantize-first rows new)
 #   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused near auto's counts: H200, hs 64 / 256, groups 1 / 8 (~550 s?)
-#   bash benchmarks/pending/next_session.sh kiviheads  # kivi-flush-heads.patch: the flush's KV heads in consecutive programs (~120 s?)
-#   bash benchmarks/pending/next_session.sh int4div    # write-int4-fastdiv.patch: int4 per token-head divides through div_fast (~120 s?)
 #   bash benchmarks/pending/next_session.sh crossover2 # head sizes 64 / 256 near the counts, nvfp4's (~400 s?)
 #   bash benchmarks/pending/next_session.sh cells      # profiles: the inline-scale cells converted first / 3 stages
 #   bash benchmarks/pending/next_session.sh hs64prof   # profiles at head size 64 (int8 / fp8 per token-head, bf16)
@@ -31,13 +29,14 @@
 # step stays for the H200); s39 (H100, benchmarks/results_2026-12-06_h100_s39.md) ran writeprefetch
 # (write-prefetch.patch slower everywhere: removed), tests (635 passed), crossfast ("fast" got its own dequantize-first
 # counts; removed) and kivicrash (KIVI's kernel only, at head size 256; the step removed, kivi_block32_crash.sh
-# kept as the reproducer for a Triton upgrade).
+# kept as the reproducer for a Triton upgrade); s40 (H100, benchmarks/results_2026-12-06_h100_s40.md) ran kiviheads
+# (merged for prefill flushes only), int4div (merged) and its own e2m1 envelope encode (merged).
 #
 # Steps in priority order; each prints how long it took.
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, kiviheads, int4div, crossover2, cells, hs64prof, writes, writeprof or writeab"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, cells, hs64prof, writes, writeprof or writeab"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -102,35 +101,6 @@ case "$step" in
       timeout 70 python3 benchmarks/dequantize_first.py int8_per_token_head q4_0 mxfp8 kivi_2bit --query-heads "$1" \
         --shape "$2" 2>&1 | tee -a "$out/crossover.txt" | grep "^|\|^Chunked"
     done
-    ;;
-  kiviheads)
-    # kivi-flush-heads.patch (s39, CPU-tested: 130 KIVI / write / golden tests; a swapped seq / head fails 3 of 21):
-    # the flush's (sequence, KV head) on grid axis 0 with heads fastest, so a slot's cells (80 / 144 bytes at head
-    # size 128, sectors shared between neighbouring heads) are written at about the same time; the launch had heads
-    # on axis 2, slowest (all of head 0's groups first). The s39 padding writes found partly written sectors
-    # costing int8 asym 35% of its write time. Then its GPU tests
-    variant kivi-flush-heads "heads side by side" kivi_2bit kivi_4bit || exit 1
-    for r in 1 2; do
-      timeout 60 python3 benchmarks/time_writes.py kivi_2bit kivi_4bit --tokens 32768 256 --rounds 2 2>&1 \
-        | tee -a "$out/kiviheads_main.txt" | grep "^|"
-      (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 60 python3 benchmarks/time_writes.py kivi_2bit \
-        kivi_4bit --tokens 32768 256 --rounds 2 2>&1 | tee -a "$out/kiviheads_variant.txt" | grep "^|")
-    done
-    variant_tests kiviheads tests/test_kivi.py tests/test_kivi_reference.py tests/test_write_plan.py
-    ;;
-  int4div)
-    # write-int4-fastdiv.patch (s39, static): rotated integer sides divide through div_fast (the tile's guarded
-    # reciprocal) instead of fp64, chosen in the eighth session against div_rn before div_fast existed: int4 per
-    # token-head's write 90 -> 78 registers (21 -> 25 programs per SM), no F2F conversions. Then its GPU tests
-    variant write-int4-fastdiv "def recip_fast" int4_per_token_head || exit 1
-    for r in 1 2; do
-      timeout 60 python3 benchmarks/time_writes.py int4_per_token_head --tokens 32768 256 --rounds 2 2>&1 \
-        | tee -a "$out/int4div_main.txt" | grep "^|"
-      (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 60 python3 benchmarks/time_writes.py \
-        int4_per_token_head --tokens 32768 256 --rounds 2 2>&1 | tee -a "$out/int4div_variant.txt" | grep "^|")
-    done
-    variant_tests int4div tests/test_fast_div.py tests/test_golden.py tests/test_numerics.py tests/test_padding.py \
-      tests/test_write_arithmetic.py
     ;;
   crossover2)
     # what crossover (s37, H100) left: head size (at 64 the per token-head and e8m0 fused kernels still win at 128
@@ -211,7 +181,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, kiviheads, int4div, crossover2, cells, hs64prof, writes, writeprof or writeab" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, cells, hs64prof, writes, writeprof or writeab" >&2
     exit 2
     ;;
 esac
