@@ -8,6 +8,7 @@
 #   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~350 s?)
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~350 s?; prefill dequantize-first rows new)
 #   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused near auto's counts: H200, hs 64 / 256, groups 1 / 8 (~550 s?)
+#   bash benchmarks/pending/next_session.sh scaled     # nvfp4-scaled-div.patch: why its fast path saturated (~120 s)
 #   bash benchmarks/pending/next_session.sh crossover2 # head sizes 64 / 256 near the counts, nvfp4's (~400 s?)
 #   bash benchmarks/pending/next_session.sh cells      # profiles: the inline-scale cells converted first / 3 stages
 #   bash benchmarks/pending/next_session.sh hs64prof   # profiles at head size 64 (int8 / fp8 per token-head, bf16)
@@ -36,7 +37,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, cells, hs64prof, writes, writeprof or writeab"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, scaled, crossover2, cells, hs64prof, writes, writeprof or writeab"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -101,6 +102,17 @@ case "$step" in
       timeout 70 python3 benchmarks/dequantize_first.py int8_per_token_head q4_0 mxfp8 kivi_2bit --query-heads "$1" \
         --shape "$2" 2>&1 | tee -a "$out/crossover.txt" | grep "^|\|^Chunked"
     done
+    ;;
+  scaled)
+    # nvfp4-scaled-div.patch (s40): each group's scale split into s' in [1, 2) and a power of two, no div_rn per
+    # element: 6-7% faster on the H100 but every code saturated in its GPU test. The probe prints each step of the
+    # division for a few (x, s); the debug script lists differing bytes; then the A/B and the tests again
+    variant nvfp4-scaled-div "div_corrected" nvfp4 nvfp4_separate || exit 1
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 60 python3 benchmarks/pending/scaled_probe.py 2>&1 \
+      | tee "$out/scaled_probe.txt")
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 60 python3 benchmarks/pending/scaled_debug.py 1.0 2>&1 \
+      | tee "$out/scaled_debug.txt" | head -12)
+    variant_tests scaled tests/test_fast_div.py -k scaled
     ;;
   crossover2)
     # what crossover (s37, H100) left: head size (at 64 the per token-head and e8m0 fused kernels still win at 128
