@@ -108,8 +108,9 @@ def _minifloat(name: str) -> Codec:
     p = dict(_MINIFLOATS[name])
     p.update(emin=1 - p["bias"], exp_mask=(1 << p["ebits"]) - 1, sign_bit=1 << (p["nbits"] - 1),
              rne_magic=RNE_MAGIC, max_code=(1 << (p["nbits"] - 1)) - 1, envelope=_envelope(p))
+    how = "the least of one fma per binade" if p["envelope"] else "bit manipulation"
     return Codec(name, "minifloat.py.jinja", p["nbits"], p,
-                 f"{name} by bit manipulation: saturate to +-{p['max_finite']:g}, round half to even")
+                 f"{name} by {how}: saturate to +-{p['max_finite']:g}, round half to even")
 
 
 def _float(name: str) -> Codec:

@@ -316,8 +316,8 @@ def kivi_flush_kernel(
         # pid 0 = seq * NUM_KV_HEADS + head: a group's KV heads in consecutive programs, so the cells of one slot
         # (its heads side by side, 80 or 144 bytes each at head size 128: sectors shared between neighbouring heads)
         # are written at about the same time, as reshape_and_cache writes them (H100, fortieth session: writes of
-        # 32768 tokens kivi_4bit 116 -> 108 us, kivi_2bit 102 -> 99; a decode step's write of 256 tokens was 3-7%
-        # slower that way, so it keeps the heads on the slowest axis)
+        # 32768 tokens kivi_4bit 117 -> 108.5 us, kivi_2bit 102 -> 99). A decode step's flush keeps its grid: its
+        # writes of 256 tokens timed within the 0.5 us spread between processes either way
         seq = tl.program_id(0) // NUM_KV_HEADS
         head = tl.program_id(0) % NUM_KV_HEADS
     q_start = tl.load(query_start_loc_ptr + seq)

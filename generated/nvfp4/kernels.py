@@ -28,8 +28,8 @@ RATIO_PAIRS = {"k": False, "v": False}
 KEY_FOLD = False
 
 # ---------------------------------------------------------------------------------------------------------------
-# Codecs. key: fp4_e2m1 by bit manipulation: saturate to +-6, round half to even; scales fp8_e4m3 per 16 elements, page_end
-#         value: fp4_e2m1 by bit manipulation: saturate to +-6, round half to even; scales fp8_e4m3 per 16 elements, page_end
+# Codecs. key: fp4_e2m1 by the least of one fma per binade: saturate to +-6, round half to even; scales fp8_e4m3 per 16 elements, page_end
+#         value: fp4_e2m1 by the least of one fma per binade: saturate to +-6, round half to even; scales fp8_e4m3 per 16 elements, page_end
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -56,7 +56,7 @@ def widen(x, NATIVE: tl.constexpr, NAN_ZERO: tl.constexpr):
 @triton.jit
 def k_encode(v):
     # fp32 -> fp4_e2m1 code. A code's magnitude is concave and piecewise linear in |v|: in binade e (the
-    # subnormal one, [0, 2**1), taking the first normal binade's step) it is (e - (0)) * 2**1 + round(|v| / step_e),
+    # subnormal one, [0, 2**1), taking the first normal binade's step) it is (e - 0) * 2**1 + round(|v| / step_e),
     # step_e = 2**(e - 1), and the lines meet at the binade edges with slopes falling. So the rounded magnitude is the least
     # of the lines each rounded half to even (rounding is monotone), saturated at 7. Each line is one fma onto
     # 1.5 * 2**23 + offset (ulp 1, so the fma rounds |v| / step_e half to even; offsets are even, so the parity is
@@ -184,7 +184,7 @@ def k_scale_decode(code):
 @triton.jit
 def v_encode(v):
     # fp32 -> fp4_e2m1 code. A code's magnitude is concave and piecewise linear in |v|: in binade e (the
-    # subnormal one, [0, 2**1), taking the first normal binade's step) it is (e - (0)) * 2**1 + round(|v| / step_e),
+    # subnormal one, [0, 2**1), taking the first normal binade's step) it is (e - 0) * 2**1 + round(|v| / step_e),
     # step_e = 2**(e - 1), and the lines meet at the binade edges with slopes falling. So the rounded magnitude is the least
     # of the lines each rounded half to even (rounding is monotone), saturated at 7. Each line is one fma onto
     # 1.5 * 2**23 + offset (ulp 1, so the fma rounds |v| / step_e half to even; offsets are even, so the parity is
