@@ -23,12 +23,15 @@ for fast in (False, True):
     out.append(cache.tensors["kv_cache"].cpu())
 lay = fmt.page_layout(16, heads, head)["fields"]
 diff = torch.nonzero(out[0] != out[1])
-print(f"g {g}: {len(diff)} bytes differ")
+print(f"g {g}: {len(diff)} bytes differ; by field:", {name: int(sum(1 for _, b in diff.tolist()
+      if f["base"] <= b < f["base"] + f["cell"] * 16 * heads)) for name, f in lay.items()})
 inv = torch.empty_like(slots.cpu())
 inv[slots.cpu()] = torch.arange(tokens)
-for blk, byte in diff[:24].tolist():
+shown = dict.fromkeys(lay, 0)  # the first 8 differing bytes of each field (data and scale cells apart)
+for blk, byte in diff.tolist():
     for name, f in lay.items():
-        if f["base"] <= byte < f["base"] + f["cell"] * 16 * heads:
+        if f["base"] <= byte < f["base"] + f["cell"] * 16 * heads and shown[name] < 8:
+            shown[name] += 1
             rel = byte - f["base"]
             cell, within = divmod(rel, f["cell"])
             off, h = divmod(cell, heads)
