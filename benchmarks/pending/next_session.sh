@@ -104,15 +104,17 @@ case "$step" in
     done
     ;;
   scaled)
-    # nvfp4-scaled-div.patch (s40): each group's scale split into s' in [1, 2) and a power of two, no div_rn per
-    # element: 6-7% faster on the H100 but every code saturated in its GPU test. The probe prints each step of the
-    # division for a few (x, s); the debug script lists differing bytes; then the A/B and the tests again
+    # nvfp4-scaled-div.patch (s40; s41: recip_fast's inline rcp on the per-group tensor was what saturated every
+    # code, so 1 / s' is div_rn's, once per group): its GPU tests at every global scale and nvfp4's, then its writes
+    # against main's, alternating, two processes each
     variant nvfp4-scaled-div "div_corrected" nvfp4 nvfp4_separate || exit 1
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 60 python3 benchmarks/pending/scaled_probe.py 2>&1 \
-      | tee "$out/scaled_probe.txt")
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 60 python3 benchmarks/pending/scaled_debug.py 1.0 2>&1 \
-      | tee "$out/scaled_debug.txt" | head -12)
-    variant_tests scaled tests/test_fast_div.py -k scaled
+    variant_tests scaled tests/test_fast_div.py tests/test_conformance.py tests/test_minifloat_encode.py -k "nvfp4 or scaled or global"
+    for round in 1 2; do
+      timeout 60 python3 benchmarks/time_writes.py nvfp4 nvfp4_separate --tokens 32768 256 --rounds 2 2>&1 \
+        | tee -a "$out/scaled_main.txt" | grep "^| nv"
+      (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 60 python3 benchmarks/time_writes.py nvfp4 \
+        nvfp4_separate --tokens 32768 256 --rounds 2 2>&1 | tee -a "$out/scaled_variant.txt" | grep "^| nv")
+    done
     ;;
   crossover2)
     # what crossover (s37, H100) left: head size (at 64 the per token-head and e8m0 fused kernels still win at 128
