@@ -13,7 +13,7 @@ import jinja2
 
 from . import layout as layout_mod
 from .codecs import SCALE_MAX, SCALE_TINY, Codec, element_codec, scale_codec
-from .spec import ELEMENTS, FP32_MAX, ApplyScale, FormatSpec, Granularity, Placement, ScaleDType, SideSpec
+from .spec import ELEMENTS, FP32_MAX, GLOBAL_SCALE_RANGE, ApplyScale, FormatSpec, Granularity, Placement, ScaleDType, SideSpec
 from .support import check_supported
 from .version import KVGEN_VERSION
 
@@ -178,7 +178,7 @@ def range_first(side: SideSpec) -> bool:
 
 # fast_division's verdicts: the scales always lie where div_fast gives div_rn's codes, or a runtime test of the tile's
 # scales picks div_fast or div_rn
-FAST_ALWAYS, FAST_GUARDED = "always", "guarded"
+FAST_ALWAYS, FAST_GUARDED, FAST_SCALED = "always", "guarded", "scaled"
 FAST_SCALE_RANGE = (2.0 ** -30, 2.0 ** 17)  # the scales for which div_fast's codes are div_rn's
 
 
@@ -191,10 +191,20 @@ def fast_division(side: SideSpec) -> str:
     (fp32 scales, global scales: int8 asym); '' where it does not apply. The runtime's FAST_DIV turns it on for
     compiled writes. e2m1 codes would take it too (check_fast_div.py: the same e2m1 codes), but nvfp4's write
     measured 96 -> 97-98 us with the tile's test (H200, thirteenth session run 4: its branch and both paths cost
-    what the division saved), so they keep div_rn."""
+    what the division saved). FAST_SCALED (nvfp4: e2m1 codes, bounded scales times a global scale) needs no test:
+    each group's scale is split into s' in [1, 2) and a power of two (side.jinja), and GLOBAL_SCALE_RANGE keeps the
+    scales within [2**-60, 2**60], where every case div_corrected does not round as div_rn gives the same code: a
+    quotient below 2**-59 (code 0) or, from |x| = 2**64 on, one that saturates (even as inf or NaN: the e2m1 encode
+    saturates NaN, and takes the sign from x)."""
     sc = side.scale
     if sc is None or sc.granularity.is_static or sc.apply != ApplyScale.divide or fp64_quotient(side):
         return ""
+    largest = SCALE_MAX.get(sc.dtype, scale_codec(sc.dtype).params.get("max_finite"))  # fp16, fp8: bounded
+    if sc.global_scale and element_codec(side).params.get("envelope") and largest:
+        # e2m1 codes (their encode saturates a NaN quotient) of bounded scales times a global one
+        lo, hi = GLOBAL_SCALE_RANGE
+        if max(sc.min, SCALE_TINY[sc.dtype]) * lo >= 2.0 ** -60 and largest * hi <= 2.0 ** 60:
+            return FAST_SCALED
     if ELEMENTS[side.element].kind not in ("int", "uint"):
         return ""
     if scale_codec(sc.dtype).exact_reciprocal and not sc.global_scale:  # power-of-two scales multiply instead

@@ -23,6 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 # fp32's largest finite value, and the smallest value that rounds to infinity in fp32 (2**128 - 2**103, the midpoint)
 FP32_MAX = 3.4028234663852886e38
+# the static per-layer global scales a cache takes (runtime Format.allocate checks them): the writes' division by each
+# group's scale times one (codegen.render.fast_division, "scaled") relies on the products staying well inside fp32
+GLOBAL_SCALE_RANGE = (2.0 ** -32, 2.0 ** 32)
 FP32_OVERFLOW = 2.0 ** 128 - 2.0 ** 103
 
 SPEC_VERSION = 1

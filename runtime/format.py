@@ -16,9 +16,9 @@ from .dequantize import DequantizedLaunch, auto_dense, dense_dtype
 from .kernels import DOT_PRECISIONS, KernelSet, write_pads
 
 try:
-    from ..codegen.spec import FormatSpec, Granularity, ScaleDType
+    from ..codegen.spec import GLOBAL_SCALE_RANGE, FormatSpec, Granularity, ScaleDType
 except ImportError:  # running from a source checkout with the repo root on sys.path
-    from codegen.spec import FormatSpec, Granularity, ScaleDType
+    from codegen.spec import GLOBAL_SCALE_RANGE, FormatSpec, Granularity, ScaleDType
 
 STORAGE_TORCH_DTYPES = {
     "uint8": torch.uint8,
@@ -128,6 +128,8 @@ class Format:
         """A zeroed paged cache; static scales (a float, or one per KV head for per-head formats) belong to it.
 
         A static-scale format given no scale uses 1.0 and warns once; a dynamic format refuses static scales.
+        A global scale (NVFP4's per-layer fp32 scale) must lie in [2**-32, 2**32]: nvfp4's compiled write divides by
+        each group's scale times it exactly only there (``codegen.spec.GLOBAL_SCALE_RANGE``).
         Formats with a residual window (KIVI) also hold ``k_residual``/``v_residual`` ``[max_seqs, R + G, H, D]``:
         ``max_seqs`` is required for them (the number of sequences that can be live at once).
         """
@@ -166,6 +168,12 @@ class Format:
                 missing.append(key)
                 arg = 1.0
             tensors[key] = self._scale_tensor(key, arg, gran, num_kv_heads, device)
+            if self.spec.side(side).scale.global_scale:
+                lo, hi = GLOBAL_SCALE_RANGE
+                g = tensors[key]
+                if bool(((g < lo) | (g > hi)).any()):
+                    raise ValueError(f"{key}: a global scale must lie in [2**-32, 2**32] (the writes divide by each "
+                                     f"group's scale times it exactly only there), got {g.tolist()}")
         if missing:
             warnings.warn(f"kvgen format {self.name}: no {' / '.join(missing)} given; using 1.0. Load the scales "
                           "from the checkpoint, or pass k_scale= / v_scale= to allocate().", stacklevel=2)

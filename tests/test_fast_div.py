@@ -18,17 +18,18 @@ on_gpu = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "0" or not tor
 
 def test_fast_division_where_the_scales_allow():
     """The sides that take it: integer codes divided per element; always for fp16 scales (q4_0, KIVI), behind a test
-    of each tile's scales for fp32 or global scales (int8 asym, int4 per token-head, rotated); not for float codes
-    (nvfp4: measured no faster), power-of-two scales (a multiply), static scales, or rotated float codes' fp64
-    quotient."""
-    from kvgen.codegen.render import FAST_ALWAYS, FAST_GUARDED, fast_division
+    of each tile's scales for fp32 or global scales (int8 asym, int4 per token-head, rotated); e2m1 codes of fp8
+    scales times a global scale through each scale's power of two (nvfp4); not for other float codes, power-of-two
+    scales (a multiply), static scales, or rotated float codes' fp64 quotient."""
+    from kvgen.codegen.render import FAST_ALWAYS, FAST_GUARDED, FAST_SCALED, fast_division
     verdicts = {}
     for name in kvgen.shipped_names():
         spec = kvgen.load(name).spec
         for side in {fast_division(spec.key), fast_division(spec.value)} - {""}:
             verdicts.setdefault(side, set()).add(name)
     assert verdicts == {FAST_ALWAYS: {"q4_0", "kivi_2bit", "kivi_4bit"},
-                        FAST_GUARDED: {"int8_asym_per_token_head", "int4_per_token_head"}}
+                        FAST_GUARDED: {"int8_asym_per_token_head", "int4_per_token_head"},
+                        FAST_SCALED: {"nvfp4", "nvfp4_separate"}}
 
 
 def boundary_tokens(tokens: int, heads: int, head: int, gen: torch.Generator) -> torch.Tensor:
@@ -114,6 +115,53 @@ def test_guarded_fast_div_writes_the_same_bytes(monkeypatch):
     assert_same(bytes_with_and_without(monkeypatch, "int8_asym_per_token_head", key, value, slots))
 
 
+def e2m1_tokens(tokens: int, heads: int, head: int, g: float, gen: torch.Generator) -> torch.Tensor:
+    """nvfp4 inputs for a global scale g: in each block of 16 the largest magnitude is 6 * s * g for an fp8 e4m3 s
+    (so the block's scale is s, exactly), the others a few fp32 ulps either side of the e2m1 ties t * s * g (t in
+    0.25, 0.75, ..., 5), or random; s over all of e4m3's binades. Then the inputs where the division's fast path
+    leaves its range: +-inf and +-3e38 (NaN or inf quotients, which must saturate with x's sign), |x| from 2**64 up,
+    fp32 subnormals and +-0."""
+    blocks = (tokens, heads, head // 16, 1)
+    s = torch.ldexp(1.0 + torch.randint(0, 8, blocks, generator=gen).float() / 8,
+                    torch.randint(-6, 9, blocks, generator=gen))  # e4m3 normals from 2**-6 to 480 (saturates)
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    t = ties[torch.randint(0, 7, (tokens, heads, head // 16, 16), generator=gen)]
+    t = t * torch.where(torch.rand(t.shape, generator=gen) < 0.5, -1.0, 1.0)
+    x = (t * s * g).view(torch.int32) + torch.randint(-2, 3, t.shape, generator=gen, dtype=torch.int32)
+    x = x.view(torch.float32)
+    noise = torch.rand(x.shape, generator=gen) < 0.25
+    x = torch.where(noise, (torch.rand(x.shape, generator=gen) * 12 - 6) * s * g, x)
+    x[..., 0] = 6.0 * s[..., 0] * g
+    x = x.reshape(tokens, heads, head)
+    x[:8, :, 1], x[:8, :, 2], x[:8, :, 3], x[:8, :, 4] = float("inf"), float("-inf"), 3e38, -3e38
+    x[8:16, :, 1:9] = torch.ldexp(torch.rand(8, heads, 8, generator=gen) + 1, torch.randint(64, 127, (8, heads, 8),
+                                                                                             generator=gen))
+    x[16:24, :, 1:5] = torch.tensor([1e-45, -1e-40, 0.0, -0.0])
+    return x
+
+
+@on_gpu
+@pytest.mark.parametrize("g", [2.0 ** -32, 3 * 2.0 ** -20, 1.0, 0.7, 1.7 * 2.0 ** 20, 2.0 ** 32])
+def test_scaled_fast_div_writes_the_same_bytes(monkeypatch, g):
+    """nvfp4 (render.fast_division "scaled"): each group's scale split into s' in [1, 2) and a power of two, no test
+    of |x|; the same bytes as div_rn for global scales across GLOBAL_SCALE_RANGE, ties and out-of-range inputs."""
+    gen = torch.Generator().manual_seed(2)
+    tokens, heads, head = 1024, 4, 128
+    key, value = (e2m1_tokens(tokens, heads, head, g, gen).cuda() for _ in range(2))
+    slots = torch.randperm(tokens, generator=gen).cuda()
+    for name in ("nvfp4", "nvfp4_separate"):
+        assert_same(bytes_with_and_without(monkeypatch, name, key, value, slots, k_scale=g, v_scale=g))
+
+
+def test_global_scales_outside_their_range_are_refused():
+    fmt = kvgen.load("nvfp4")
+    for g in (2.0 ** -32, 1.0, 2.0 ** 32):
+        fmt.allocate(2, 16, 1, 64, k_scale=g, v_scale=1.0)
+    for g in (2.0 ** -33, 1e-20, 2.0 ** 33):
+        with pytest.raises(ValueError, match=r"k_scale: a global scale must lie in \[2\*\*-32, 2\*\*32\]"):
+            fmt.allocate(2, 16, 1, 64, k_scale=g, v_scale=1.0)
+
+
 def _side(element="int4", rotation=False, **scale):
     from kvgen.codegen.spec import SideSpec
 
@@ -134,7 +182,11 @@ def _side(element="int4", rotation=False, **scale):
     (dict(dtype="e8m0"), ""),  # powers of two: x times the exact reciprocal
     (dict(dtype="e8m0", global_scale=True), "guarded"),
     (dict(element="fp8_e4m3"), ""),  # float codes
-    (dict(element="fp4_e2m1", dtype="fp8_e4m3"), ""),  # float codes (nvfp4 measured no faster)
+    (dict(element="fp4_e2m1", dtype="fp8_e4m3"), ""),  # float codes without a global scale (measured no faster)
+    (dict(element="fp4_e2m1", dtype="fp8_e4m3", global_scale=True), "scaled"),  # nvfp4
+    (dict(element="fp4_e2m1", dtype="fp16", global_scale=True), "scaled"),  # 65504 * 2**32 < 2**60
+    (dict(element="fp4_e2m1", dtype="bf16", global_scale=True), ""),  # bf16 scales reach 2**128
+    (dict(element="fp8_e4m3", global_scale=True), ""),  # its encode does not saturate NaN
     (dict(rotation=True), "always"),  # rotated integer codes too (rotated float codes divide through fp64)
     (dict(rotation=True, element="fp8_e4m3"), ""),
     (dict(apply="reciprocal_multiply"), ""),

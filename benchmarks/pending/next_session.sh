@@ -8,7 +8,6 @@
 #   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~350 s?)
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~350 s?; prefill dequantize-first rows new)
 #   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused near auto's counts: H200, hs 64 / 256, groups 1 / 8 (~550 s?)
-#   bash benchmarks/pending/next_session.sh scaled     # nvfp4-scaled-div.patch: why its fast path saturated (~120 s)
 #   bash benchmarks/pending/next_session.sh crossover2 # head sizes 64 / 256 near the counts, nvfp4's (~400 s?)
 #   bash benchmarks/pending/next_session.sh cells      # profiles: the inline-scale cells converted first / 3 stages
 #   bash benchmarks/pending/next_session.sh hs64prof   # profiles at head size 64 (int8 / fp8 per token-head, bf16)
@@ -31,13 +30,16 @@
 # (write-prefetch.patch slower everywhere: removed), tests (635 passed), crossfast ("fast" got its own dequantize-first
 # counts; removed) and kivicrash (KIVI's kernel only, at head size 256; the step removed, kivi_block32_crash.sh
 # kept as the reproducer for a Triton upgrade); s40 (H100, benchmarks/results_2026-12-06_h100_s40.md) ran kiviheads
-# (merged for prefill flushes only), int4div (merged) and its own e2m1 envelope encode (merged).
+# (merged for prefill flushes only), int4div (merged) and its own e2m1 envelope encode (merged); s41 (an H200 for
+# four calls, then an H100; benchmarks/results_2026-12-06_h200_s41.md) ran scaled on both (nvfp4-scaled-div.patch
+# merged once its reciprocal came from div_rn; the step removed, benchmarks/pending/recip_fast_fault.py kept as the
+# reproducer), bench1 / bench2 and tests (645 passed) on the H200.
 #
 # Steps in priority order; each prints how long it took.
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, scaled, crossover2, cells, hs64prof, writes, writeprof or writeab"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, cells, hs64prof, writes, writeprof or writeab"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -101,19 +103,6 @@ case "$step" in
       set -- $g
       timeout 70 python3 benchmarks/dequantize_first.py int8_per_token_head q4_0 mxfp8 kivi_2bit --query-heads "$1" \
         --shape "$2" 2>&1 | tee -a "$out/crossover.txt" | grep "^|\|^Chunked"
-    done
-    ;;
-  scaled)
-    # nvfp4-scaled-div.patch (s40; s41: recip_fast's inline rcp on the per-group tensor was what saturated every
-    # code, so 1 / s' is div_rn's, once per group): its GPU tests at every global scale and nvfp4's, then its writes
-    # against main's, alternating, two processes each
-    variant nvfp4-scaled-div "div_corrected" nvfp4 nvfp4_separate || exit 1
-    variant_tests scaled tests/test_fast_div.py tests/test_conformance.py tests/test_minifloat_encode.py -k "nvfp4 or scaled or global"
-    for round in 1 2; do
-      timeout 60 python3 benchmarks/time_writes.py nvfp4 nvfp4_separate --tokens 32768 256 --rounds 2 2>&1 \
-        | tee -a "$out/scaled_main.txt" | grep "^| nv"
-      (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 60 python3 benchmarks/time_writes.py nvfp4 \
-        nvfp4_separate --tokens 32768 256 --rounds 2 2>&1 | tee -a "$out/scaled_variant.txt" | grep "^| nv")
     done
     ;;
   crossover2)

@@ -1,5 +1,5 @@
-"""Where nvfp4's scaled fast division (FAST_DIV on) writes other bytes than div_rn (off): field, token, head, byte,
-the inputs behind it and both bytes. GPU only; a debugging aid of the fortieth session."""
+"""Where nvfp4's compiled write with its fast division (FAST_DIV on) writes other bytes than with div_rn per element
+(off): field, token, head, byte, the inputs behind it and both bytes. GPU only; used by recip_fast_fault.py."""
 import sys
 
 import torch

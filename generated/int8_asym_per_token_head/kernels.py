@@ -60,14 +60,19 @@ def recip_fast(s, FAST: tl.constexpr):
 
 
 @triton.jit
+def div_corrected(x, s, r):
+    # q0 - r * (s * q0 - x), q0 = x * r (r = recip_fast(s)): for x = -0 the last fma gives -0, as div_rn. x * -1.0
+    # rather than -x, which Triton writes as 0 - x: the compiler may not fold that into the fma (it differs at +0),
+    # and it cost an add per element
+    q0 = x * r
+    return tl.fma(-r, tl.fma(s, q0, x * -1.0), q0)
+
+
+@triton.jit
 def div_fast(x, s, r, FAST: tl.constexpr):
     # x / s for codes: div_rn's quotient, or (FAST, r = recip_fast(s)) one that rounds and clamps to the same code
     if FAST:
-        q0 = x * r
-        # q0 - r * (s * q0 - x): for x = -0 the last fma gives -0, as div_rn. x * -1.0 rather than -x, which Triton
-        # writes as 0 - x: the compiler may not fold that into the fma (it differs at +0), and it cost an add per element
-        q = tl.fma(-r, tl.fma(s, q0, x * -1.0), q0)
-        return tl.where(tl.abs(x) < 18446744073709551616.0, q, x)
+        return tl.where(tl.abs(x) < 18446744073709551616.0, div_corrected(x, s, r), x)
     else:
         return tl.math.div_rn(x, s)
 

@@ -54,6 +54,11 @@ def widen(x, NATIVE: tl.constexpr, NAN_ZERO: tl.constexpr):
 
 @triton.jit
 def k_encode(v):
+    return k_encode_signed(v, v)
+
+
+@triton.jit
+def k_encode_signed(v, sign_of):
     # fp32 -> fp4_e2m1 code. A code's magnitude is concave and piecewise linear in |v|: in binade e (the
     # subnormal one, [0, 2**1), taking the first normal binade's step) it is (e - 0) * 2**1 + round(|v| / step_e),
     # step_e = 2**(e - 1), and the lines meet at the binade edges with slopes falling. So the rounded magnitude is the least
@@ -63,13 +68,14 @@ def k_encode(v):
     # multiply by a power of two, exact (but where |v| is subnormal, which no line's minimum then takes), so the
     # interpreter's fma, rounding twice, rounds once here too. A NaN v saturates (min drops NaN), as the bit
     # encoder did compiled. Integer ops are the writes' scarce pipe: 3 fmas and 3 mins, where binade arithmetic
-    # took 4 integer ops per element more.
+    # took 4 integer ops per element more. The sign is sign_of's: v's own, or the input's where a write's fast
+    # division may leave a saturating quotient NaN (render.fast_division, "scaled").
     a = tl.abs(v)
     m = tl.fma(a, 2.0, 12582912.0)
     m = tl.minimum(m, tl.fma(a, 1.0, 12582914.0))
     m = tl.minimum(m, tl.fma(a, 0.5, 12582916.0))
     m = tl.minimum(m, 12582919.0)  # saturate at 6.0
-    sign = (v.to(tl.uint32, bitcast=True) >> 28) & 8
+    sign = (sign_of.to(tl.uint32, bitcast=True) >> 28) & 8
     return (m.to(tl.uint32, bitcast=True) | sign).to(tl.uint8)
 
 
@@ -167,6 +173,11 @@ def k_scale_reciprocal(code):
 
 @triton.jit
 def v_encode(v):
+    return v_encode_signed(v, v)
+
+
+@triton.jit
+def v_encode_signed(v, sign_of):
     # fp32 -> fp4_e2m1 code. A code's magnitude is concave and piecewise linear in |v|: in binade e (the
     # subnormal one, [0, 2**1), taking the first normal binade's step) it is (e - 0) * 2**1 + round(|v| / step_e),
     # step_e = 2**(e - 1), and the lines meet at the binade edges with slopes falling. So the rounded magnitude is the least
@@ -176,13 +187,14 @@ def v_encode(v):
     # multiply by a power of two, exact (but where |v| is subnormal, which no line's minimum then takes), so the
     # interpreter's fma, rounding twice, rounds once here too. A NaN v saturates (min drops NaN), as the bit
     # encoder did compiled. Integer ops are the writes' scarce pipe: 3 fmas and 3 mins, where binade arithmetic
-    # took 4 integer ops per element more.
+    # took 4 integer ops per element more. The sign is sign_of's: v's own, or the input's where a write's fast
+    # division may leave a saturating quotient NaN (render.fast_division, "scaled").
     a = tl.abs(v)
     m = tl.fma(a, 2.0, 12582912.0)
     m = tl.minimum(m, tl.fma(a, 1.0, 12582914.0))
     m = tl.minimum(m, tl.fma(a, 0.5, 12582916.0))
     m = tl.minimum(m, 12582919.0)  # saturate at 6.0
-    sign = (v.to(tl.uint32, bitcast=True) >> 28) & 8
+    sign = (sign_of.to(tl.uint32, bitcast=True) >> 28) & 8
     return (m.to(tl.uint32, bitcast=True) | sign).to(tl.uint8)
 
 

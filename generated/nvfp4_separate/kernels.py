@@ -33,6 +33,48 @@ KEY_FOLD = False
 # ---------------------------------------------------------------------------------------------------------------
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Division of codes by their group's scale (render.fast_division). ptxas expands every div.rn.f32 into MUFU.RCP, a
+# Newton step of the reciprocal, q0 = x * r, one correction q0 + r * (x - s * q0) (FFMAs), and FCHK with a branch to
+# a slow path for operands out of its range. Compiled (FAST), the reciprocal and its Newton step run once per scale
+# here and every element keeps the same q0 and correction: the same operations up to signs (the residual computed
+# negated, s * q0 - x, which rounds to the exact negative, and subtracted), so the same quotient wherever FCHK
+# passes. For x = +-0 the residual is +0 either way; subtracted, the last fma gives (-0) + (-0) = -0 for x = -0, as
+# div_rn does, where adding it gave +0. For scales in [2**-30, 2**17] (fp16 scales always; fp32 or global scales
+# where a test of the tile's scales says so, else div_rn) and integer codes: elements with |x| >= 2**64 keep x
+# itself (q would be at least 2**47, clamped like x to the same code, and the fast path could overflow into NaN);
+# for |x| < 2**-40 both quotients are below 2**-10 in magnitude, with x's sign, so the same zero code. The codes
+# are therefore those of div_rn; the interpreter, whose fma rounds twice, divides with div_rn.
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def recip_fast(s, FAST: tl.constexpr):
+    # div.rn's reciprocal of s, refined as ptxas refines it (FAST); unused otherwise
+    if FAST:
+        r0 = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [s], dtype=tl.float32, is_pure=True,
+                                       pack=1)
+        return tl.fma(r0, tl.fma(-s, r0, 1.0), r0)
+    else:
+        return s
+
+
+@triton.jit
+def div_corrected(x, s, r):
+    # q0 - r * (s * q0 - x), q0 = x * r (r = recip_fast(s)): for x = -0 the last fma gives -0, as div_rn. x * -1.0
+    # rather than -x, which Triton writes as 0 - x: the compiler may not fold that into the fma (it differs at +0),
+    # and it cost an add per element
+    q0 = x * r
+    return tl.fma(-r, tl.fma(s, q0, x * -1.0), q0)
+
+
+@triton.jit
+def div_fast(x, s, r, FAST: tl.constexpr):
+    # x / s for codes: div_rn's quotient, or (FAST, r = recip_fast(s)) one that rounds and clamps to the same code
+    if FAST:
+        return tl.where(tl.abs(x) < 18446744073709551616.0, div_corrected(x, s, r), x)
+    else:
+        return tl.math.div_rn(x, s)
+
+
 @triton.jit
 def widen(x, NATIVE: tl.constexpr, NAN_ZERO: tl.constexpr):
     # a write's input in fp32, NaN as 0.0 where NAN_ZERO. Compiled, bf16 inputs widen by bits, two per register: the
@@ -55,6 +97,11 @@ def widen(x, NATIVE: tl.constexpr, NAN_ZERO: tl.constexpr):
 
 @triton.jit
 def k_encode(v):
+    return k_encode_signed(v, v)
+
+
+@triton.jit
+def k_encode_signed(v, sign_of):
     # fp32 -> fp4_e2m1 code. A code's magnitude is concave and piecewise linear in |v|: in binade e (the
     # subnormal one, [0, 2**1), taking the first normal binade's step) it is (e - 0) * 2**1 + round(|v| / step_e),
     # step_e = 2**(e - 1), and the lines meet at the binade edges with slopes falling. So the rounded magnitude is the least
@@ -64,13 +111,14 @@ def k_encode(v):
     # multiply by a power of two, exact (but where |v| is subnormal, which no line's minimum then takes), so the
     # interpreter's fma, rounding twice, rounds once here too. A NaN v saturates (min drops NaN), as the bit
     # encoder did compiled. Integer ops are the writes' scarce pipe: 3 fmas and 3 mins, where binade arithmetic
-    # took 4 integer ops per element more.
+    # took 4 integer ops per element more. The sign is sign_of's: v's own, or the input's where a write's fast
+    # division may leave a saturating quotient NaN (render.fast_division, "scaled").
     a = tl.abs(v)
     m = tl.fma(a, 2.0, 12582912.0)
     m = tl.minimum(m, tl.fma(a, 1.0, 12582914.0))
     m = tl.minimum(m, tl.fma(a, 0.5, 12582916.0))
     m = tl.minimum(m, 12582919.0)  # saturate at 6.0
-    sign = (v.to(tl.uint32, bitcast=True) >> 28) & 8
+    sign = (sign_of.to(tl.uint32, bitcast=True) >> 28) & 8
     return (m.to(tl.uint32, bitcast=True) | sign).to(tl.uint8)
 
 
@@ -183,6 +231,11 @@ def k_scale_decode(code):
 
 @triton.jit
 def v_encode(v):
+    return v_encode_signed(v, v)
+
+
+@triton.jit
+def v_encode_signed(v, sign_of):
     # fp32 -> fp4_e2m1 code. A code's magnitude is concave and piecewise linear in |v|: in binade e (the
     # subnormal one, [0, 2**1), taking the first normal binade's step) it is (e - 0) * 2**1 + round(|v| / step_e),
     # step_e = 2**(e - 1), and the lines meet at the binade edges with slopes falling. So the rounded magnitude is the least
@@ -192,13 +245,14 @@ def v_encode(v):
     # multiply by a power of two, exact (but where |v| is subnormal, which no line's minimum then takes), so the
     # interpreter's fma, rounding twice, rounds once here too. A NaN v saturates (min drops NaN), as the bit
     # encoder did compiled. Integer ops are the writes' scarce pipe: 3 fmas and 3 mins, where binade arithmetic
-    # took 4 integer ops per element more.
+    # took 4 integer ops per element more. The sign is sign_of's: v's own, or the input's where a write's fast
+    # division may leave a saturating quotient NaN (render.fast_division, "scaled").
     a = tl.abs(v)
     m = tl.fma(a, 2.0, 12582912.0)
     m = tl.minimum(m, tl.fma(a, 1.0, 12582914.0))
     m = tl.minimum(m, tl.fma(a, 0.5, 12582916.0))
     m = tl.minimum(m, 12582919.0)  # saturate at 6.0
-    sign = (v.to(tl.uint32, bitcast=True) >> 28) & 8
+    sign = (sign_of.to(tl.uint32, bitcast=True) >> 28) & 8
     return (m.to(tl.uint32, bitcast=True) | sign).to(tl.uint8)
 
 
@@ -390,8 +444,21 @@ def reshape_and_cache_kernel(
     k_scode = k_scale_encode_native(k_s, NATIVE_CASTS)
     k_eff_g = k_scale_decode(k_scode) * k_g
     k_eff = tl.reshape(tl.broadcast_to(k_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD])
-    k_v = tl.math.div_rn(x_key, k_eff)  # x / s
-    k_codes = k_encode(k_v)
+    if FAST_DIV:
+        # compiled (render.fast_division, "scaled"): with each group's scale s = s' * 2**E, s' in [1, 2), x / s is
+        # (x / s') * 2**-E. div_corrected's quotient by s' in [1, 2) is div_rn's wherever a code depends on it, and
+        # the power of two scales it exactly, or below fp32's normal range where every code is 0. No test of |x|:
+        # the global scale lies in GLOBAL_SCALE_RANGE (allocate() checks it), so from |x| = 2**64 on the quotient
+        # saturates, and a quotient that overflows or is NaN saturates too, its sign taken from x
+        k_pw = (0x7F000000 - (k_eff_g.to(tl.uint32, bitcast=True) & 0x7F800000)).to(tl.float32, bitcast=True)  # 2**-E
+        k_sn = k_eff_g * k_pw  # s' = s * 2**-E, exactly
+        # 1 / s' rounded once per group by div_rn: recip_fast (inline rcp.approx) here made every code saturate on
+        # sm_90, though right on its own (benchmarks/pending/recip_fast_fault.py reproduces it)
+        k_rs = tl.math.div_rn(1.0, k_sn)
+        k_v = div_corrected(x_key, tl.reshape(tl.broadcast_to(k_sn[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD]), tl.reshape(tl.broadcast_to(k_rs[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD])) * tl.reshape(tl.broadcast_to(k_pw[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD])
+    else:
+        k_v = tl.math.div_rn(x_key, k_eff)  # x / s
+    k_codes = k_encode_signed(k_v, x_key)  # the sign of x: s > 0
     k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
     # 2 codes per byte, element i at bit (i % 2) * 4 of byte i // 2
     k_sh = (d % 2) * 4
@@ -426,8 +493,21 @@ def reshape_and_cache_kernel(
     v_scode = v_scale_encode_native(v_s, NATIVE_CASTS)
     v_eff_g = v_scale_decode(v_scode) * v_g
     v_eff = tl.reshape(tl.broadcast_to(v_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD])
-    v_v = tl.math.div_rn(x_value, v_eff)  # x / s
-    v_codes = v_encode(v_v)
+    if FAST_DIV:
+        # compiled (render.fast_division, "scaled"): with each group's scale s = s' * 2**E, s' in [1, 2), x / s is
+        # (x / s') * 2**-E. div_corrected's quotient by s' in [1, 2) is div_rn's wherever a code depends on it, and
+        # the power of two scales it exactly, or below fp32's normal range where every code is 0. No test of |x|:
+        # the global scale lies in GLOBAL_SCALE_RANGE (allocate() checks it), so from |x| = 2**64 on the quotient
+        # saturates, and a quotient that overflows or is NaN saturates too, its sign taken from x
+        v_pw = (0x7F000000 - (v_eff_g.to(tl.uint32, bitcast=True) & 0x7F800000)).to(tl.float32, bitcast=True)  # 2**-E
+        v_sn = v_eff_g * v_pw  # s' = s * 2**-E, exactly
+        # 1 / s' rounded once per group by div_rn: recip_fast (inline rcp.approx) here made every code saturate on
+        # sm_90, though right on its own (benchmarks/pending/recip_fast_fault.py reproduces it)
+        v_rs = tl.math.div_rn(1.0, v_sn)
+        v_v = div_corrected(x_value, tl.reshape(tl.broadcast_to(v_sn[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD]), tl.reshape(tl.broadcast_to(v_rs[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD])) * tl.reshape(tl.broadcast_to(v_pw[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD])
+    else:
+        v_v = tl.math.div_rn(x_value, v_eff)  # x / s
+    v_codes = v_encode_signed(v_v, x_value)  # the sign of x: s > 0
     v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
     # 2 codes per byte, element i at bit (i % 2) * 4 of byte i // 2
     v_sh = (d % 2) * 4
