@@ -14,6 +14,7 @@
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs, KIVI's flush profile
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled on the H200 (~200 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100)
+#   bash benchmarks/pending/next_session.sh rcpfault   # recip_fast's fault in nvfp4's write: the device's ptxas and SASS (~60 s)
 # Ran and removed (benchmarks/results_2026-12-04_h200_s28.md, _s29.md): rows128, hs256more, rules28, rules28b (s28);
 # hs256rest, kiviacc (merged) and the first rowspread (s29); tests, dequant, maskfree, rowspread, rowspread128 and
 # rowspreadtests (s32, benchmarks/results_2026-12-05_h200_s32.md); verify and tests ran on an H100 (s33,
@@ -39,7 +40,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, cells, hs64prof, writes, writeprof or writeab"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, cells, hs64prof, writes, writeprof, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -176,6 +177,17 @@ case "$step" in
     (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 80 python3 benchmarks/profile_decode.py --write \
       --formats nvfp4 int8_asym_per_token_head --out "$out/writeprof_variant" 2>&1 \
       | tee "$out/writeprof_variant.txt" | grep "^|")
+    ;;
+  rcpfault)
+    # recip_fast's fault in nvfp4's write (s41: the PTX and SASS compiled here without a GPU read correct): the
+    # reproducer, the ptxas the machine's Triton runs, and the faulty kernel's PTX / cubin from Triton's cache, to
+    # diff against `sass_count.py`'s compile (fp32 inputs, 1024 tokens, 4 KV heads: scaled_debug.py's launch)
+    echo "TRITON_PTXAS_PATH=${TRITON_PTXAS_PATH:-unset}"; "${TRITON_PTXAS_PATH:-$(python3 -c 'import os, triton; \
+      print(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas"))')}" --version | tail -2
+    export TRITON_CACHE_DIR=/tmp/rcpcache && rm -rf /tmp/rcpcache
+    timeout 200 python3 benchmarks/pending/recip_fast_fault.py 2>&1 | tee "$out/rcpfault.txt"
+    mkdir -p "$out/rcpcache" && find /tmp/rcpcache -name "reshape_and_cache_kernel.*" \( -name "*.ptx" -o -name \
+      "*.cubin" \) -exec cp --backup=numbered {} "$out/rcpcache/" \;
     ;;
   writes)
     timeout 250 python3 benchmarks/write_state.py nvfp4 kivi_2bit fp8_e4m3 --states nothing copy --graph-nodes 2>&1 \
