@@ -139,7 +139,7 @@ def synthetic_kv(context: int, seed: int, num_kv_heads: int = NUM_KV_HEADS, num_
 def calibrated_scale(spec, side_name: str, x: np.ndarray):
     """The static scale of a side from the data: per_tensor ``absmax / qmax``, per_head one per head; a global scale
     ``absmax / (qmax * block-scale max)``; None for a side without a per-layer scale."""
-    from .codegen.spec import ELEMENTS, Granularity
+    from .codegen.spec import ELEMENTS, GLOBAL_SCALE_RANGE, Granularity
 
     side = spec.side(side_name)
     sc = side.scale
@@ -149,7 +149,10 @@ def calibrated_scale(spec, side_name: str, x: np.ndarray):
     amax_t = float(np.max(np.abs(x)))
     if sc.global_scale:
         smax = {"fp8_e4m3": 448.0, "fp16": 65504.0}.get(getattr(sc.dtype, "value", str(sc.dtype)), None)
-        return 1.0 if smax is None or amax_t == 0 else amax_t / (qmax * smax)
+        if smax is None or amax_t == 0:
+            return 1.0
+        lo, hi = GLOBAL_SCALE_RANGE  # what allocate takes
+        return min(max(amax_t / (qmax * smax), lo), hi)
     if not sc.granularity.is_static:
         return None
     if sc.granularity == Granularity.per_head:

@@ -128,8 +128,10 @@ class Format:
         """A zeroed paged cache; static scales (a float, or one per KV head for per-head formats) belong to it.
 
         A static-scale format given no scale uses 1.0 and warns once; a dynamic format refuses static scales.
-        A global scale (NVFP4's per-layer fp32 scale) must lie in [2**-32, 2**32]: nvfp4's compiled write divides by
-        each group's scale times it exactly only there (``codegen.spec.GLOBAL_SCALE_RANGE``).
+        A global scale (NVFP4's per-layer fp32 scale, for any format with one) must lie in [2**-32, 2**32]
+        (``codegen.spec.GLOBAL_SCALE_RANGE``): only there do nvfp4's compiled writes, which divide through each group's
+        scale split into a power of two, give div_rn's codes. The check runs here; a scale copied into
+        ``cache.tensors`` later is checked by ``write`` only where costly checks run (CPU tensors, KVGEN_DEBUG=1).
         Formats with a residual window (KIVI) also hold ``k_residual``/``v_residual`` ``[max_seqs, R + G, H, D]``:
         ``max_seqs`` is required for them (the number of sequences that can be live at once).
         """
@@ -168,16 +170,22 @@ class Format:
                 missing.append(key)
                 arg = 1.0
             tensors[key] = self._scale_tensor(key, arg, gran, num_kv_heads, device)
-            if self.spec.side(side).scale.global_scale:
-                lo, hi = GLOBAL_SCALE_RANGE
-                g = tensors[key]
-                if bool(((g < lo) | (g > hi)).any()):
-                    raise ValueError(f"{key}: a global scale must lie in [2**-32, 2**32] (the writes divide by each "
-                                     f"group's scale times it exactly only there), got {g.tolist()}")
+        self._check_global_scales(tensors, "{}")
         if missing:
             warnings.warn(f"kvgen format {self.name}: no {' / '.join(missing)} given; using 1.0. Load the scales "
                           "from the checkpoint, or pass k_scale= / v_scale= to allocate().", stacklevel=2)
         return KVCache(self.name, self.spec_hash, num_blocks, block_size, num_kv_heads, head_size, tensors)
+
+    def _check_global_scales(self, tensors: dict, naming: str) -> None:
+        """A global scale outside GLOBAL_SCALE_RANGE is an error naming it (``naming`` formats its key), found
+        where nvfp4's compiled writes would no longer give div_rn's codes."""
+        lo, hi = GLOBAL_SCALE_RANGE
+        for side, key in (("key", "k_scale"), ("value", "v_scale")):
+            sc = self.spec.side(side).scale
+            g = tensors.get(key)
+            if sc is not None and sc.global_scale and g is not None and bool(((g < lo) | (g > hi)).any()):
+                raise ValueError(f"{naming.format(key)}: a global scale must lie in [2**-32, 2**32] (where the "
+                                 f"compiled writes' division by it gives div_rn's codes), got {g.tolist()}")
 
     @staticmethod
     def _scale_tensor(name: str, arg: ScaleArg, gran: Granularity, num_kv_heads: int,
@@ -327,6 +335,7 @@ class Format:
             raise ValueError(f"slot_mapping: has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
         if checks.costly_checks_on(slot_mapping):
             checks.slots_in_range(slot_mapping, cache.num_slots)
+            self._check_global_scales(cache.tensors, "cache.tensors['{}']")  # copied in after allocate?
         streaming = self.layout.RESIDUAL is not None
         meta = dict(seq_ids=seq_ids, query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table)
         if not streaming:

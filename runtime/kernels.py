@@ -463,7 +463,10 @@ _CAPABILITY: dict = {}
 # Compiled writes divide integer codes by their group's scale through a per-group reciprocal where the side allows it
 # (codegen.render.fast_division; recip_fast / div_fast in the generated kernels: div.rn's own fast path with the
 # reciprocal hoisted): the same codes as div_rn (H200, thirteenth session: benchmarks/check_fast_div.py over every fp16
-# scale, tests/test_fast_div.py and the conformance suite compiled). The interpreter always divides with div_rn.
+# scale, tests/test_fast_div.py and the conformance suite compiled). nvfp4's e2m1 codes ("scaled", forty-first
+# session) divide by each group's scale split into s' in [1, 2) and a power of two, 1 / s' from div_rn once per group
+# (recip_fast there made every code saturate: benchmarks/pending/recip_fast_fault.py). The interpreter always divides
+# with div_rn.
 # H200: KIVI's prefill write of 32768 tokens 347 -> 218 us (kivi_2bit); q4_0's 86 -> 85 us (benchmarks/RESULTS.md).
 FAST_DIV = True
 # KIVI's flush (one program per key group of G tokens and KV head, K and V): warps per program by the elements one

@@ -213,3 +213,12 @@ def test_an_fp16_dense_cache_keeps_int8_values():
     fp16 = E.evaluate(["int8_per_token_head"], dequantize_first="fp16", **kw)[0]["attn_rel_l2"]
     assert abs(fp16 - plain) < abs(bf16 - plain), (plain, bf16, fp16)
 
+
+
+def test_global_scale_is_calibrated_within_the_range_allocate_takes():
+    """nvfp4: absmax / (6 * 448), clamped to [2**-32, 2**32] (Format.allocate refuses others)."""
+    spec = E.resolve_format("nvfp4").spec
+    x = np.full((4, 2, 16), 3.0, np.float32)
+    assert E.calibrated_scale(spec, "key", x) == pytest.approx(3.0 / (6 * 448))
+    assert E.calibrated_scale(spec, "key", x * 1e-9) == 2.0 ** -32
+    assert E.calibrated_scale(spec, "key", x * 1e15) == 2.0 ** 32

@@ -160,6 +160,22 @@ def test_global_scales_outside_their_range_are_refused():
     for g in (2.0 ** -33, 1e-20, 2.0 ** 33):
         with pytest.raises(ValueError, match=r"k_scale: a global scale must lie in \[2\*\*-32, 2\*\*32\]"):
             fmt.allocate(2, 16, 1, 64, k_scale=g, v_scale=1.0)
+        with pytest.raises(ValueError, match=r"v_scale: a global scale must lie"):
+            fmt.allocate(2, 16, 1, 64, k_scale=1.0, v_scale=g)
+
+
+def test_a_global_scale_copied_in_after_allocate_is_checked_on_write():
+    """An engine may load the layer's scales into the cache's tensors after allocating it: write's costly checks (CPU
+    tensors here) catch one out of range before any byte is written."""
+    fmt = kvgen.load("nvfp4")
+    cache = fmt.allocate(2, 16, 1, 64, k_scale=1.0, v_scale=1.0)
+    x = torch.ones(3, 1, 64)
+    fmt.write(cache, x, x, torch.arange(3))
+    before = cache.tensors["kv_cache"].clone()
+    cache.tensors["v_scale"].fill_(2.0 ** 40)
+    with pytest.raises(ValueError, match=r"cache.tensors\['v_scale'\]: a global scale must lie"):
+        fmt.write(cache, 2 * x, 2 * x, torch.arange(3))
+    assert torch.equal(cache.tensors["kv_cache"], before)
 
 
 def _side(element="int4", rotation=False, **scale):

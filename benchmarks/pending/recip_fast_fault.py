@@ -9,8 +9,9 @@ From the repository root on a GPU (after `source benchmarks/device_env.sh`):
     python3 benchmarks/pending/recip_fast_fault.py
 
 Each line: the edit of generated/nvfp4/kernels.py (restored afterwards) and scaled_debug.py's count of bytes
-differing between the compiled write with its fast division (FAST_DIV) and without (div_rn per element).
-forty-first session, H100: main 0; recip_fast 257400 (every code byte of 262144)."""
+differing between the compiled write with its fast division (FAST_DIV) and without (div_rn per element). Not run
+yet in this form: the forty-first session's scaled_variants.py, which it was cut from (a9b1d24), measured on an H100
+0 with div_rn's reciprocal and 257400 (every code byte of 262144) with recip_fast's."""
 import pathlib
 import subprocess
 import sys

@@ -453,7 +453,7 @@ def reshape_and_cache_kernel(
         k_pw = (0x7F000000 - (k_eff_g.to(tl.uint32, bitcast=True) & 0x7F800000)).to(tl.float32, bitcast=True)  # 2**-E
         k_sn = k_eff_g * k_pw  # s' = s * 2**-E, exactly
         # 1 / s' rounded once per group by div_rn: recip_fast (inline rcp.approx) here made every code saturate on
-        # sm_90, though right on its own (benchmarks/pending/recip_fast_fault.py reproduces it)
+        # sm_90, though right on its own (benchmarks/RESULTS.md, forty-first session)
         k_rs = tl.math.div_rn(1.0, k_sn)
         k_v = div_corrected(x_key, tl.reshape(tl.broadcast_to(k_sn[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD]), tl.reshape(tl.broadcast_to(k_rs[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD])) * tl.reshape(tl.broadcast_to(k_pw[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD])
     else:
@@ -502,7 +502,7 @@ def reshape_and_cache_kernel(
         v_pw = (0x7F000000 - (v_eff_g.to(tl.uint32, bitcast=True) & 0x7F800000)).to(tl.float32, bitcast=True)  # 2**-E
         v_sn = v_eff_g * v_pw  # s' = s * 2**-E, exactly
         # 1 / s' rounded once per group by div_rn: recip_fast (inline rcp.approx) here made every code saturate on
-        # sm_90, though right on its own (benchmarks/pending/recip_fast_fault.py reproduces it)
+        # sm_90, though right on its own (benchmarks/RESULTS.md, forty-first session)
         v_rs = tl.math.div_rn(1.0, v_sn)
         v_v = div_corrected(x_value, tl.reshape(tl.broadcast_to(v_sn[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD]), tl.reshape(tl.broadcast_to(v_rs[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD])) * tl.reshape(tl.broadcast_to(v_pw[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD])
     else:
