@@ -13,7 +13,8 @@ import jinja2
 
 from . import layout as layout_mod
 from .codecs import SCALE_MAX, SCALE_TINY, Codec, element_codec, scale_codec
-from .spec import ELEMENTS, FP32_MAX, GLOBAL_SCALE_RANGE, ApplyScale, FormatSpec, Granularity, Placement, ScaleDType, SideSpec
+from .spec import (ELEMENTS, FP32_MAX, GLOBAL_SCALE_RANGE, ApplyScale, FormatSpec, Granularity, Placement,
+                   ScaleDType, SideSpec)
 from .support import check_supported
 from .version import KVGEN_VERSION
 

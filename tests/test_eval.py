@@ -214,7 +214,6 @@ def test_an_fp16_dense_cache_keeps_int8_values():
     assert abs(fp16 - plain) < abs(bf16 - plain), (plain, bf16, fp16)
 
 
-
 def test_global_scale_is_calibrated_within_the_range_allocate_takes():
     """nvfp4: absmax / (6 * 448), clamped to [2**-32, 2**32] (Format.allocate refuses others)."""
     spec = E.resolve_format("nvfp4").spec
