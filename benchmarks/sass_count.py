@@ -5,6 +5,7 @@
     python benchmarks/sass_count.py --tiles 64/4/3/128 [FORMAT ...]  # another tile choice (tune_tiles.py's syntax)
     python benchmarks/sass_count.py --write-streaming [FORMAT ...]   # KIVI's flush and residual-store kernels
     python benchmarks/sass_count.py --write --no-fast-div [FORMAT ...]   # (or --write-streaming) with FAST_DIV off
+    python benchmarks/sass_count.py --write --input fp32 --dump DIR [FORMAT ...]   # fp32 (fp16) inputs; PTX + SASS
     python benchmarks/sass_count.py --prefill [FORMAT ...]       # bench.py's chunked prefill (4 x 2048 new on 8192)
     python benchmarks/sass_count.py --prefill --head-size 48 SPEC   # another head size (default 128)
     python benchmarks/sass_count.py --tiles 128/8/2 --prefill --prefill-rows 128 [FORMAT ...]   # 128 query rows
@@ -215,10 +216,11 @@ def count(name: str, dot_precision: str = "auto", seqs: int = 64, ctx: int = 819
                 mix=ops.most_common(8), loads=dict(sorted(loads.items())))
 
 
-def count_write(name: str, tokens: int = 4096) -> dict:
-    """The reshape-and-cache kernel exactly as the runtime would launch it on a GPU for ``tokens`` bf16 tokens
-    (captured from ``Format.write`` like the attention kernel): it has no loop, so every instruction counts, per
-    token of the program's KV head."""
+def count_write(name: str, tokens: int = 4096, dtype: torch.dtype = torch.bfloat16, dump: str | None = None) -> dict:
+    """The reshape-and-cache kernel exactly as the runtime would launch it on a GPU for ``tokens`` tokens of
+    ``dtype`` (captured from ``Format.write`` like the attention kernel; the input type changes the kernel's layouts):
+    it has no loop, so every instruction counts, per token of the program's KV head. ``dump``: a folder that gets the
+    kernel's PTX and SASS as NAME.ptx / NAME.sass."""
     fmt = kvgen.load(name)
     if fmt.spec.streaming:
         raise ValueError(f"{name}: KIVI writes through its own flush and residual kernels")
@@ -226,16 +228,21 @@ def count_write(name: str, tokens: int = 4096) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cache = fmt.allocate(blocks, 16, 8, 128)
-    key = torch.zeros(tokens, 8, 128, dtype=torch.bfloat16)
+    key = torch.zeros(tokens, 8, 128, dtype=dtype)
     slots = torch.arange(tokens, dtype=torch.int64)
     os.environ["TRITON_INTERPRET"] = "0"
     args, kwargs = _captured(fmt, lambda: fmt.write(cache, key, key.clone(), slots))["reshape_and_cache_kernel"]
     src, launch = _bound_source(fmt._kernels.module.reshape_and_cache_kernel, args, kwargs)
     block_t = kwargs["BLOCK_T"]
     kernel, sass, usage = compile_sm90(src, launch)
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        for ext, text in (("ptx", kernel.asm["ptx"]), ("sass", sass)):
+            with open(os.path.join(dump, f"{name}.{ext}"), "w") as f:
+                f.write(text)
     lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
     ops = collections.Counter(opcode(line) for line in lines)
-    moved = 2 * 128 * 2 + fmt.page_bytes(16, 8, 128) / 16 / 8  # bf16 K and V in, the cell out, per token-head
+    moved = 2 * 128 * key.element_size() + fmt.page_bytes(16, 8, 128) / 16 / 8  # K and V in, the cell out, per token-head
     # every warp runs the listed instructions once: warp instructions per token-head (before the seventh session
     # this printed instructions per thread at 4 warps and 16 tokens per program: a quarter of this measure)
     warp_instructions = len(lines) * launch.get("num_warps", 4)
@@ -330,7 +337,7 @@ def main_write_streaming(names: list) -> int:
     return 0
 
 
-def main_write(names: list) -> int:
+def main_write(names: list, dtype: torch.dtype = torch.bfloat16, dump: str | None = None) -> int:
     # programs / SM: what sm_90 holds of the launch's programs at once (registers, warps, shared memory; at most 32
     # blocks), and the tokens whose loads they can have in flight
     print("| format | warp instructions / token-head | bytes / token-head | per byte | registers | programs / SM "
@@ -339,7 +346,7 @@ def main_write(names: list) -> int:
     for name in names:
         if kvgen.load(name).spec.streaming:
             continue
-        r = count_write(name)
+        r = count_write(name, dtype=dtype, dump=dump)
         mix = ", ".join(f"{op} {n * r['warps'] / r['block_t']:.1f}" for op, n in r["mix"])
         print(f"| {name} | {r['per_token']:.1f} | {r['bytes']:.0f} | {r['per_byte']:.3f} | {r['regs']} | "
               f"{r['programs']} ({r['programs'] * r['block_t']}) | {mix} |", flush=True)
@@ -358,7 +365,18 @@ def main() -> int:
     if args[:1] == ["--write-streaming"]:  # KIVI's flush and residual-store kernels
         return main_write_streaming(args[1:] or kvgen.shipped_names())
     if args[:1] == ["--write"]:  # the reshape-and-cache kernel instead
-        return main_write(args[1:] or kvgen.shipped_names())
+        args, dtype, dump = args[1:], torch.bfloat16, None
+        while args[:1] in (["--input"], ["--dump"]) and len(args) > 1:
+            if args[0] == "--input":
+                dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+                if args[1] not in dtypes:
+                    print(f"sass_count.py: --input: one of {', '.join(dtypes)}, got {args[1]!r}", file=sys.stderr)
+                    return 2
+                dtype = dtypes[args[1]]
+            else:
+                dump = args[1]
+            args = args[2:]
+        return main_write(args or kvgen.shipped_names(), dtype, dump)
     if args[:1] == ["--dequantize"]:  # dequantize_first's dequantize kernel
         args = args[1:]
         if args[:1] == ["--dequant-tiles"]:  # BLOCK_N/num_warps of every dequantize program, as dequantize_first.py

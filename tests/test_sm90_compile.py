@@ -71,6 +71,19 @@ def test_write_kernels_compile_for_sm90(tmp_path):
     assert rows[1:] == [n for n in kvgen.shipped_names() if not kvgen.load(n).spec.streaming], out
 
 
+def test_write_kernels_of_fp32_inputs_compile_for_sm90(tmp_path):
+    """fp32 inputs change the write's layouts (the GPU tests of the divisions write fp32 tokens): nvfp4's scaled
+    division and q4_0's hoisted one compile for them too, and --dump leaves each kernel's PTX and SASS."""
+    out = sass_count("--write", "--input", "fp32", "--dump", str(tmp_path / "asm"), "nvfp4", "q4_0",
+                     cache=tmp_path / "cache")
+    rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[1:] == ["nvfp4", "q4_0"], out
+    # nvfp4's 1 / s' is div_rn's, not recip_fast's inline rcp.approx (every code saturated on sm_90 with it: the
+    # forty-first session, benchmarks/RESULTS.md); q4_0's hoisted reciprocal is recip_fast's
+    assert "rcp.approx" not in (tmp_path / "asm" / "nvfp4.ptx").read_text()
+    assert "rcp.approx.ftz.f32" in (tmp_path / "asm" / "q4_0.ptx").read_text()
+
+
 # Found on the H200 by tests/test_random_specs.py (2026-12-01): 2-bit keys at head size 48 (16 bytes a row) beside
 # 8-bit values aborted Triton's compiler in chunked prefill ("Illegal shared layout") at 128 positions a step
 # (runtime.kernels.NARROW_ROW_BYTES keeps such kernels at 64).

@@ -181,7 +181,7 @@ case "$step" in
   rcpfault)
     # recip_fast's fault in nvfp4's write (s41: the PTX and SASS compiled here without a GPU read correct): the
     # reproducer, the ptxas the machine's Triton runs, and the faulty kernel's PTX / cubin from Triton's cache, to
-    # diff against `sass_count.py`'s compile (fp32 inputs, 1024 tokens, 4 KV heads: scaled_debug.py's launch)
+    # diff against `python benchmarks/sass_count.py --write --input fp32 --dump DIR nvfp4` with the edit applied
     echo "TRITON_PTXAS_PATH=${TRITON_PTXAS_PATH:-unset}"; "${TRITON_PTXAS_PATH:-$(python3 -c 'import os, triton; \
       print(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas"))')}" --version | tail -2
     export TRITON_CACHE_DIR=/tmp/rcpcache && rm -rf /tmp/rcpcache
