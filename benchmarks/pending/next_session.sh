@@ -12,7 +12,7 @@
 #   bash benchmarks/pending/next_session.sh cells      # profiles: the inline-scale cells converted first / 3 stages
 #   bash benchmarks/pending/next_session.sh hs64prof   # profiles at head size 64 (int8 / fp8 per token-head, bf16)
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs, KIVI's flush profile
-#   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled on the H200 (~200 s?)
+#   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100)
 #   bash benchmarks/pending/next_session.sh rcpfault   # recip_fast's fault in nvfp4's write: the device's ptxas and SASS (~60 s)
 # Ran and removed (benchmarks/results_2026-12-04_h200_s28.md, _s29.md): rows128, hs256more, rules28, rules28b (s28);
@@ -161,6 +161,10 @@ case "$step" in
     timeout 200 python3 benchmarks/profile_decode.py --write --formats bf16 int4_per_token_head nvfp4 \
       int8_asym_per_token_head mxfp4 q4_0 int8_per_token_head_hadamard_k mixed_k8_v4 --out "$out/writeprof" 2>&1 \
       | tee "$out/writeprof.txt" | grep "^|"
+    # and the writes of the formats that missed 70% in s41's full run, timed on this tree (nvfp4's scaled division
+    # was merged after that run, on an H100's timings)
+    timeout 100 python3 benchmarks/time_writes.py nvfp4 nvfp4_separate mxfp4 q4_0 int8_asym_per_token_head \
+      int8_per_token_head_hadamard_k --tokens 32768 256 --rounds 2 2>&1 | tee "$out/writeprof_times.txt" | grep "^|"
     ;;
   writeab)
     # write-fast-div.patch against main (thirty-fifth session: 24% fewer
