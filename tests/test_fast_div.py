@@ -14,6 +14,7 @@ from kvgen.runtime import kernels as K
 
 on_gpu = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "0" or not torch.cuda.is_available(),
                             reason="compiled kernels: run with TRITON_INTERPRET=0 on a GPU")
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 
 
 def test_fast_division_where_the_scales_allow():
@@ -164,17 +165,20 @@ def test_global_scales_outside_their_range_are_refused():
             fmt.allocate(2, 16, 1, 64, k_scale=1.0, v_scale=g)
 
 
-def test_a_global_scale_copied_in_after_allocate_is_checked_on_write():
-    """An engine may load the layer's scales into the cache's tensors after allocating it: write's costly checks (CPU
-    tensors here) catch one out of range before any byte is written."""
+def test_a_global_scale_copied_in_after_allocate_is_checked_on_write(monkeypatch):
+    """An engine may load the layer's scales into the cache's tensors after allocating it: write's costly checks (which
+    run on CPU tensors, and on the GPU under KVGEN_DEBUG) catch one out of range before any byte is written."""
+    from kvgen.runtime import checks
+
+    monkeypatch.setattr(checks, "DEBUG", True)
     fmt = kvgen.load("nvfp4")
-    cache = fmt.allocate(2, 16, 1, 64, k_scale=1.0, v_scale=1.0)
-    x = torch.ones(3, 1, 64)
-    fmt.write(cache, x, x, torch.arange(3))
+    cache = fmt.allocate(2, 16, 1, 64, k_scale=1.0, v_scale=1.0, device=DEVICE)
+    x, slots = torch.ones(3, 1, 64, device=DEVICE), torch.arange(3, device=DEVICE)
+    fmt.write(cache, x, x, slots)
     before = cache.tensors["kv_cache"].clone()
     cache.tensors["v_scale"].fill_(2.0 ** 40)
     with pytest.raises(ValueError, match=r"cache.tensors\['v_scale'\]: a global scale must lie"):
-        fmt.write(cache, 2 * x, 2 * x, torch.arange(3))
+        fmt.write(cache, 2 * x, 2 * x, slots)
     assert torch.equal(cache.tensors["kv_cache"], before)
 
 
