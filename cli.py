@@ -310,7 +310,7 @@ def doctor():
 
 @main.command("test")
 @click.argument("specs", nargs=-1, required=True)
-@click.option("--examples", default=20, show_default=True, help="Random cases per format.")
+@click.option("--examples", default=20, show_default=True, type=click.IntRange(min=1), help="Random cases per format.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="auto: the GPU when one is present (compiled kernels), else the CPU interpreter.")
 @click.option("--dequantize-first", is_flag=True,
@@ -334,8 +334,18 @@ def test_cmd(specs, examples, device, dequantize_first):
     import torch
     from rich.progress import Progress
 
+    interpret = os.environ.get("TRITON_INTERPRET", "")
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "") in ("", "0") else "cpu"
+        device = "cuda" if torch.cuda.is_available() and interpret in ("", "0") else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.BadParameter(f"torch sees no CUDA device here (torch {torch.__version__}); use --device cpu",
+                                 param_hint="--device")
+    if device == "cuda" and interpret not in ("", "0"):
+        raise click.BadParameter(f"TRITON_INTERPRET={interpret} runs the interpreter, on the CPU; unset it for cuda",
+                                 param_hint="--device")
+    if device == "cpu" and interpret == "0":
+        raise click.BadParameter("TRITON_INTERPRET=0 asks for compiled kernels, which run on cuda; unset it for cpu",
+                                 param_hint="--device")
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from .conformance import PROPERTIES, check
@@ -373,8 +383,9 @@ def test_cmd(specs, examples, device, dequantize_first):
 @main.command()
 @click.option("--format", "format_name", default="int8_per_token_head", show_default=True,
               help="Format to demonstrate (name, generated directory or spec .yaml).")
-@click.option("--seqs", default=3, show_default=True, help="Sequences in the batch.")
-@click.option("--context", default=40, show_default=True, help="KV tokens per sequence (sequences vary around it).")
+@click.option("--seqs", default=3, show_default=True, type=click.IntRange(min=1), help="Sequences in the batch.")
+@click.option("--context", default=40, show_default=True, type=click.IntRange(min=1),
+              help="KV tokens per sequence (sequences vary around it).")
 def demo(format_name, seqs, context):
     """Load a generated format, write random K/V through a slot mapping, run paged attention, print page sizes.
 

@@ -316,6 +316,10 @@ def run_case(fmt: Format, case: Case, device: str = "cpu", dot_precision: str = 
     return result
 
 
+class PropertyFailure(AssertionError):
+    """A case that broke a property (its message: the properties' results)."""
+
+
 @dataclasses.dataclass
 class Report:
     """Outcome of `check`: examples run and, per property, the message of its minimal failing case (or None)."""
@@ -335,6 +339,17 @@ def check(fmt: Format, examples: int = 20, device: str = "cpu",
     """Run the properties on ``examples`` random cases; a failure is shrunk by hypothesis to a minimal case.
     ``dequantize_first``: attention through ``Format.attend(..., dequantize_first=...)`` (fp32 query cases take
     bf16 queries where it is True, the query's type)."""
+    from .runtime.checks import device_arg
+    from .runtime.kernels import _choose_mode, interpreting
+
+    _choose_mode()
+    if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
+        raise ValueError(f"examples: expected a positive integer, got {examples!r}")
+    dev = device_arg("device", device)
+    if (dev.type == "cuda") == interpreting():
+        mode = "interpreted (TRITON_INTERPRET=1)" if interpreting() else "compiled (TRITON_INTERPRET unset or 0)"
+        raise ValueError(f"device: {dev} does not match this process's Triton mode, {mode}: the interpreter runs on "
+                         "'cpu', compiled kernels on 'cuda'")
     seen = {"n": 0, "case": None, "result": None}
 
     streaming = fmt.spec.streaming
@@ -353,12 +368,14 @@ def check(fmt: Format, examples: int = 20, device: str = "cpu",
             on_example(seen["n"])
         if any(result.values()):
             seen["case"], seen["result"] = case, result
-            raise AssertionError(result)
+            raise PropertyFailure(result)
 
     try:
         prop()
-    except AssertionError:
+    except PropertyFailure:  # only the properties' own verdict: any other error is not a pass, and propagates
         pass
+    if seen["n"] == 0:
+        raise RuntimeError(f"{fmt.name}: no conformance case ran")
     failures = seen["result"] or {p: None for p in PROPERTIES}
     return Report(fmt.name, seen["n"], failures, seen["case"])
 

@@ -35,6 +35,23 @@ def tensor(name: str, x, *, dtypes: Iterable[torch.dtype], ndim: int, device: to
     return x
 
 
+def device_arg(name: str, device) -> torch.device:
+    """A device argument as a torch.device that this process can allocate on: a bad string, or a CUDA device that
+    torch cannot see (a CPU build of torch, no GPU, an index past the last GPU), is an error naming ``name``."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{name}: {device!r} is not a device ({exc})") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name}: {dev} was asked for, but torch sees no CUDA device here (torch "
+                             f"{torch.__version__}); use 'cpu' with TRITON_INTERPRET=1")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"{name}: {dev} was asked for, but torch sees {torch.cuda.device_count()} CUDA "
+                             "device(s)")
+    return dev
+
+
 def shape(name: str, x: torch.Tensor, expected: tuple, what: str) -> None:
     """``expected`` may hold None for a dimension of any size."""
     for got, want in zip(x.shape, expected):

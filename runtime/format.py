@@ -151,7 +151,7 @@ class Format:
         elif max_seqs is not None:
             raise ValueError(f"max_seqs: format {self.name} has no residual window; leave max_seqs out")
         shapes = self.layout.tensor_shapes(num_blocks, block_size, num_kv_heads, head_size)
-        device = torch.device(device)
+        device = checks.device_arg("device", device)
         tensors = {name: torch.zeros(shape, dtype=STORAGE_TORCH_DTYPES[self.layout.TENSORS[name]], device=device)
                    for name, shape in shapes.items()}
         if residual is not None:

@@ -390,12 +390,24 @@ def attention_key(code_bits: dict, dots: dict, block_scaled: bool, block_m: int,
             pow2_blocks, bool(dots.get("BLOCK_DOTS")), scale_words, position_scales)
 
 
+_TILE_RULE_MEMO: dict = {}  # key -> (rule, tiles), for the table _TILE_RULE_MEMO_OF
+_TILE_RULE_MEMO_OF = None
+
+
 def tile_rule(key: tuple) -> tuple:
-    """The first rule of ATTENTION_TILES that admits ``key``, and its tiles."""
-    for rule, tiles in ATTENTION_TILES:
-        if rule_matches(rule, key):
-            return rule, tiles
-    raise AssertionError("the last rule matches every kernel")
+    """The first rule of ATTENTION_TILES that admits ``key``, and its tiles. Remembered per key (scanning the
+    rules was nearly half of an eager attend's host time) for as long as ATTENTION_TILES is the same tuple."""
+    global _TILE_RULE_MEMO_OF
+    if _TILE_RULE_MEMO_OF is not ATTENTION_TILES:  # replaced, e.g. by an experiment: forget what was found
+        _TILE_RULE_MEMO.clear()
+        _TILE_RULE_MEMO_OF = ATTENTION_TILES
+    found = _TILE_RULE_MEMO.get(key)
+    if found is None:
+        found = next(((rule, tiles) for rule, tiles in ATTENTION_TILES if rule_matches(rule, key)), None)
+        if found is None:
+            raise AssertionError("the last rule matches every kernel")
+        _TILE_RULE_MEMO[key] = found
+    return found
 
 
 def rows_ruled(code_bits: dict, dots: dict, block_scaled: bool, block_m: int, head_pad: int, wide: bool,

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import kvgen
@@ -283,3 +284,23 @@ def test_conformance_command(extra):
     assert ("attention dequantized first" in r.stdout) == bool(extra), r.stdout
     row = line_with(r.stdout, "q4_0")
     assert row.count("pass") == 4 and "FAIL" not in row, r.stdout
+
+
+@pytest.mark.parametrize("args,option", [
+    (["test", "q4_0", "--examples", "0"], "--examples"),
+    (["demo", "--seqs", "0"], "--seqs"),
+    (["demo", "--context", "-5"], "--context"),
+])
+def test_counts_below_one_are_usage_errors(args, option):
+    r = CliRunner().invoke(cli_main, args)
+    assert r.exit_code == 2, r.output
+    assert option in r.output and "Traceback" not in r.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA device")
+def test_conformance_on_cuda_without_a_gpu_is_a_usage_error():
+    """Not a pass of zero cases: the device is refused before any case runs."""
+    r = CliRunner().invoke(cli_main, ["test", "fp8_e4m3", "--device", "cuda", "--examples", "1"])
+    assert r.exit_code == 2, r.output
+    assert "--device" in r.output and "no CUDA device" in r.output
+    assert "pass" not in r.output

@@ -252,6 +252,14 @@ def test_allocate_rejects_bad_shapes(int8, kwargs, arg):
     raises_named(arg, lambda: int8.allocate(**a))
 
 
+def test_allocate_rejects_a_device_it_cannot_use(int8):
+    raises_named("device", lambda: int8.allocate(NB, BS, H, HS, device="gpu0"))
+    if not torch.cuda.is_available():  # torch's own error here is an AssertionError that names no argument
+        raises_named("device", lambda: int8.allocate(NB, BS, H, HS, device="cuda"))
+    else:
+        raises_named("device", lambda: int8.allocate(NB, BS, H, HS, device=f"cuda:{torch.cuda.device_count()}"))
+
+
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
 def test_static_scale_must_be_positive_and_finite(fp8_static, bad):
     raises_named("k_scale", lambda: fp8_static.allocate(NB, BS, H, HS, k_scale=bad, v_scale=1.0))

@@ -624,3 +624,17 @@ def test_kivi_flush_warps_follow_the_elements_a_program_holds(monkeypatch):
     assert K.flush_options(128, 512)["num_warps"] == 8  # capped
     monkeypatch.setattr(K, "FLUSH_OPTIONS", {"num_warps": 4, "maxnreg": 96})
     assert K.flush_options(32, 128) == {"num_warps": 4, "maxnreg": 96}
+
+
+def test_tile_rule_memo_follows_a_replaced_table(monkeypatch):
+    """tile_rule remembers each key's rule; a new ATTENTION_TILES (as experiments install) is read afresh, and the
+    remembered answer is the first rule that admits the key."""
+    key = K.attention_key({"k": 8, "v": 8}, dict(DOT_K=1, DOT_V=1, K_TERMS=1, V_TERMS=1, Q_TERMS=1, P_TERMS=1),
+                          False, 1, 128, True, False, True, False)
+    first = next((r, t) for r, t in K.ATTENTION_TILES if K.rule_matches(r, key))
+    assert K.tile_rule(key) == first and K.tile_rule(key) == first
+    mine = dict(BLOCK_N=32, num_warps=2, num_stages=1)
+    monkeypatch.setattr(K, "ATTENTION_TILES", ((tuple([None] * len(key)), mine),))
+    assert K.tile_rule(key)[1] is mine
+    monkeypatch.undo()
+    assert K.tile_rule(key) == first
