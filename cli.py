@@ -73,7 +73,11 @@ def build(paths, out_dir, check):
         for r in stale:
             for name, diff in r.diffs.items():
                 err_console.print(diff.rstrip() or f"{r.out_dir / name}: differs", highlight=False, markup=False)
-        raise StaleError(f"{len(stale)} generated package(s) are stale: run `kvgen build {' '.join(paths)}"
+        packages = sum(r.name != "__init__" for r in stale)
+        what = ([f"{packages} generated package(s) are stale"] if packages else []) + (
+            [f"the package marker {out / '__init__.py'} is missing or different"]
+            if any(r.name == "__init__" for r in stale) else [])
+        raise StaleError(" and ".join(what) + f": run `kvgen build {' '.join(paths)}"
                          + (f" -o {out_dir}" if out_dir else "") + "`")
     console.print(f"{len(results) - len(stale) if check else len(results)} format(s) "
                   + ("up to date" if check else "built"), highlight=False)

@@ -137,7 +137,11 @@ def build_spec(spec: FormatSpec, out_dir: Union[str, Path], *, check: bool = Fal
     if check:
         for name in sorted(set(files) | set(current)):
             old, new = current.get(name, ""), files.get(name, "")
-            if old != new:
+            if name not in current:  # a whole file's diff says no more than this
+                result.diffs[name] = f"{target / name}: missing (the spec generates {len(new.splitlines())} lines)\n"
+            elif name not in files:
+                result.diffs[name] = f"{target / name}: on disk, but the spec generates no such file\n"
+            elif old != new:
                 diff = difflib.unified_diff(old.splitlines(True), new.splitlines(True),
                                             f"{target / name} (on disk)", f"{target / name} (from spec)", n=1)
                 result.diffs[name] = "".join(diff)
@@ -182,7 +186,8 @@ def build_paths(paths: Iterable[Union[str, Path]], out_dir: Union[str, Path], *,
         raise BuildError(f"cannot write {exc.filename or out_dir}: {exc.strerror}") from None
     if init_changed and check:
         results.append(BuildResult("__init__", None, Path(out_dir), True,
-                                   {"__init__.py": "package marker missing or different\n"}))
+                                   {"__init__.py": f"{Path(out_dir) / '__init__.py'}: package marker missing or "
+                                                   "different\n"}))
     if check and all(Path(p).is_dir() for p in paths):
         # a package left behind by a spec that was removed or renamed
         for orphan in sorted(set(_generated_packages(out_dir)) - set(seen)):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 from typing import Any, Union
 
@@ -96,6 +98,25 @@ def _explain(err: dict) -> str:
     return msg
 
 
+def _error_loc(err: dict, data: Any) -> tuple:
+    """Where a validation error points: pydantic's location, deepened to the field a model validator's message
+    opens with ("'block' must be ...") when the spec sets that field there."""
+    loc = tuple(x for x in err.get("loc", ()) if not (isinstance(x, str) and x.startswith("function-")))
+    m = re.match(r"'(\w+)' ", _explain(err))
+    if m:
+        node = data
+        for part in loc:
+            if isinstance(node, dict):
+                node = node.get(part)
+            elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+                node = node[part]
+            else:
+                node = None
+        if isinstance(node, dict) and m.group(1) in node:
+            loc = loc + (m.group(1),)
+    return loc
+
+
 def validate_data(data: Any, path: str, positions: dict[tuple, Position] | None = None) -> FormatSpec:
     """Validate parsed spec data; the first error becomes a SpecError with the field's position."""
     positions = positions or {}
@@ -107,10 +128,15 @@ def validate_data(data: Any, path: str, positions: dict[tuple, Position] | None 
         errors = exc.errors()
         # report the most specific error first: the deepest location
         err = max(errors, key=lambda e: len(e.get("loc", ())))
-        loc = tuple(x for x in err.get("loc", ()) if not (isinstance(x, str) and x.startswith("function-")))
+        loc = _error_loc(err, data)
         pos = _locate(loc, positions)
         field = ".".join(str(x) for x in loc) or None
-        more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
+        others = [e for e in errors if e is not err]
+        same = [".".join(map(str, _error_loc(e, data))) for e in others if _explain(e) == _explain(err)]
+        if others and len(same) == len(others):  # e.g. both sides of a spec whose value is the key's YAML alias
+            more = f" (the same error at {', '.join(same)})"
+        else:
+            more = f" (and {len(others)} more error(s))" if others else ""
         raise SpecError(
             _explain(err) + more, path=path, line=pos[0] if pos else None, column=pos[1] if pos else None,
             field=field,

@@ -129,8 +129,19 @@ def test_check_reports_a_missing_package(tmp_path):
     shutil.rmtree(out / "bf16")
     r = cli("build", SPECS, "-o", out, "--check")
     assert r.exit_code != 0
-    assert "bf16" in r.stderr
+    assert f"{out / 'bf16' / 'kernels.py'}: missing" in r.stderr  # named, not printed whole as a diff
+    assert "1 generated package(s) are stale" in r.stderr and "package marker" not in r.stderr
     assert not (out / "bf16").exists()
+
+
+def test_check_names_a_missing_package_marker_apart(tmp_path):
+    out = tmp_path / "out"
+    assert build(out).exit_code == 0
+    (out / "__init__.py").unlink()
+    r = cli("build", SPECS, "-o", out, "--check")
+    assert r.exit_code == 1
+    assert f"error: the package marker {out / '__init__.py'} is missing or different" in r.stderr
+    assert "generated package(s)" not in r.stderr
 
 
 def test_check_into_an_empty_dir_fails_and_writes_nothing(tmp_path):

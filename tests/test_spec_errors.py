@@ -713,3 +713,12 @@ def test_yaml_tags_are_spec_errors(tmp_path, text):
     p = write(tmp_path, "tag.yaml", text)
     err = spec_error(p, kvgen.SpecError)
     assert str(p) in str(err) and err.line is not None
+
+
+def test_a_model_rule_on_one_field_points_at_that_field(tmp_path):
+    """A rule checked across a side's scale ('block' must divide head sizes) names the line of `block:`, not of
+    `scale:`; the same error on the value side, which is the key's YAML alias, is said to be the same."""
+    text = (SPECS / "q8_0.yaml").read_text().replace("block: 32", "block: 24")
+    err = spec_error(write(tmp_path, "q.yaml", text))
+    assert (err.line, err.field) == (line_of(text, "block: 24"), "key.scale.block")
+    assert "power of two" in str(err) and "(the same error at value.scale.block)" in str(err)
