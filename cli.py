@@ -81,6 +81,13 @@ def build(paths, out_dir, check):
                          + (f" -o {out_dir}" if out_dir else "") + "`")
     console.print(f"{len(results) - len(stale) if check else len(results)} format(s) "
                   + ("up to date" if check else "built"), highlight=False)
+    if not out_dir and not check:
+        own = {p.stem for p in (Path(__file__).resolve().parent / "specs").glob("*.yaml")}
+        extra = sorted(r.name for r in results if r.name != "__init__" and r.name not in own)
+        if extra:
+            console.print(f"note: {', '.join(extra)} {'is' if len(extra) == 1 else 'are'} not among kvgen's shipped "
+                          f"specs and now built into this install (kvgen.load('{extra[0]}'), `kvgen list`); pass "
+                          "-o DIR to keep your formats apart", highlight=False)
 
 
 @main.command()
@@ -158,7 +165,7 @@ def _formats_table(names, block_size, num_kv_heads, head_size) -> Table:
 @click.option("--num-kv-heads", default=8, show_default=True, type=click.IntRange(min=1))
 @click.option("--head-size", default=128, show_default=True, type=click.IntRange(min=16))
 def list_formats(block_size, num_kv_heads, head_size):
-    """List the shipped formats with their page sizes.
+    """List the formats built into this install (the shipped ones, and any built here without -o) with page sizes.
 
     \b
     Example:

@@ -326,3 +326,18 @@ def test_two_builds_at_once_with_slow_renames(tmp_path, monkeypatch, start):
     assert errors == [], [repr(e) for e in errors]
     assert tree(out / "bf16") == tree(GENERATED / "bf16")
     assert hidden_entries(out) == []
+
+
+def test_a_users_spec_built_into_the_install_is_noted(tmp_path, monkeypatch):
+    """Without -o a build goes into the package's generated/, where `kvgen.load(name)` and `kvgen list` find it: a
+    spec that is not one of the shipped ones gets a note saying so (and how to keep it apart)."""
+    import kvgen.cli
+
+    monkeypatch.setattr(kvgen.cli, "DEFAULT_OUT", tmp_path / "generated")
+    mine = tmp_path / "my_fp8.yaml"
+    mine.write_text((Path(SPECS) / "fp8_e4m3.yaml").read_text().replace("name: fp8_e4m3", "name: my_fp8"))
+    r = cli("build", mine)
+    assert r.exit_code == 0, r.output
+    assert "note: my_fp8 is not among kvgen's shipped specs" in r.stdout and "-o DIR" in r.stdout
+    r = cli("build", Path(SPECS) / "bf16.yaml")
+    assert r.exit_code == 0 and "note:" not in r.stdout
