@@ -488,9 +488,24 @@ class Format:
         on the stream current at planning: run them on that stream, one after another (as layers run), and keep
         the plan alive while a CUDA graph that captured one of its runs may replay.
         """
-        return AttentionPlan(self, query, cache, *self._plan(
+        launch, ptrs = self._plan(
             query, cache, block_table, seq_lens, query_start_loc, sm_scale, sliding_window, max_query_len, seq_ids,
-            dot_precision, max_seq_len, num_splits, None, dequantize_first, planned=True))
+            dot_precision, max_seq_len, num_splits, None, dequantize_first, planned=True)
+        recheck = None
+        if launch is not None:  # attend()'s range checks, as the batch tensors read at each run
+            num_tokens, num_blocks, block_size = query.shape[0], cache.num_blocks, cache.block_size
+            if max_query_len is None:  # what the launch was planned for (as _plan found it)
+                max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+            rows = cache.tensors["k_residual"].shape[0] if seq_ids is not None else None
+
+            def ranges() -> None:
+                checks.attention_ranges(block_table, seq_lens, query_start_loc, num_blocks, block_size, num_tokens,
+                                        max_query_len)
+                if rows is not None:
+                    checks.seq_ids_in_range(seq_ids, rows)
+
+            recheck = (ranges, block_table, seq_lens, query_start_loc) + ((seq_ids,) if rows is not None else ())
+        return AttentionPlan(self, query, cache, launch, ptrs, recheck)
 
     def _plan(self, query, cache, block_table, seq_lens, query_start_loc, sm_scale, sliding_window, max_query_len,
               seq_ids, dot_precision, max_seq_len, num_splits, out, dequantize_first=False,
@@ -746,10 +761,14 @@ def _check_planned(name: str, x, planned: tuple) -> None:
 class AttentionPlan:
     """A planned attention call (``Format.plan_attention``): ``run(query, cache, out=None)`` per layer."""
 
-    def __init__(self, fmt: Format, query: torch.Tensor, cache: KVCache, launch, ptrs: Optional[dict] = None):
+    def __init__(self, fmt: Format, query: torch.Tensor, cache: KVCache, launch, ptrs: Optional[dict] = None,
+                 recheck: Optional[tuple] = None):
         self.format = fmt
         self._launch = launch  # None: an empty batch, nothing to launch
         self._query = (tuple(query.shape), query.dtype, query.device)
+        # (check(), the tensors it reads): the block-table, length and query-range checks, re-run by each run where
+        # attend() would run them (CPU tensors, or KVGEN_DEBUG): the batch tensors may have changed in place
+        self._recheck = recheck
         self._pointers = _CachePointers(fmt, cache, ptrs)
         # the attention kernel's launch with the plan's arguments bound: a run specialises only its own arguments
         self._bound = None if launch is None or isinstance(launch, DequantizedLaunch) else \
@@ -765,6 +784,8 @@ class AttentionPlan:
         ptrs = self._pointers(cache)  # checked against the plan also for an empty batch
         _check_planned("query", query, self._query)
         out = torch.empty_like(query) if out is None else checks.output(out, query)
+        if self._recheck is not None and checks.costly_checks_on(*self._recheck[1:]):
+            self._recheck[0]()
         if isinstance(self._launch, DequantizedLaunch):
             self._launch.run(query, out, ptrs)
         elif self._launch is not None:

@@ -175,3 +175,22 @@ def test_residual_buffers_of_another_size_are_refused():
     fewer.tensors["v_residual"] = fewer.tensors["v_residual"].float()
     with pytest.raises(ValueError, match="^cache: tensor 'v_residual' is"):
         fmt.attend(queries[0], fewer, **meta)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the range checks run on host tensors (or with KVGEN_DEBUG)")
+@pytest.mark.parametrize("edit,arg", [
+    (lambda m: m["seq_lens"].__setitem__(0, 100), "seq_lens"),  # past its block-table row: out of bounds
+    (lambda m: m["block_table"].__setitem__((0, 1), 10 ** 6), "block_table"),  # a block the cache lacks
+    (lambda m: m["seq_lens"].__setitem__(0, 0), "seq_lens"),  # fewer KV tokens than its new tokens
+    (lambda m: m["seq_ids"].__setitem__(1, 7), "seq_ids"),  # a residual row past max_seqs (KIVI)
+])
+def test_a_run_checks_batch_tensors_updated_in_place_as_attend_does(edit, arg):
+    """attend()'s range checks run again at each run where attend would run them: a length or block id changed in
+    place after planning is an error naming it, not a read outside the cache (which crashed the interpreter)."""
+    fmt = kvgen.load("kivi_2bit" if arg == "seq_ids" else "fp8_e4m3")
+    caches, queries, meta = batch(fmt, lens=[40, 23], q_lens=[1, 1], layers=1)
+    plan = fmt.plan_attention(queries[0], caches[0], max_query_len=1, **meta)
+    plan.run(queries[0], caches[0])
+    edit(meta)
+    with pytest.raises(ValueError, match=f"^{arg}: "):
+        plan.run(queries[0], caches[0])
