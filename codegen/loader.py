@@ -16,9 +16,16 @@ from .spec import FormatSpec
 Position = tuple[int, int]  # 1-based line and column
 
 
+# a spec holds a few dozen values a few levels deep: far beyond that is a mistake (or an alias bomb), refused early
+MAX_NODES = 10_000
+MAX_DEPTH = 32
+
+
 def _compose_with_positions(text: str, path: str) -> tuple[Any, dict[tuple, Position]]:
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise SpecError("not valid YAML for a spec: collections nested too deeply", path=path) from None
     except yaml.reader.ReaderError as exc:  # a character YAML does not allow: no mark, only a position
         line = text.count("\n", 0, exc.position) + 1
         column = exc.position - (text.rfind("\n", 0, exc.position) + 1) + 1
@@ -36,9 +43,15 @@ def _compose_with_positions(text: str, path: str) -> tuple[Any, dict[tuple, Posi
     if node is None:
         raise SpecError("the file is empty; a spec is a YAML mapping with name, key and value", path=path, line=1)
     positions: dict[tuple, Position] = {}
+    visited = [0]
 
     def walk(n: yaml.Node, loc: tuple) -> Any:
         positions.setdefault(loc, (n.start_mark.line + 1, n.start_mark.column + 1))
+        visited[0] += 1  # aliases expand: a few lines can name billions of nodes
+        if visited[0] > MAX_NODES or len(loc) > MAX_DEPTH:
+            too = "nested too deeply" if len(loc) > MAX_DEPTH else f"more than {MAX_NODES} values once aliases expand"
+            raise SpecError(f"not a spec: {too}", path=path, line=n.start_mark.line + 1,
+                            column=n.start_mark.column + 1)
         default_tag = {yaml.MappingNode: "tag:yaml.org,2002:map", yaml.SequenceNode: "tag:yaml.org,2002:seq"}
         if type(n) in default_tag and n.tag != default_tag[type(n)]:
             raise SpecError(f"YAML tag {n.tag!r} is not supported in a spec", path=path, line=n.start_mark.line + 1,

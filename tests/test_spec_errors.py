@@ -722,3 +722,17 @@ def test_a_model_rule_on_one_field_points_at_that_field(tmp_path):
     err = spec_error(write(tmp_path, "q.yaml", text))
     assert (err.line, err.field) == (line_of(text, "block: 24"), "key.scale.block")
     assert "power of two" in str(err) and "(the same error at value.scale.block)" in str(err)
+
+
+@pytest.mark.parametrize("extra,words", [
+    ("x: " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply"),  # PyYAML's recursion: a RecursionError before
+    ("x: " + "[" * 40 + "]" * 40 + "\n", "nested too deeply"),
+    # an alias bomb: 9**8 values from 9 lines (validation never finished before)
+    ("a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{c}: &{c} [" + ", ".join([f"*{p}"] * 9) + "]\n" for p, c in zip("abcdefg", "bcdefgh")),
+     "more than 10000 values once aliases expand"),
+])
+def test_yaml_too_deep_or_too_large_is_a_spec_error(tmp_path, extra, words):
+    text = extra + (SPECS / "q8_0.yaml").read_text()
+    err = spec_error(write(tmp_path, "big.yaml", text))
+    assert words in str(err)
