@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import operator
 import types
 import warnings
@@ -177,12 +178,16 @@ class Format:
         return KVCache(self.name, self.spec_hash, num_blocks, block_size, num_kv_heads, head_size, tensors)
 
     def _check_global_scales(self, tensors: dict, naming: str) -> None:
-        """A global scale outside GLOBAL_SCALE_RANGE is an error naming it (``naming`` formats its key), found
-        where nvfp4's compiled writes would no longer give div_rn's codes."""
+        """A static scale that is not finite and positive, or a global scale outside GLOBAL_SCALE_RANGE, is an
+        error naming it (``naming`` formats its key): the latter where nvfp4's compiled writes would no longer give
+        div_rn's codes."""
         lo, hi = GLOBAL_SCALE_RANGE
         for side, key in (("key", "k_scale"), ("value", "v_scale")):
             sc = self.spec.side(side).scale
             g = tensors.get(key)
+            if self.static_scale_kind(side) is not None and g is not None and \
+                    not bool((torch.isfinite(g) & (g > 0)).all()):
+                raise ValueError(f"{naming.format(key)}: scales must be finite and positive, got {g.tolist()}")
             if sc is not None and sc.global_scale and g is not None and bool(((g < lo) | (g > hi)).any()):
                 raise ValueError(f"{naming.format(key)}: a global scale must lie in [2**-32, 2**32] (where the "
                                  f"compiled writes' division by it gives div_rn's codes), got {g.tolist()}")
@@ -190,7 +195,13 @@ class Format:
     @staticmethod
     def _scale_tensor(name: str, arg: ScaleArg, gran: Granularity, num_kv_heads: int,
                       device: torch.device) -> torch.Tensor:
-        t = torch.as_tensor(arg, dtype=torch.float32).flatten().to(device)
+        if isinstance(arg, bool) or not (isinstance(arg, (numbers.Real, list, tuple, torch.Tensor))
+                                         or hasattr(arg, "__array__")):
+            raise ValueError(f"{name}: expected a float, a sequence of floats or a tensor, got {type(arg).__name__}")
+        try:
+            t = torch.as_tensor(arg, dtype=torch.float32).flatten().to(device)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise ValueError(f"{name}: expected a float, a sequence of floats or a tensor ({exc})") from None
         want = 1 if gran == Granularity.per_tensor else num_kv_heads
         if t.numel() == 1 and want > 1:
             t = t.expand(want).clone()
@@ -221,6 +232,17 @@ class Format:
             if t.data_ptr() % 16:
                 raise ValueError(f"cache: tensor {name!r} starts at an address that is not a multiple of 16 bytes; "
                                  "the kernels read its fields as aligned words (allocate() returns aligned tensors)")
+        for side, name in (("key", "k_scale"), ("value", "v_scale")):  # static scales an engine may load in later
+            gran = self.static_scale_kind(side)
+            if gran is None:
+                continue
+            t, n = cache.tensors.get(name), 1 if gran == Granularity.per_tensor else cache.num_kv_heads
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (n,) or t.dtype != torch.float32 or \
+                    t.device != cache.device or not t.is_contiguous():
+                got = "missing" if t is None else (f"{tuple(t.shape)} {t.dtype} on {t.device}"
+                                                   if isinstance(t, torch.Tensor) else type(t).__name__)
+                raise ValueError(f"cache: tensor {name!r} is {got}, expected a contiguous ({n},) torch.float32 on "
+                                 f"{cache.device}: the {side} scale{'s per KV head' if n > 1 else ''}")
         residual = self.layout.RESIDUAL
         if residual is not None:  # [max_seqs, ring, heads, head] each, the same max_seqs
             k = cache.tensors.get("k_residual")

@@ -497,3 +497,30 @@ def test_load_yaml_again_after_editing_it(tmp_path, monkeypatch):
     spec.write_text(MY_FP16.replace("my_fp16_test", "edited_spec"))
     second = kvgen.load(spec)
     assert second.spec.key.element.value == "fp16"
+
+
+@pytest.mark.parametrize("bad", ["abc", {"a": 1}, 1j, True, [1.0, "x"]])
+def test_a_scale_that_is_not_a_number_is_named(fp8_static, bad):
+    raises_named("k_scale", lambda: fp8_static.allocate(NB, BS, H, HS, k_scale=bad, v_scale=1.0), "expected a float")
+
+
+@pytest.mark.parametrize("replace,words", [
+    (torch.tensor([-1.0]), "finite and positive"),  # costly check (CPU tensors here), like the global range's
+    (torch.tensor([1.0, 2.0]), "expected a contiguous (1,) torch.float32"),
+    (torch.tensor([1.0], dtype=torch.float64), "expected a contiguous (1,) torch.float32"),
+    (None, "is missing"),
+])
+def test_static_scales_replaced_in_the_cache_are_checked_on_write(fp8_static, replace, words):
+    """Engines load the layer's scales into cache.tensors after allocate: a missing, mis-shaped, mistyped or (where
+    costly checks run) non-positive one is an error naming it, and nothing is written."""
+    cache = fp8_static.allocate(NB, BS, 1, HS, k_scale=1.0, v_scale=1.0)
+    if replace is None:
+        del cache.tensors["k_scale"]
+    else:
+        cache.tensors["k_scale"] = replace
+    before = cache.tensors["kv_cache"].clone()
+    x = torch.ones(3, 1, HS)
+    with pytest.raises(ValueError, match="k_scale") as info:
+        fp8_static.write(cache, x, x, torch.arange(3))
+    assert words in str(info.value)
+    assert torch.equal(cache.tensors["kv_cache"], before)
