@@ -36,6 +36,8 @@ class ModelKVCache:
         self.block_size, self.num_blocks = block_size, num_blocks
         self.num_kv_heads, self.head_size = num_kv_heads, head_size
         scales = scales or {}
+        if not isinstance(scales, dict):
+            raise ValueError(f"scales: expected a dict of layer index -> (k_scale, v_scale), got {type(scales).__name__}")
         missing = []
         self.layers: list[KVCache] = []
         for i, fmt in enumerate(self.formats):
@@ -43,7 +45,10 @@ class ModelKVCache:
             kwargs = {}
             if static:
                 if i in scales:
-                    kwargs["k_scale"], kwargs["v_scale"] = scales[i]
+                    pair = scales[i]
+                    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                        raise ValueError(f"scales: layer {i}'s entry must be a (k_scale, v_scale) pair, got {pair!r}")
+                    kwargs["k_scale"], kwargs["v_scale"] = pair
                 else:
                     missing.append(i)
             if fmt.spec.streaming:
@@ -60,6 +65,7 @@ class ModelKVCache:
         return len(self.layers)
 
     def page_bytes(self, layer: int) -> int:
+        self._check_layer(layer)
         return self.formats[layer].page_bytes(self.block_size, self.num_kv_heads, self.head_size)
 
     @property
@@ -72,7 +78,12 @@ class ModelKVCache:
         """Bytes per block lost to padding every layer's page to ``padded_page_bytes``."""
         return sum(self.padded_page_bytes - self.page_bytes(i) for i in range(len(self)))
 
+    def _check_layer(self, layer) -> None:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < len(self.layers):
+            raise ValueError(f"layer: {layer!r} is not a layer index in [0, {len(self.layers)})")
+
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, **kwargs) -> None:
+        self._check_layer(layer)
         self.formats[layer].write(self.layers[layer], key, value, slot_mapping, **kwargs)
 
     def plan_write(self, key: torch.Tensor, slot_mapping: torch.Tensor, **kwargs) -> "ModelWritePlan":
@@ -89,6 +100,7 @@ class ModelKVCache:
 
     def attend(self, layer: int, query: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                query_start_loc: torch.Tensor, **kwargs) -> torch.Tensor:
+        self._check_layer(layer)
         return self.formats[layer].attend(query, self.layers[layer], block_table, seq_lens, query_start_loc, **kwargs)
 
     def plan_attention(self, query: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -114,7 +126,7 @@ class ModelWritePlan:
         self._plans = plans
 
     def run(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        if not isinstance(layer, int) or not 0 <= layer < len(self.model):
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < len(self.model):
             raise ValueError(f"layer: {layer!r} is not a layer index in [0, {len(self.model)})")
         self._plans[layer].run(self.model.layers[layer], key, value)
 
@@ -127,7 +139,7 @@ class ModelAttentionPlan:
         self._plans = plans
 
     def run(self, layer: int, query: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if not isinstance(layer, int) or not 0 <= layer < len(self.model):
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < len(self.model):
             raise ValueError(f"layer: {layer!r} is not a layer index in [0, {len(self.model)})")
         return self._plans[layer].run(query, self.model.layers[layer], out=out)
 
@@ -143,6 +155,8 @@ def model_cache(fmt: Union[str, Format], num_layers: int, num_blocks: int, block
     """
     if model_dtype not in ("bf16", "fp16"):
         raise ValueError(f"model_dtype: expected 'bf16' or 'fp16', got {model_dtype!r}")
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"num_layers: expected a positive integer, got {num_layers!r}")
     fmt = load(fmt) if not isinstance(fmt, Format) else fmt
     skip = set(skip_layers)
     bad = [i for i in skip if not isinstance(i, int) or not 0 <= i < num_layers]

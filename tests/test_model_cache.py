@@ -62,6 +62,19 @@ def test_bad_arguments_name_them():
         kvgen.model_cache("fp8_e4m3", 2, BLOCKS, BS, H, D, skip_layers=[2])
     with pytest.raises(ValueError, match="model_dtype"):
         kvgen.model_cache("fp8_e4m3", 2, BLOCKS, BS, H, D, model_dtype="fp32")
+    with pytest.raises(ValueError, match="^num_layers: "):
+        kvgen.model_cache("fp8_e4m3", 0, BLOCKS, BS, H, D)
+    with pytest.raises(ValueError, match="^scales: "):
+        kvgen.model_cache("fp8_e4m3", 2, BLOCKS, BS, H, D, scales="abc")
+    with pytest.raises(ValueError, match="^scales: layer 1's entry"):
+        kvgen.model_cache("fp8_e4m3", 2, BLOCKS, BS, H, D, scales={1: 0.5})
+    m = kvgen.model_cache("fp8_e4m3", 2, BLOCKS, BS, H, D, scales={0: (1.0, 1.0), 1: (1.0, 1.0)})
+    x = torch.zeros(1, H, D)
+    for layer in (2, -1, "0", True):  # a layer index past the end, negative, not an int: never another layer's
+        with pytest.raises(ValueError, match=r"^layer: .* is not a layer index in \[0, 2\)"):
+            m.write(layer, x, x, torch.zeros(1, dtype=torch.int64))
+        with pytest.raises(ValueError, match="^layer: "):
+            m.page_bytes(layer)
 
 
 def test_a_step_planned_for_every_layer_runs_like_attend():
