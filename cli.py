@@ -16,15 +16,19 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "generated"
 
 
 class _Group(click.Group):
-    """Turn kvgen's own errors into one line on stderr (exit 1); --debug shows the traceback."""
+    """Turn kvgen's own errors, and files it cannot read or write, into one line on stderr (exit 1); --debug shows
+    the traceback."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except KvgenError as exc:
+        except (KvgenError, OSError) as exc:  # OSError: a file it could not read or write (--png, -o, ...)
             if ctx.params.get("debug") or (ctx.obj or {}).get("debug"):
                 raise
-            err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
+            msg = str(exc)
+            if isinstance(exc, OSError) and exc.filename is not None:
+                msg = f"{exc.filename}: {exc.strerror or exc}"
+            err_console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False)
             sys.exit(1)
 
 

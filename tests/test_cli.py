@@ -304,3 +304,14 @@ def test_conformance_on_cuda_without_a_gpu_is_a_usage_error():
     assert r.exit_code == 2, r.output
     assert "--device" in r.output and "no CUDA device" in r.output
     assert "pass" not in r.output
+
+
+@pytest.mark.parametrize("args", [
+    ["schema", "-o", "{d}/no/such/dir/x.json"],
+    ["show", "int8_per_token_head", "--png", "{d}/no/such/dir/x.png"],
+])
+def test_an_output_file_that_cannot_be_written_is_one_line_error(tmp_path, args):
+    r = CliRunner().invoke(cli_main, [a.format(d=tmp_path) for a in args])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
+    assert f"error: {tmp_path}/no/such/dir/x." in r.stderr and "No such file or directory" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
