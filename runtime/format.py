@@ -153,8 +153,14 @@ class Format:
             raise ValueError(f"max_seqs: format {self.name} has no residual window; leave max_seqs out")
         shapes = self.layout.tensor_shapes(num_blocks, block_size, num_kv_heads, head_size)
         device = checks.device_arg("device", device)
-        tensors = {name: torch.zeros(shape, dtype=STORAGE_TORCH_DTYPES[self.layout.TENSORS[name]], device=device)
-                   for name, shape in shapes.items()}
+        try:
+            tensors = {name: torch.zeros(shape, dtype=STORAGE_TORCH_DTYPES[self.layout.TENSORS[name]], device=device)
+                       for name, shape in shapes.items()}
+        except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            need = self.page_bytes(block_size, num_kv_heads, head_size) * num_blocks
+            raise ValueError(f"num_blocks: {num_blocks} blocks of {block_size} slots x {num_kv_heads} KV heads x "
+                             f"head size {head_size} take {need:,} bytes, which could not be allocated on {device} "
+                             f"({str(exc).splitlines()[0][:200]})") from None
         if residual is not None:
             for name in ("k_residual", "v_residual"):
                 tensors[name] = torch.zeros((max_seqs, residual["ring"], num_kv_heads, head_size),

@@ -107,6 +107,9 @@ def load(name_or_path: Union[str, os.PathLike]) -> Format:
     Formats are cached by what they were built from (spec hash, kvgen version and a hash of the generator), so an
     edited spec, or a changed generator, builds anew.
     """
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise KvgenError(f"name_or_path: expected a format name, a generated directory or a spec .yaml path, got "
+                         f"{type(name_or_path).__name__} {name_or_path!r}")
     key = str(name_or_path)
     p = Path(key)
     if p.suffix in (".yaml", ".yml"):

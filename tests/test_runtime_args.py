@@ -524,3 +524,14 @@ def test_static_scales_replaced_in_the_cache_are_checked_on_write(fp8_static, re
         fp8_static.write(cache, x, x, torch.arange(3))
     assert words in str(info.value)
     assert torch.equal(cache.tensors["kv_cache"], before)
+
+
+def test_a_cache_too_large_to_allocate_names_num_blocks(fp8_static):
+    raises_named("num_blocks", lambda: fp8_static.allocate(2 ** 40, BS, 1, HS, k_scale=1.0, v_scale=1.0),
+                 "could not be allocated")
+
+
+@pytest.mark.parametrize("bad", [123, None, 1.5])
+def test_load_names_an_argument_that_is_no_name_or_path(bad):
+    with pytest.raises(kvgen.KvgenError, match="^name_or_path: expected a format name"):
+        kvgen.load(bad)
