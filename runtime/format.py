@@ -312,7 +312,9 @@ class Format:
         Formats with a residual window (KIVI) append to sequences and need the batch's sequence metadata, as for
         attention: ``query_start_loc`` (int32 ``[num_seqs + 1]``, each sequence's new rows), ``seq_lens`` (int32,
         lengths after this write), ``block_table`` (int32 ``[num_seqs, max_blocks]``) and ``seq_ids`` (int32
-        ``[num_seqs]``, each sequence's row in the residual buffers). Rows outside every sequence are skipped.
+        ``[num_seqs]``, each sequence's row in the residual buffers, one row per sequence). Rows outside every
+        sequence are skipped. Their tokens go where the metadata puts them (position ``seq_lens - new + i``, its
+        block from ``block_table``): ``slot_mapping`` is only range-checked there.
         """
         launch, ptrs, _ = self._plan_write(cache, key, value, slot_mapping, seq_ids, query_start_loc, seq_lens,
                                            block_table, max_query_len)
@@ -410,6 +412,12 @@ class Format:
                              f"{n} sequences (seq_lens), got {seq_ids.shape[0]}, {qsl.shape[0]}, {bt.shape[0]}")
         if checks.costly_checks_on(seq_ids, qsl, seq_lens, bt):
             checks.seq_ids_in_range(seq_ids, cache.tensors["k_residual"].shape[0])
+            rows = seq_ids.tolist()
+            if len(set(rows)) != n:
+                r = next(r for r in rows if rows.count(r) > 1)
+                first = rows.index(r)
+                raise ValueError(f"seq_ids: sequences {first} and {rows.index(r, first + 1)} of the batch both "
+                                 f"append to residual row {r}")
             if n and int(qsl[-1]) > num_tokens:
                 raise ValueError(f"query_start_loc: ends at {int(qsl[-1])}, past the {num_tokens} key rows")
             checks.attention_ranges(bt, seq_lens, qsl, cache.num_blocks, cache.block_size, int(qsl[-1]) if n else 0,

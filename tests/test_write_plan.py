@@ -187,3 +187,20 @@ def test_an_empty_batch_plans_and_runs():
         plan.run(cache, key, value.half())
     with pytest.raises(ValueError, match="^cache: .*plan again for this cache"):
         plan.run(caches(fmt, 3, 1)[0], key, value)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the sequence checks read host tensors (or run with KVGEN_DEBUG)")
+def test_a_kivi_write_refuses_two_sequences_on_one_residual_row():
+    """Each sequence appends to its own residual row: two of a batch on one row would overwrite each other's
+    window, so the write is refused naming seq_ids, and nothing is written."""
+    fmt = kvgen.load("kivi_2bit")
+    [cache] = caches(fmt, 12, 1)
+    before = {k: t.clone() for k, t in cache.tensors.items()}
+    (key, value), = inputs(2, 1)
+    meta = dict(seq_ids=torch.tensor([1, 1], dtype=torch.int32),
+                block_table=torch.arange(1, 11, dtype=torch.int32).reshape(2, 5),
+                seq_lens=torch.tensor([1, 1], dtype=torch.int32), query_start_loc=torch.tensor([0, 1, 2],
+                                                                                         dtype=torch.int32))
+    with pytest.raises(ValueError, match="^seq_ids: sequences 0 and 1 of the batch both append to residual row 1"):
+        fmt.write(cache, key, value, torch.zeros(2, dtype=torch.int64), **meta)
+    assert all(torch.equal(t, before[k]) for k, t in cache.tensors.items())
