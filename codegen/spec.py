@@ -17,9 +17,12 @@ import enum
 import hashlib
 import json
 import re
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
+
+# integer fields take YAML integers only: YAML's true / false, 32.0 or "32" are mistakes, not 1, 0 and 32
+SpecInt = Annotated[int, Strict()]
 
 # fp32's largest finite value, and the smallest value that rounds to infinity in fp32 (2**128 - 2**103, the midpoint)
 FP32_MAX = 3.4028234663852886e38
@@ -161,11 +164,13 @@ class ScaleSpec(_Strict):
     placement: Optional[Placement] = Field(
         None, description="Where dynamic scales live; static scales belong to the cache object and have none."
     )
-    align: Optional[int] = Field(
+    align: Optional[SpecInt] = Field(
         None, description="Byte alignment of an inline scale inside the cell (default: the scale's size).", ge=1, le=64
     )
-    block: Optional[int] = Field(None, description="Elements per scale along the head dimension (per_block).", ge=2)
-    group_tokens: Optional[int] = Field(None, description="Tokens per group (per_channel_group, KIVI keys).", ge=1)
+    block: Optional[SpecInt] = Field(None, description="Elements per scale along the head dimension (per_block).",
+                                     ge=2, le=1024)
+    group_tokens: Optional[SpecInt] = Field(None, description="Tokens per group (per_channel_group, KIVI keys).",
+                                            ge=1, le=1024)
     min: float = Field(1e-6, description="Floor of a dynamic scale, so an all-zero vector gets a finite scale.", gt=0)
     apply: Optional[ApplyScale] = Field(
         None, description="Divide by the scale, or multiply by its reciprocal (default: divide for static scales, "
@@ -242,12 +247,12 @@ class ZeroPointSpec(_Strict):
 
 class RotationSpec(_Strict):
     kind: Literal["hadamard"] = "hadamard"
-    seed: int = Field(0, ge=0, le=2**63 - 1,
+    seed: SpecInt = Field(0, ge=0, le=2**63 - 1,
                       description="Seed of the fixed +-1 sign vector applied before the transform.")
 
 
 class ResidualSpec(_Strict):
-    tokens: int = Field(description="Full-precision tokens kept per sequence (R).", ge=1)
+    tokens: SpecInt = Field(description="Full-precision tokens kept per sequence (R).", ge=1, le=65536)
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
 
 
@@ -265,7 +270,7 @@ class SideSpec(_Strict):
     zero_point: Optional[ZeroPointSpec] = None
     rotation: Optional[RotationSpec] = None
     residual: Optional[ResidualSpec] = None
-    data_align: Optional[int] = Field(
+    data_align: Optional[SpecInt] = Field(
         None, description="Byte alignment of this side's codes in the cell (default: the element's size, at least 1). "
         "4 or more lets compiled kernels copy the codes with wide asynchronous loads; codes at an odd offset are read "
         "byte by byte.", ge=1, le=64

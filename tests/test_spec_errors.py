@@ -736,3 +736,13 @@ def test_yaml_too_deep_or_too_large_is_a_spec_error(tmp_path, extra, words):
     text = extra + (SPECS / "q8_0.yaml").read_text()
     err = spec_error(write(tmp_path, "big.yaml", text))
     assert words in str(err)
+
+
+@pytest.mark.parametrize("value", ["true", "32.0", '"32"'])
+def test_integer_fields_take_yaml_integers_only(tmp_path, value):
+    """YAML's true would have been read as block 1 (and failed as "greater than or equal to 2"), a quoted number as
+    the number: both are mistakes the error names."""
+    text = (SPECS / "q8_0.yaml").read_text().replace("block: 32", f"block: {value}")
+    err = spec_error(write(tmp_path, "q.yaml", text))
+    assert (err.line, err.field) == (line_of(text, f"block: {value}"), "key.scale.block")
+    assert "valid integer" in str(err)
