@@ -115,7 +115,10 @@ def _error_loc(err: dict, data: Any) -> tuple:
     """Where a validation error points: pydantic's location, deepened to the field a model validator's message
     opens with ("'block' must be ...") when the spec sets that field there."""
     loc = tuple(x for x in err.get("loc", ()) if not (isinstance(x, str) and x.startswith("function-")))
-    m = re.match(r"'(\w+)' ", _explain(err))
+    m = re.match(r"'([\w.]+)'[: ]", _explain(err))
+    if m and "." in m.group(1) and not loc:  # a whole-spec rule naming the field it found wrong: 'value.residual'
+        loc = tuple(m.group(1).split(".")[:-1])
+        m = re.match(r"([\w]+)", m.group(1).split(".")[-1])
     if m:
         node = data
         for part in loc:
@@ -150,9 +153,9 @@ def validate_data(data: Any, path: str, positions: dict[tuple, Position] | None 
             more = f" (the same error at {', '.join(same)})"
         else:
             more = f" (and {len(others)} more error(s))" if others else ""
+        msg = re.sub(r"^'\w+\.[\w.]+': ", "", _explain(err))  # a whole-spec rule's field: the error's own now
         raise SpecError(
-            _explain(err) + more, path=path, line=pos[0] if pos else None, column=pos[1] if pos else None,
-            field=field,
+            msg + more, path=path, line=pos[0] if pos else None, column=pos[1] if pos else None, field=field,
         ) from None
 
 

@@ -293,21 +293,21 @@ class SideSpec(_Strict):
             raise ValueError(f"'data_align' {self.data_align} is below the size of one {self.element.value} element "
                              f"({info.bits // 8} bytes)")
         if self.zero_point is not None and info.kind != "uint":
-            raise ValueError(f"a zero point needs an unsigned integer element (uint2/4/8), not {self.element.value}")
+            raise ValueError(f"'zero_point' needs an unsigned integer element (uint2/4/8), not {self.element.value}")
         if info.kind == "uint" and self.zero_point is None:
             raise ValueError(f"element {self.element.value} is asymmetric and needs a 'zero_point'")
         if self.zero_point is not None:
             if self.scale is None or self.scale.granularity.is_static:
-                raise ValueError("a zero point is computed with a dynamic scale (per_token_head or per_block)")
+                raise ValueError("'zero_point' is computed with a dynamic scale (per_token_head or per_block)")
             if self.zero_point.storage == "scale_low_bits" and self.scale.dtype.value != "fp32":
-                raise ValueError("zero_point storage scale_low_bits needs an fp32 scale (its low mantissa bits)")
+                raise ValueError("'zero_point' storage scale_low_bits needs an fp32 scale (its low mantissa bits)")
             if self.zero_point.dtype != "uint8" and self.zero_point.storage != "beside_scale":
                 raise ValueError(f"a float zero point ({self.zero_point.dtype}) is stored beside_scale")
         if self.scale is not None and self.scale.granularity == Granularity.per_channel_group:
             if self.residual is None:
                 raise ValueError("per_channel_group (KIVI keys) needs a 'residual' window of full-precision tokens")
             if self.residual.tokens % self.scale.group_tokens:
-                raise ValueError(f"residual.tokens {self.residual.tokens} must be a multiple of group_tokens "
+                raise ValueError(f"'residual' tokens {self.residual.tokens} must be a multiple of group_tokens "
                                  f"{self.scale.group_tokens}")
             if self.scale.placement != Placement.page_end:
                 raise ValueError("per_channel_group scales are stored per page (placement: page_end)")
@@ -370,10 +370,12 @@ class FormatSpec(_Strict):
     def _residual(self) -> "FormatSpec":
         k, v = self.key.residual, self.value.residual
         if (k is None) != (v is None) or (k is not None and k != v):
-            raise ValueError("key.residual and value.residual must be the same (one full-precision window per "
-                             "sequence)")
+            where = "value.residual" if v is not None else "key.residual"
+            raise ValueError(f"'{where}': key.residual and value.residual must be the same (one full-precision window "
+                             "per sequence)")
         if k is not None and (self.key.scale is None or self.key.scale.granularity != Granularity.per_channel_group):
-            raise ValueError("a residual window goes with KIVI keys: key.scale.granularity per_channel_group")
+            raise ValueError("'key.residual': a residual window goes with KIVI keys: key.scale.granularity "
+                             "per_channel_group")
         return self
 
     @property

@@ -309,9 +309,9 @@ value:
 def test_zero_point_on_float_element(tmp_path):
     p = write(tmp_path, "zp.yaml", ZP_FLOAT)
     err = spec_error(p)
-    assert err.field in ("key", "key.zero_point"), str(err)
-    assert err.line in (line_of(ZP_FLOAT, "key:"), line_of(ZP_FLOAT, "zero_point:")), str(err)
-    assert "zero point" in err.message and "fp8_e4m3" in err.message
+    assert err.field == "key.zero_point", str(err)
+    assert err.line == line_of(ZP_FLOAT, "zero_point:"), str(err)
+    assert "'zero_point' needs an unsigned integer element" in err.message and "fp8_e4m3" in err.message
 
 
 DATA_ALIGN = """\
@@ -746,3 +746,17 @@ def test_integer_fields_take_yaml_integers_only(tmp_path, value):
     err = spec_error(write(tmp_path, "q.yaml", text))
     assert (err.line, err.field) == (line_of(text, f"block: {value}"), "key.scale.block")
     assert "valid integer" in str(err)
+
+
+def test_side_and_whole_spec_rules_point_at_the_field_they_name(tmp_path):
+    """Rules checked over a side or the whole spec name the field they found wrong and point at its line: a zero
+    point on a signed element at `zero_point:`, a residual window on the key side only at `residual:`."""
+    zp = ("kvgen_spec: 1\nname: zpf\nkey:\n  element: int8\n  zero_point:\n    storage: beside_scale\n  scale:\n"
+          "    granularity: per_token_head\nvalue:\n  element: int8\n  scale:\n    granularity: per_token_head\n")
+    err = spec_error(write(tmp_path, "zp.yaml", zp))
+    assert (err.line, err.field) == (line_of(zp, "zero_point:"), "key.zero_point"), str(err)
+    res = ("kvgen_spec: 1\nname: resn\nkey:\n  element: int8\n  residual:\n    tokens: 64\n  scale:\n"
+           "    granularity: per_token_head\nvalue:\n  element: int8\n  scale:\n    granularity: per_token_head\n")
+    err = spec_error(write(tmp_path, "res.yaml", res))
+    assert (err.line, err.field) == (line_of(res, "residual:"), "key.residual"), str(err)
+    assert str(err).count("key.residual") == 2  # the field, then the message (no quoted prefix left in it)
