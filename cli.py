@@ -377,8 +377,15 @@ def test_cmd(specs, examples, device, dequantize_first):
         for spec in specs:
             fmt = load(spec)
             task = progress.add_task(f"{fmt.name}", total=examples)
-            report = check(fmt, examples, device, on_example=lambda n: progress.update(task, completed=n),
-                           dequantize_first=dequantize_first)
+            try:
+                report = check(fmt, examples, device, on_example=lambda n: progress.update(task, completed=n),
+                               dequantize_first=dequantize_first)
+            except Exception as exc:  # not a property's verdict: a case that could not run at all
+                if isinstance(exc, KvgenError):
+                    raise
+                first = (str(exc).strip().splitlines() or [""])[0][:300]
+                raise KvgenError(f"{fmt.name}: a conformance case could not run: {type(exc).__name__}: {first} "
+                                 "(kvgen --debug test ... shows the traceback)") from exc
             progress.remove_task(task)
             cells = ["[red]FAIL[/]" if report.failures[p] else "[green]pass[/]" for p in PROPERTIES]
             t.add_row(fmt.name, *cells)

@@ -315,3 +315,20 @@ def test_an_output_file_that_cannot_be_written_is_one_line_error(tmp_path, args)
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
     assert f"error: {tmp_path}/no/such/dir/x." in r.stderr and "No such file or directory" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_case_that_cannot_run_is_one_line_error_not_a_pass(monkeypatch):
+    """An error inside a case (here torch's AssertionError for CUDA on a CPU build) is neither a pass nor a
+    traceback: one line naming the format and the error; --debug shows the traceback."""
+    from kvgen import conformance
+
+    def broken(fmt, case, device, **kw):
+        raise AssertionError("Torch not compiled with CUDA enabled")
+
+    monkeypatch.setattr(conformance, "run_case", broken)
+    r = CliRunner().invoke(cli_main, ["test", "fp8_e4m3", "--examples", "1", "--device", "cpu"])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
+    assert "fp8_e4m3: a conformance case could not run: AssertionError: Torch not compiled" in r.stderr
+    assert "pass" not in r.stdout
+    r = CliRunner().invoke(cli_main, ["--debug", "test", "fp8_e4m3", "--examples", "1", "--device", "cpu"])
+    assert isinstance(r.exception, kvgen.KvgenError)
