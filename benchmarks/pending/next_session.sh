@@ -129,6 +129,7 @@ case "$step" in
       tests/test_random_specs.py tests/test_kivi.py tests/test_kivi_reference.py tests/test_dot_operand.py \
       tests/test_alignment.py tests/test_scale_words.py tests/test_dequantize_first.py tests/test_fast_div.py \
       tests/test_numerics.py tests/test_write_plan.py tests/test_padding.py tests/test_minifloat_encode.py \
+      tests/test_model_cache.py tests/test_conformance_check.py \
       "tests/test_conformance.py::test_long_decode_many_tiles" \
       "tests/test_conformance.py::test_prefill_rows_128_conform" "tests/test_conformance.py::test_kivi_decode_256" \
       2>&1 | tee "$out/tests.txt" | tail -15
