@@ -32,6 +32,10 @@ STORAGE_TORCH_DTYPES = {
 ScaleArg = Union[None, float, int, torch.Tensor, list, tuple]
 
 
+# the largest head size allocate() takes (the conformance suite runs head sizes 16 to 256)
+MAX_HEAD_SIZE = 1024
+
+
 @dataclasses.dataclass
 class KVCache:
     """One layer's paged KV cache: raw storage tensors plus the static scales that belong to it.
@@ -114,6 +118,9 @@ class Format:
     def _check_head_size(self, head_size: int) -> None:
         if head_size < 16:
             raise ValueError(f"head_size: {head_size} is below the kernels' minimum of 16")
+        if head_size > MAX_HEAD_SIZE:  # the kernels hold rows of a head in registers
+            raise ValueError(f"head_size: {head_size} is above the kernels' maximum of {MAX_HEAD_SIZE} (conformance "
+                             "is tested from 16 to 256)")
         for side_name in ("key", "value"):
             side = self.spec.side(side_name)
             if side.scale is not None and side.scale.block and head_size % side.scale.block:

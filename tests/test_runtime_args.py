@@ -244,7 +244,8 @@ def test_dynamic_format_refuses_static_scales(int8):
 
 @pytest.mark.parametrize("kwargs, arg", [
     (dict(num_blocks=0), "num_blocks"), (dict(block_size=-16), "block_size"), (dict(num_kv_heads=0), "num_kv_heads"),
-    (dict(head_size=8), "head_size"), (dict(num_blocks=2.0), "num_blocks"), (dict(block_size=True), "block_size"),
+    (dict(head_size=8), "head_size"), (dict(head_size=100_000), "head_size"), (dict(num_blocks=2.0), "num_blocks"),
+    (dict(block_size=True), "block_size"),
 ])
 def test_allocate_rejects_bad_shapes(int8, kwargs, arg):
     a = dict(num_blocks=NB, block_size=BS, num_kv_heads=H, head_size=HS)
