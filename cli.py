@@ -224,13 +224,13 @@ def show(name, block_size, num_kv_heads, head_size, png):
     for side, where in d["scales"].items():
         console.print(f"{side} scale: {where}", highlight=False)
     console.print(f"chunked prefill: {dequantize_first_summary(fmt, head_size)}", highlight=False)
-    t = Table(title="fields of one (slot, KV head): offset in its region's cell; region start in the page; "
-                    "pad: the bytes after the field that a write stores as zeros")
-    for col in ("tensor", "region", "offset", "bytes", "pad", "field", "holds"):
-        t.add_column(col, justify="right" if col in ("region", "offset", "bytes", "pad") else "left")
+    t = Table(title="fields of one (slot, KV head): its region (index, and byte start in the page), offset in the "
+                    "region's cell; pad: the bytes after the field that a write stores as zeros")
+    for col in ("tensor", "region", "region start", "offset", "bytes", "pad", "field", "holds"):
+        t.add_column(col, justify="left" if col in ("tensor", "field", "holds") else "right")
     for f in d["fields"]:
-        t.add_row(f["tensor"], str(f["region"]), str(f["offset"]), str(f["bytes"]), str(f["pad"]), f["field"],
-                  f["what"])
+        t.add_row(f["tensor"], str(f["region"]), str(f["base"] - f["offset"]), str(f["offset"]), str(f["bytes"]),
+                  str(f["pad"]), f["field"], f["what"])
     console.print(t)
     if png:
         from .runtime.bytemap import draw

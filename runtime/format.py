@@ -40,9 +40,12 @@ MAX_HEAD_SIZE = 1024
 class KVCache:
     """One layer's paged KV cache: raw storage tensors plus the static scales that belong to it.
 
-    ``tensors`` maps names to torch tensors: ``kv_cache`` (or ``k_cache``/``v_cache``) of shape
-    ``[num_blocks, block_size, num_kv_heads, cell]`` in the format's storage dtype, and for static-scale formats
-    ``k_scale``/``v_scale`` (fp32, ``[1]`` per tensor or ``[num_kv_heads]`` per head).
+    ``tensors`` maps names to torch tensors (docs/SEMANTICS.md, "page layout"): the storage, ``kv_cache`` (or
+    ``k_cache``/``v_cache`` for a split layout; ``k_scale_cache``/``v_scale_cache`` for separate scales), of shape
+    ``[num_blocks, block_size, num_kv_heads, cell]`` in the storage dtype where the tensor holds one region, else
+    ``[num_blocks, page]`` (page-end scales, KIVI's key groups); the static scales ``k_scale``/``v_scale`` (fp32,
+    ``[1]`` per tensor or per layer for a global scale, ``[num_kv_heads]`` per head); and for a residual window
+    ``k_residual``/``v_residual`` ``[max_seqs, R + G, num_kv_heads, head_size]``.
     """
 
     format_name: str
@@ -103,7 +106,9 @@ class Format:
         return self.layout.page_bytes(block_size, num_kv_heads, head_size)
 
     def page_layout(self, block_size: int, num_kv_heads: int, head_size: int) -> dict:
-        """Where every field lives (tensor, byte base in the page, cell size, offset, bytes): the generated layout."""
+        """Where every field lives, from the generated layout: ``{"fields": {name: {"tensor", "base" (its byte start
+        in the page), "cell", "offset" (in the cell), "bytes", "pad" (zero bytes after it)}}, "regions": {tensor:
+        [cell bytes per region]}, "page_bytes": {tensor: bytes}}``."""
         return self.layout.page_layout(block_size, num_kv_heads, head_size)
 
     def static_scale_kind(self, side: str) -> Optional[Granularity]:

@@ -332,3 +332,12 @@ def test_a_case_that_cannot_run_is_one_line_error_not_a_pass(monkeypatch):
     assert "pass" not in r.stdout
     r = CliRunner().invoke(cli_main, ["--debug", "test", "fp8_e4m3", "--examples", "1", "--device", "cpu"])
     assert isinstance(r.exception, kvgen.KvgenError)
+
+
+def test_show_gives_each_regions_byte_start():
+    """nvfp4 keeps four regions in a page (block 16, 8 KV heads, head size 128): 16 x 8 cells of 64 B of key codes,
+    then of 8 B of key scales, then the values alike: they start at 0, 8192, 9216 and 17408 (by hand)."""
+    r = invoke("show", "nvfp4")
+    assert r.exit_code == 0, r.output
+    starts = {f: int(line_with(r.stdout, f" {f} ").split("│")[3]) for f in ("k_data", "k_scale", "v_data", "v_scale")}
+    assert starts == {"k_data": 0, "k_scale": 8192, "v_data": 9216, "v_scale": 17408}, r.stdout
