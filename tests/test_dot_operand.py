@@ -15,6 +15,7 @@ import itertools
 import ml_dtypes
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
 from kvgen.codegen.codecs import element_codec
 from kvgen.codegen.render import RATIOS_IN_FP16, dot_operand, fixed_block_shift, pow2_ratio_split, side_context
@@ -86,7 +87,8 @@ SCALES = [{"granularity": "per_tensor"}, {"granularity": "per_token_head", "dtyp
 def test_accepted_operands_are_exact_and_in_range(element, scale):
     try:
         dtype, terms, tok = side_of(element, scale)
-    except Exception as exc:  # combinations the schema rejects are not this test's business
+    except ValidationError as exc:  # combinations the schema rejects are not this test's business (dot_operand's
+        # own errors are)
         pytest.skip("not a valid side: " + str(exc).splitlines()[2].strip()[:80])
     if not dtype:
         # rejected: there must be a reason, i.e. an operand that one or two fp16 terms cannot hold, or range
@@ -164,7 +166,7 @@ def test_block_ratios_in_fp16():
             for element in ELEMENTS:
                 try:
                     dot, terms, _ = side_of(element, {"granularity": "per_block", "block": 16, "dtype": dtype})
-                except Exception:
+                except ValidationError:
                     continue
                 if dot != "fp16" or terms != 1:
                     continue
@@ -176,7 +178,10 @@ def test_block_ratios_in_fp16():
 
 
 def all_scale_values(dtype: str) -> np.ndarray:
-    """Every finite non-negative value of a block-scale dtype (zero and subnormals included)."""
+    """Every finite non-negative value of a block-scale dtype (zero and subnormals included; e8m0: its powers of two,
+    2**-127 .. 2**127)."""
+    if dtype == "e8m0":
+        return np.ldexp(1.0, np.arange(-127, 128))
     s = finite_values(SCALE_VALUES[dtype], 16 if dtype in ("fp16", "bf16") else 8)
     return np.unique(s[s >= 0])
 
@@ -188,7 +193,7 @@ def block_side(element: str, scale: dict):
         spec = FormatSpec.model_validate({"name": "t", "key": {"element": element, "scale": scale},
                                           "value": {"element": element, "scale": scale},
                                           "cache": {"layout": "interleaved", "storage_dtype": "uint8"}})
-    except Exception as exc:
+    except ValidationError as exc:
         pytest.skip("not a valid side: " + str(exc).splitlines()[2].strip()[:80])
     return spec.key, dot_operand(spec.key, "dynamic", "none", True), element_codec(spec.key)
 
@@ -204,18 +209,30 @@ def test_fixed_block_shift_is_exact(element, dtype):
     side, dot, codec = block_side(element, scale)
     factor = codec.dot_factor if codec.byte_decode else None
     shift = fixed_block_shift(side, dot, factor)
+    codes = code_values(element)
+
+    def exact_at(s: int) -> bool:
+        """Every ratio scale * 2**s * F an fp16 value and every fp16 product with a decoded code exact."""
+        for f in {1.0, factor or 1.0}:  # exact fp32 dots decode the codes' values (F = 1); tensor-core ones unscaled
+            ratios = all_scale_values(dtype) * 2.0 ** s * f
+            decoded = codes / f
+            if not (np.array_equal(ratios.astype(np.float16).astype(np.float64), ratios)
+                    and np.array_equal(decoded.astype(np.float16).astype(np.float64), decoded)):
+                return False
+            with np.errstate(over="ignore"):
+                in_fp16 = np.multiply.outer(decoded.astype(np.float16), ratios.astype(np.float16)).astype(np.float64)
+            if not np.array_equal(in_fp16, np.multiply.outer(codes, all_scale_values(dtype)) * 2.0 ** s):
+                return False
+        return True
+
     if shift is None:
+        if dot[:3] != ("fp16", 1, "block"):
+            return  # no one-term fp16 block operand: nothing to shift
+        # None means no power of two works: none in the range the rule searches
+        assert not any(exact_at(s) for s in range(-64, 65)), "fixed_block_shift missed an exact shift"
         return
     assert dtype in RATIOS_IN_FP16 and dot[:3] == ("fp16", 1, "block")
-    codes = code_values(element)
-    for f in {1.0, factor or 1.0}:  # exact fp32 dots decode the codes' values (F = 1); tensor-core ones unscaled
-        ratios = all_scale_values(dtype) * 2.0 ** shift * f
-        assert np.array_equal(ratios.astype(np.float16).astype(np.float64), ratios), "a ratio is not an fp16 value"
-        decoded = codes / f
-        assert np.array_equal(decoded.astype(np.float16).astype(np.float64), decoded)
-        in_fp16 = np.multiply.outer(decoded.astype(np.float16), ratios.astype(np.float16)).astype(np.float64)
-        exact = np.multiply.outer(codes, all_scale_values(dtype)) * 2.0 ** shift
-        assert np.array_equal(in_fp16, exact), f"a product is not exact in fp16 at 2**{shift}"
+    assert exact_at(shift), f"a ratio or a product is not exact in fp16 at 2**{shift}"
 
 
 def split_products(codes: np.ndarray, factor: float, a: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
