@@ -2,7 +2,8 @@
 
 Rules (the oracle's definition, from docs/SEMANTICS.md, independent of any kernel):
   * bf16 / fp16 / fp32 (unquantized): round to nearest, ties to even, into the type (IEEE: a value at or beyond
-    ``max + ulp(max) / 2`` becomes +-inf). Stored little-endian.
+    ``max + ulp(max) / 2`` becomes +-inf). Stored little-endian. A NaN becomes bf16 0x7FC0 / fp16 0x7E00 with its
+    sign, whatever its payload (fp32 keeps its bits).
   * fp8_e4m3 (OCP e4m3fn, max 448, no inf) / fp8_e5m2 (max finite 57344): first clip to [-max, max], then round to
     nearest, ties to even. NaN -> 0x7F (e4m3) / 0x7E (e5m2), positive (a scaled NaN has no defined sign).
   * fp4_e2m1 (1 sign | 2 exponent, bias 1 | 1 mantissa; values 0, 0.5, 1, 1.5, 2, 3, 4, 6): clip to [-6, 6], round
@@ -250,14 +251,22 @@ def code_values(element: ElementType, codes: np.ndarray) -> np.ndarray:
     return c.astype(np.float64)
 
 
+#: the stored NaN of the 16-bit float elements (docs/SEMANTICS.md): bf16 0x7FC0, fp16 0x7E00, with the input's sign
+CANONICAL_NAN = {ElementType.bf16: 0x7FC0, ElementType.fp16: 0x7E00}
+
+
 def encode_codes(element: ElementType, v: np.ndarray, rounding: Optional[Rounding] = None,
                  packing: str = "lsb_first") -> np.ndarray:
     """Float32 ``[..., D]`` values (already scaled and shifted for quantized elements) -> the side's data bytes,
     uint8 ``[..., ceil(D * bits / 8)]``."""
     v = np.asarray(v, dtype=np.float32)
     if element in FLOAT_DTYPES:
-        with np.errstate(over="ignore"):  # IEEE: beyond the largest finite value rounds to inf
-            return little_endian_bytes(v.astype(FLOAT_DTYPES[element]))
+        with np.errstate(over="ignore", invalid="ignore"):  # IEEE: beyond the largest finite value rounds to inf
+            q = v.astype(FLOAT_DTYPES[element])
+        if element in CANONICAL_NAN:  # a NaN is the type's quiet NaN with the input's sign, whatever its payload
+            sign = (v.view(np.uint32) >> 16).astype(np.uint16) & np.uint16(0x8000)
+            q = np.where(np.isnan(v), (sign | np.uint16(CANONICAL_NAN[element])).view(q.dtype), q)
+        return little_endian_bytes(q)
     return pack(element_codes(element, v, rounding), ELEMENT_BITS[element], packing)
 
 
