@@ -1,7 +1,11 @@
 """The write kernels divide without an fp32 division (codegen/templates/side.jinja `quotient`): a group's range over
 its code range qmax is a times the fp64 reciprocal of qmax, rounded to fp32. That equals IEEE fp32 division for
 normal quotients by the 2**-52 / 2**-49 argument in the template; where the quotient is an fp32 subnormal the
-argument does not hold, so every such input is checked here, for every code range an element type gives."""
+argument does not hold, so every such input is checked here, for every code range an element type gives.
+
+These tests check the arithmetic the templates rely on, not the kernels: that the kernels' bytes equal the
+reference's is checked by the conformance, golden and tie tests (tests/test_static_scale_ties.py for static scales
+whose reciprocal is not exact)."""
 
 from __future__ import annotations
 
