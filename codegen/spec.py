@@ -248,7 +248,7 @@ class ZeroPointSpec(_Strict):
 class RotationSpec(_Strict):
     kind: Literal["hadamard"] = "hadamard"
     seed: SpecInt = Field(0, ge=0, le=2**63 - 1,
-                      description="Seed of the fixed +-1 sign vector applied before the transform.")
+                          description="Seed of the fixed +-1 sign vector applied before the transform.")
 
 
 class ResidualSpec(_Strict):
