@@ -424,12 +424,12 @@ class Format:
                              f"{n} sequences (seq_lens), got {seq_ids.shape[0]}, {qsl.shape[0]}, {bt.shape[0]}")
         if checks.costly_checks_on(seq_ids, qsl, seq_lens, bt):
             checks.seq_ids_in_range(seq_ids, cache.tensors["k_residual"].shape[0])
-            rows = seq_ids.tolist()
-            if len(set(rows)) != n:
-                r = next(r for r in rows if rows.count(r) > 1)
-                first = rows.index(r)
-                raise ValueError(f"seq_ids: sequences {first} and {rows.index(r, first + 1)} of the batch both "
-                                 f"append to residual row {r}")
+            first_of: dict[int, int] = {}
+            for i, r in enumerate(seq_ids.tolist()):
+                if r in first_of:
+                    raise ValueError(f"seq_ids: sequences {first_of[r]} and {i} of the batch both append to "
+                                     f"residual row {r}")
+                first_of[r] = i
             if n and int(qsl[-1]) > num_tokens:
                 raise ValueError(f"query_start_loc: ends at {int(qsl[-1])}, past the {num_tokens} key rows")
             checks.attention_ranges(bt, seq_lens, qsl, cache.num_blocks, cache.block_size, int(qsl[-1]) if n else 0,

@@ -126,8 +126,7 @@ class ModelWritePlan:
         self._plans = plans
 
     def run(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < len(self.model):
-            raise ValueError(f"layer: {layer!r} is not a layer index in [0, {len(self.model)})")
+        self.model._check_layer(layer)
         self._plans[layer].run(self.model.layers[layer], key, value)
 
 
@@ -139,8 +138,7 @@ class ModelAttentionPlan:
         self._plans = plans
 
     def run(self, layer: int, query: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < len(self.model):
-            raise ValueError(f"layer: {layer!r} is not a layer index in [0, {len(self.model)})")
+        self.model._check_layer(layer)
         return self._plans[layer].run(query, self.model.layers[layer], out=out)
 
 
