@@ -325,7 +325,8 @@ def doctor():
 
 @main.command("test")
 @click.argument("specs", nargs=-1, required=True)
-@click.option("--examples", default=20, show_default=True, type=click.IntRange(min=1), help="Random cases per format.")
+@click.option("--examples", default=20, show_default=True, type=click.IntRange(min=1),
+              help="Random cases per format.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="auto: the GPU when one is present (compiled kernels), else the CPU interpreter.")
 @click.option("--dequantize-first", is_flag=True,

@@ -37,7 +37,8 @@ class ModelKVCache:
         self.num_kv_heads, self.head_size = num_kv_heads, head_size
         scales = scales or {}
         if not isinstance(scales, dict):
-            raise ValueError(f"scales: expected a dict of layer index -> (k_scale, v_scale), got {type(scales).__name__}")
+            raise ValueError(f"scales: expected a dict of layer index -> (k_scale, v_scale), got "
+                             f"{type(scales).__name__}")
         missing = []
         self.layers: list[KVCache] = []
         for i, fmt in enumerate(self.formats):
