@@ -180,6 +180,14 @@ class ScaleSpec(_Strict):
 
     @field_validator("min")
     @classmethod
+    def _min_in_fp32(cls, v: float) -> float:
+        if v < 2.0 ** -149:  # it would round to 0 in fp32, leaving an all-zero vector a 0 scale
+            raise ValueError(f"'min' {v!r} rounds to 0 in fp32, where scales are computed; use at least 2**-149 "
+                             "(about 1.4e-45)")
+        return v
+
+    @field_validator("min")
+    @classmethod
     def _min_is_a_finite_fp32(cls, v: float) -> float:
         # scales are computed in fp32 (reference and kernels): a floor that rounds to inf there has no meaning
         if v >= FP32_OVERFLOW:

@@ -760,3 +760,11 @@ def test_side_and_whole_spec_rules_point_at_the_field_they_name(tmp_path):
     err = spec_error(write(tmp_path, "res.yaml", res))
     assert (err.line, err.field) == (line_of(res, "residual:"), "key.residual"), str(err)
     assert str(err).count("key.residual") == 2  # the field, then the message (no quoted prefix left in it)
+
+
+def test_a_scale_floor_that_rounds_to_zero_in_fp32_is_refused(tmp_path):
+    text = (SPECS / "q8_0.yaml").read_text().replace("    placement: inline\n",
+                                                      "    placement: inline\n    min: 1.0e-300\n")
+    err = spec_error(write(tmp_path, "m.yaml", text))
+    assert (err.line, err.field) == (line_of(text, "min: 1.0e-300"), "key.scale.min")
+    assert "rounds to 0 in fp32" in str(err)
