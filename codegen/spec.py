@@ -181,7 +181,8 @@ class ScaleSpec(_Strict):
     @field_validator("min")
     @classmethod
     def _min_in_fp32(cls, v: float) -> float:
-        if v < 2.0 ** -149:  # it would round to 0 in fp32, leaving an all-zero vector a 0 scale
+        if v <= 2.0 ** -150:  # it rounds to 0 in fp32 (half of its smallest value, a tie to even), leaving an
+            # all-zero vector a 0 scale
             raise ValueError(f"'min' {v!r} rounds to 0 in fp32, where scales are computed; use at least 2**-149 "
                              "(about 1.4e-45)")
         return v
