@@ -92,6 +92,9 @@ class Format:
         self._tensor_of: dict = {}
         self.spec_hash = spec.spec_hash()  # computed once: write() and attend() compare it on every call
         self._shapes: dict = {}
+        # (side, tensor name, per head?) of each static scale: the cache check looks at them on every call
+        self._static_scales = tuple((side, f"{side[0]}_scale", self.static_scale_kind(side) == Granularity.per_head)
+                                    for side in ("key", "value") if self.static_scale_kind(side) is not None)
 
     def __repr__(self) -> str:
         return f"<kvgen format {self.name} from {self.source}>"
@@ -250,11 +253,8 @@ class Format:
             if t.data_ptr() % 16:
                 raise ValueError(f"cache: tensor {name!r} starts at an address that is not a multiple of 16 bytes; "
                                  "the kernels read its fields as aligned words (allocate() returns aligned tensors)")
-        for side, name in (("key", "k_scale"), ("value", "v_scale")):  # static scales an engine may load in later
-            gran = self.static_scale_kind(side)
-            if gran is None:
-                continue
-            t, n = cache.tensors.get(name), 1 if gran == Granularity.per_tensor else cache.num_kv_heads
+        for side, name, per_head in self._static_scales:  # static scales, which an engine may load in later
+            t, n = cache.tensors.get(name), cache.num_kv_heads if per_head else 1
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != (n,) or t.dtype != torch.float32 or \
                     t.device != cache.device or not t.is_contiguous():
                 got = "missing" if t is None else (f"{tuple(t.shape)} {t.dtype} on {t.device}"
