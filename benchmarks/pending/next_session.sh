@@ -9,9 +9,8 @@
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~350 s?; prefill dequantize-first rows new)
 #   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused near auto's counts: H200, hs 64 / 256, groups 1 / 8 (~550 s?)
 #   bash benchmarks/pending/next_session.sh crossover2 # head sizes 64 / 256 near the counts, nvfp4's (~400 s?)
-#   bash benchmarks/pending/next_session.sh cells      # profiles: the inline-scale cells converted first / 3 stages
 #   bash benchmarks/pending/next_session.sh hs64prof   # profiles at head size 64 (int8 / fp8 per token-head, bf16)
-#   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs, KIVI's flush profile
+#   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs (H200: s43's H100 had no slowdown), KIVI's flush profile
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100)
 #   bash benchmarks/pending/next_session.sh rcpfault   # recip_fast's fault in nvfp4's write, for a Triton upgrade (ran s42, H100: ~15 s)
@@ -34,13 +33,15 @@
 # (merged for prefill flushes only), int4div (merged) and its own e2m1 envelope encode (merged); s41 (an H200 for
 # four calls, then an H100; benchmarks/results_2026-12-06_h200_s41.md) ran scaled on both (nvfp4-scaled-div.patch
 # merged once its reciprocal came from div_rn; the step removed, benchmarks/pending/recip_fast_fault.py kept as the
-# reproducer), bench1 / bench2 and tests (645 passed) on the H200.
+# reproducer), bench1 / bench2 and tests (645 passed) on the H200; s43 (H100, benchmarks/results_2026-12-06_h100_s43.md)
+# ran writeprof (as s42), cells (answered: the 4-byte copies throttle the memory-instruction queue when buffered a step
+# deeper; the step removed) and writes (no pooled-state slowdown on the H100; the step stays for the H200).
 #
 # Steps in priority order; each prints how long it took.
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, cells, hs64prof, writes, writeprof, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, hs64prof, writes, writeprof, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -144,14 +145,6 @@ case "$step" in
     timeout 560 python3 benchmarks/bench.py --cuda-graphs --out "$out/benchB" --formats bf16 mixed_k8_v4 mxfp8 \
       mxfp4 nvfp4 nvfp4_separate q4_0 kivi_2bit kivi_4bit 2>&1 | tee "$out/bench2.txt" | grep "^|"
     ;;
-  cells)
-    # vLLM's inline-scale cells: the rule's tiles, the values converted first, 3 stages with block ids ahead
-    for t in rtn rtc 128/4/3/168pn; do
-      echo "tiles $t" | tee -a "$out/cells.txt"
-      timeout 180 python3 benchmarks/profile_decode.py --formats int8_per_token_head --tiles "$t" --out "$out/cells" \
-        2>&1 | tee -a "$out/cells.txt" | grep "^| int8"
-    done
-    ;;
   hs64prof)
     timeout 400 python3 benchmarks/profile_decode.py --formats bf16 int8_per_token_head fp8_per_token_head mxfp8 \
       --shape 64x8192hs64 --out "$out/hs64prof" 2>&1 | tee "$out/hs64prof.txt" | grep "^|"
@@ -201,7 +194,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, cells, hs64prof, writes, writeprof or writeab" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, hs64prof, writes, writeprof, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
