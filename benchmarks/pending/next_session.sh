@@ -9,6 +9,7 @@
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~350 s?; prefill dequantize-first rows new)
 #   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused near auto's counts: H200, hs 64 / 256, groups 1 / 8 (~550 s?)
 #   bash benchmarks/pending/next_session.sh crossover2 # head sizes 64 / 256 near the counts, nvfp4's (~400 s?)
+#   bash benchmarks/pending/next_session.sh vshift     # the cells' values copied 8 bytes at a time (s43 patch), A/B (~120 s?)
 #   bash benchmarks/pending/next_session.sh hs64prof   # profiles at head size 64 (int8 / fp8 per token-head, bf16)
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs (H200: s43's H100 had no slowdown), KIVI's flush profile
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
@@ -41,7 +42,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, hs64prof, writes, writeprof, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, vshift, hs64prof, writes, writeprof, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -145,6 +146,17 @@ case "$step" in
     timeout 560 python3 benchmarks/bench.py --cuda-graphs --out "$out/benchB" --formats bf16 mixed_k8_v4 mxfp8 \
       mxfp4 nvfp4 nvfp4_separate q4_0 kivi_2bit kivi_4bit 2>&1 | tee "$out/bench2.txt" | grep "^|"
     ;;
+  vshift)
+    # vLLM's inline-scale cells with their values copied 8 bytes at a time (forty-third session, static only):
+    # value-shift-cells.patch (hand-edited generated kernels) reads each position's codes 4..127 and the value scale
+    # from byte 136 of the cell (8-byte aligned: 8-byte copies instead of 4) and the first 4 codes apart (4-byte
+    # copies, summed on the CUDA cores), storing the output's columns shifted back; timed against the shipped kernels
+    rm -rf /tmp/vt && cp -r . /tmp/vt || exit 1
+    (cd /tmp/vt && { git apply benchmarks/pending/value-shift-cells.patch \
+      || patch -p1 < benchmarks/pending/value-shift-cells.patch; }) || exit 1
+    timeout 400 python3 benchmarks/variant_ab.py /tmp/vt/generated int8_per_token_head fp8_per_token_head \
+      --shapes 64x8192 4x65536 256x1024 2>&1 | tee "$out/vshift.txt" | grep "^|\|copy"
+    ;;
   hs64prof)
     timeout 400 python3 benchmarks/profile_decode.py --formats bf16 int8_per_token_head fp8_per_token_head mxfp8 \
       --shape 64x8192hs64 --out "$out/hs64prof" 2>&1 | tee "$out/hs64prof.txt" | grep "^|"
@@ -194,7 +206,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, hs64prof, writes, writeprof, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, vshift, hs64prof, writes, writeprof, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
