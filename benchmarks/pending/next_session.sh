@@ -147,15 +147,18 @@ case "$step" in
       mxfp4 nvfp4 nvfp4_separate q4_0 kivi_2bit kivi_4bit 2>&1 | tee "$out/bench2.txt" | grep "^|"
     ;;
   vshift)
-    # vLLM's inline-scale cells with their values copied 8 bytes at a time (forty-third session, static only):
-    # value-shift-cells.patch (hand-edited generated kernels) reads each position's codes 4..127 and the value scale
-    # from byte 136 of the cell (8-byte aligned: 8-byte copies instead of 4) and the first 4 codes apart (4-byte
-    # copies, summed on the CUDA cores), storing the output's columns shifted back; timed against the shipped kernels
-    rm -rf /tmp/vt && cp -r . /tmp/vt || exit 1
-    (cd /tmp/vt && { git apply benchmarks/pending/value-shift-cells.patch \
-      || patch -p1 < benchmarks/pending/value-shift-cells.patch; }) || exit 1
-    timeout 400 python3 benchmarks/variant_ab.py /tmp/vt/generated int8_per_token_head fp8_per_token_head \
-      --shapes 64x8192 4x65536 256x1024 2>&1 | tee "$out/vshift.txt" | grep "^|\|copy"
+    # vLLM's inline-scale cells with their values copied 8 bytes at a time (forty-third session, static only): the
+    # patches (hand-edited generated kernels) read each position's codes 4..127 and the value scale from byte 136 of
+    # the cell (8-byte aligned: 8-byte copies instead of 4) and the first 4 codes apart, storing the output's columns
+    # shifted back; value-shift-cells sums the first 4 codes' products on the CUDA cores, value-shift-cells-dot takes
+    # a [16 x N] x [N x 32] tensor-core dot for them. Each timed against the shipped kernels
+    for v in value-shift-cells value-shift-cells-dot; do
+      rm -rf /tmp/vt && cp -r . /tmp/vt || exit 1
+      (cd /tmp/vt && { git apply "benchmarks/pending/$v.patch" || patch -p1 < "benchmarks/pending/$v.patch"; }) || exit 1
+      echo "$v" | tee -a "$out/vshift.txt"
+      timeout 280 python3 benchmarks/variant_ab.py /tmp/vt/generated int8_per_token_head fp8_per_token_head \
+        --shapes 64x8192 4x65536 256x1024 2>&1 | tee -a "$out/vshift.txt" | grep "^|\|copy"
+    done
     ;;
   hs64prof)
     timeout 400 python3 benchmarks/profile_decode.py --formats bf16 int8_per_token_head fp8_per_token_head mxfp8 \
