@@ -9,7 +9,7 @@
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~350 s?; prefill dequantize-first rows new)
 #   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused near auto's counts: H200, hs 64 / 256, groups 1 / 8 (~550 s?)
 #   bash benchmarks/pending/next_session.sh crossover2 # head sizes 64 / 256 near the counts, nvfp4's (~400 s?)
-#   bash benchmarks/pending/next_session.sh vshift     # the cells' values copied 8 bytes at a time (s43 patch), A/B (~120 s?)
+#   bash benchmarks/pending/next_session.sh vshift     # the cells' values copied 8 bytes at a time (s43 patches): A/B, tests (~400 s?)
 #   bash benchmarks/pending/next_session.sh hs64prof   # profiles at head size 64 (int8 / fp8 per token-head, bf16)
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs (H200: s43's H100 had no slowdown), KIVI's flush profile
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
@@ -147,18 +147,23 @@ case "$step" in
       mxfp4 nvfp4 nvfp4_separate q4_0 kivi_2bit kivi_4bit 2>&1 | tee "$out/bench2.txt" | grep "^|"
     ;;
   vshift)
-    # vLLM's inline-scale cells with their values copied 8 bytes at a time (forty-third session, static only): the
-    # patches (hand-edited generated kernels) read each position's codes 4..127 and the value scale from byte 136 of
-    # the cell (8-byte aligned: 8-byte copies instead of 4) and the first 4 codes apart, storing the output's columns
-    # shifted back; value-shift-cells sums the first 4 codes' products on the CUDA cores, value-shift-cells-dot takes
-    # a [16 x N] x [N x 32] tensor-core dot for them. Each timed against the shipped kernels
-    for v in value-shift-cells value-shift-cells-dot; do
-      rm -rf /tmp/vt && cp -r . /tmp/vt || exit 1
-      (cd /tmp/vt && { git apply "benchmarks/pending/$v.patch" || patch -p1 < "benchmarks/pending/$v.patch"; }) || exit 1
-      echo "$v" | tee -a "$out/vshift.txt"
-      timeout 280 python3 benchmarks/variant_ab.py /tmp/vt/generated int8_per_token_head fp8_per_token_head \
-        --shapes 64x8192 4x65536 256x1024 2>&1 | tee -a "$out/vshift.txt" | grep "^|\|copy"
-    done
+    # vLLM's inline-scale cells with their values copied 8 bytes at a time (forty-third session, static only):
+    # value-shift.patch (templates) reads each position's codes 4..127 and the value scale from byte 136 of the cell
+    # (8-byte aligned: 8-byte copies instead of 4) and the first 4 codes as one 4-byte copy per position, spread into
+    # a 32-column dot of their own, storing the output's columns shifted back; timed against the shipped kernels,
+    # then its GPU tests
+    VS_FORMATS="int8_per_token_head fp8_per_token_head int8_per_token_head_hadamard_k"
+    variant value-shift "V_DATA_BASE + 4" $VS_FORMATS || exit 1
+    timeout 280 python3 benchmarks/variant_ab.py /tmp/variant $VS_FORMATS --shapes 64x8192 4x65536 256x1024 2>&1 \
+      | tee "$out/vshift.txt" | grep "^|\|copy"
+    variant_tests vshift tests/test_conformance.py tests/test_golden.py tests/test_native_decode.py \
+      tests/test_attention_plan.py tests/test_tiles.py -k "int8_per_token_head or fp8_per_token_head or hadamard"
+    # the first 4 codes' products summed on the CUDA cores instead (hand-edited kernels, value-shift-cells.patch)
+    rm -rf /tmp/vt && cp -r . /tmp/vt || exit 1
+    (cd /tmp/vt && { git apply benchmarks/pending/value-shift-cells.patch \
+      || patch -p1 < benchmarks/pending/value-shift-cells.patch; }) || exit 1
+    timeout 120 python3 benchmarks/variant_ab.py /tmp/vt/generated int8_per_token_head --shapes 64x8192 4x65536 \
+      2>&1 | tee "$out/vshift_sums.txt" | grep "^|"
     ;;
   hs64prof)
     timeout 400 python3 benchmarks/profile_decode.py --formats bf16 int8_per_token_head fp8_per_token_head mxfp8 \
