@@ -156,9 +156,10 @@ case "$step" in
     variant value-shift "V_DATA_BASE + 4" $VS_FORMATS || exit 1
     timeout 280 python3 benchmarks/variant_ab.py /tmp/variant $VS_FORMATS --shapes 64x8192 4x65536 256x1024 2>&1 \
       | tee "$out/vshift.txt" | grep "^|\|copy"
-    # head sizes 64 and 256 (static: at 256 the rule's 64-position steps load the first codes with waited-on loads)
-    timeout 200 python3 benchmarks/variant_ab.py /tmp/variant int8_per_token_head fp8_per_token_head \
-      --shapes 64x8192hs64 16x8192hs256 2>&1 | tee "$out/vshift_hs.txt" | grep "^|"
+    # head size 64 (the patch leaves 256 as it is: there the rule's 64-position steps would load the first codes
+    # with waited-on loads)
+    timeout 150 python3 benchmarks/variant_ab.py /tmp/variant int8_per_token_head fp8_per_token_head \
+      --shapes 64x8192hs64 2>&1 | tee "$out/vshift_hs.txt" | grep "^|"
     variant_tests vshift tests/test_conformance.py tests/test_golden.py tests/test_native_decode.py \
       tests/test_attention_plan.py tests/test_tiles.py -k "int8_per_token_head or fp8_per_token_head or hadamard"
     # the first 4 codes' products summed on the CUDA cores instead (hand-edited kernels, value-shift-cells.patch)
