@@ -9,7 +9,7 @@
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~350 s?; prefill dequantize-first rows new)
 #   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused near auto's counts: H200, hs 64 / 256, groups 1 / 8 (~550 s?)
 #   bash benchmarks/pending/next_session.sh crossover2 # head sizes 64 / 256 near the counts, nvfp4's (~400 s?)
-#   bash benchmarks/pending/next_session.sh vshift     # the cells' values copied 8 bytes at a time (s43 patches): A/B, tests (~400 s?)
+#   bash benchmarks/pending/next_session.sh vshift     # the cells' values copied 8 bytes at a time (s43 patch): A/B, tests (~400 s?)
 #   bash benchmarks/pending/next_session.sh hs64prof   # profiles at head size 64 (int8 / fp8 per token-head, bf16)
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs (H200: s43's H100 had no slowdown), KIVI's flush profile
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
@@ -162,12 +162,6 @@ case "$step" in
       --shapes 64x8192hs64 2>&1 | tee "$out/vshift_hs.txt" | grep "^|"
     variant_tests vshift tests/test_conformance.py tests/test_golden.py tests/test_native_decode.py \
       tests/test_attention_plan.py tests/test_tiles.py -k "int8_per_token_head or fp8_per_token_head or hadamard"
-    # the first 4 codes' products summed on the CUDA cores instead (hand-edited kernels, value-shift-cells.patch)
-    rm -rf /tmp/vt && cp -r . /tmp/vt || exit 1
-    (cd /tmp/vt && { git apply benchmarks/pending/value-shift-cells.patch \
-      || patch -p1 < benchmarks/pending/value-shift-cells.patch; }) || exit 1
-    timeout 120 python3 benchmarks/variant_ab.py /tmp/vt/generated int8_per_token_head --shapes 64x8192 4x65536 \
-      2>&1 | tee "$out/vshift_sums.txt" | grep "^|"
     ;;
   hs64prof)
     timeout 400 python3 benchmarks/profile_decode.py --formats bf16 int8_per_token_head fp8_per_token_head mxfp8 \
