@@ -10,6 +10,7 @@
 #   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused near auto's counts: H200, hs 64 / 256, groups 1 / 8 (~550 s?)
 #   bash benchmarks/pending/next_session.sh crossover2 # head sizes 64 / 256 near the counts, nvfp4's (~400 s?)
 #   bash benchmarks/pending/next_session.sh vshift     # the cells' values copied 8 bytes at a time (s43 patch): A/B, tests (~400 s?)
+#   bash benchmarks/pending/next_session.sh vcopies    # value-shift.patch without its first codes (8-byte copies' own cost), profiles
 #   bash benchmarks/pending/next_session.sh hs64prof   # profiles at head size 64 (int8 / fp8 per token-head, bf16)
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs (H200: s43's H100 had no slowdown), KIVI's flush profile
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
@@ -162,6 +163,23 @@ case "$step" in
       --shapes 64x8192hs64 2>&1 | tee "$out/vshift_hs.txt" | grep "^|"
     variant_tests vshift tests/test_conformance.py tests/test_golden.py tests/test_native_decode.py \
       tests/test_attention_plan.py tests/test_tiles.py -k "int8_per_token_head or fp8_per_token_head or hadamard"
+    ;;
+  vcopies)
+    # why value-shift.patch ran 1.6x slower (s44, H100: int8 per token-head 517 -> 858 us at 64 x 8192) although its
+    # copies are 8 bytes wide: value-shift-copies.patch is the same without the first 4 codes (an experiment, wrong
+    # sums: the 8-byte copies' own cost, 10.9 instructions per position against the shipped 11.0), timed and
+    # profiled; then value-shift.patch profiled (the shipped kernels' profile: s43)
+    VC="int8_per_token_head fp8_per_token_head"
+    variant value-shift-copies "V_DATA_BASE + 4" $VC || exit 1
+    timeout 150 python3 benchmarks/variant_ab.py /tmp/variant $VC --shapes 64x8192 4x65536 2>&1 \
+      | tee "$out/vcopies.txt" | grep "^|"
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 120 python3 benchmarks/profile_decode.py \
+      --formats int8_per_token_head --out "$out/vcopies_prof" 2>&1 | tee "$out/vcopies_prof.txt" | grep "^|")
+    variant value-shift "V_DATA_BASE + 4" int8_per_token_head || exit 1
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 120 python3 benchmarks/profile_decode.py \
+      --formats int8_per_token_head --out "$out/vshift_prof" 2>&1 | tee "$out/vshift_prof.txt" | grep "^|")
+    timeout 120 python3 benchmarks/profile_decode.py --formats int8_per_token_head --out "$out/main_prof" 2>&1 \
+      | tee "$out/main_prof.txt" | grep "^|"
     ;;
   hs64prof)
     timeout 400 python3 benchmarks/profile_decode.py --formats bf16 int8_per_token_head fp8_per_token_head mxfp8 \
