@@ -9,7 +9,6 @@
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~350 s?; prefill dequantize-first rows new)
 #   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused near auto's counts: H200, hs 64 / 256, groups 1 / 8 (~550 s?)
 #   bash benchmarks/pending/next_session.sh crossover2 # head sizes 64 / 256 near the counts, nvfp4's (~400 s?)
-#   bash benchmarks/pending/next_session.sh vshift     # the cells' values copied 8 bytes at a time (s43 patch): A/B, tests (~400 s?)
 #   bash benchmarks/pending/next_session.sh vcopies    # value-shift.patch without its first codes (8-byte copies' own cost), profiles
 #   bash benchmarks/pending/next_session.sh hs64prof   # profiles at head size 64 (int8 / fp8 per token-head, bf16)
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs (H200: s43's H100 had no slowdown), KIVI's flush profile
@@ -37,13 +36,15 @@
 # merged once its reciprocal came from div_rn; the step removed, benchmarks/pending/recip_fast_fault.py kept as the
 # reproducer), bench1 / bench2 and tests (645 passed) on the H200; s43 (H100, benchmarks/results_2026-12-06_h100_s43.md)
 # ran writeprof (as s42), cells (answered: the 4-byte copies throttle the memory-instruction queue when buffered a step
-# deeper; the step removed) and writes (no pooled-state slowdown on the H100; the step stays for the H200).
+# deeper; the step removed) and writes (no pooled-state slowdown on the H100; the step stays for the H200); s44 (H100,
+# benchmarks/results_2026-12-06_h100_s44.md) ran vshift (value-shift.patch 1.45-1.79x slower: the step removed;
+# `vcopies` asks why).
 #
 # Steps in priority order; each prints how long it took.
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, vshift, hs64prof, writes, writeprof, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, vcopies, hs64prof, writes, writeprof, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -147,23 +148,6 @@ case "$step" in
     timeout 560 python3 benchmarks/bench.py --cuda-graphs --out "$out/benchB" --formats bf16 mixed_k8_v4 mxfp8 \
       mxfp4 nvfp4 nvfp4_separate q4_0 kivi_2bit kivi_4bit 2>&1 | tee "$out/bench2.txt" | grep "^|"
     ;;
-  vshift)
-    # vLLM's inline-scale cells with their values copied 8 bytes at a time (forty-third session, static only):
-    # value-shift.patch (templates) reads each position's codes 4..127 and the value scale from byte 136 of the cell
-    # (8-byte aligned: 8-byte copies instead of 4) and the first 4 codes as one 4-byte copy per position, spread into
-    # a 32-column dot of their own, storing the output's columns shifted back; timed against the shipped kernels,
-    # then its GPU tests
-    VS_FORMATS="int8_per_token_head fp8_per_token_head int8_per_token_head_hadamard_k"
-    variant value-shift "V_DATA_BASE + 4" $VS_FORMATS || exit 1
-    timeout 280 python3 benchmarks/variant_ab.py /tmp/variant $VS_FORMATS --shapes 64x8192 4x65536 256x1024 2>&1 \
-      | tee "$out/vshift.txt" | grep "^|\|copy"
-    # head size 64 (the patch leaves 256 as it is: there the rule's 64-position steps would load the first codes
-    # with waited-on loads)
-    timeout 150 python3 benchmarks/variant_ab.py /tmp/variant int8_per_token_head fp8_per_token_head \
-      --shapes 64x8192hs64 2>&1 | tee "$out/vshift_hs.txt" | grep "^|"
-    variant_tests vshift tests/test_conformance.py tests/test_golden.py tests/test_native_decode.py \
-      tests/test_attention_plan.py tests/test_tiles.py -k "int8_per_token_head or fp8_per_token_head or hadamard"
-    ;;
   vcopies)
     # why value-shift.patch ran 1.6x slower (s44, H100: int8 per token-head 517 -> 858 us at 64 x 8192) although its
     # copies are 8 bytes wide: value-shift-copies.patch is the same without the first 4 codes (an experiment, wrong
@@ -236,7 +220,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, vshift, hs64prof, writes, writeprof, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, vcopies, hs64prof, writes, writeprof, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
