@@ -9,7 +9,6 @@
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~350 s?; prefill dequantize-first rows new)
 #   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused near auto's counts: H200, hs 64 / 256, groups 1 / 8 (~550 s?)
 #   bash benchmarks/pending/next_session.sh crossover2 # head sizes 64 / 256 near the counts, nvfp4's (~400 s?)
-#   bash benchmarks/pending/next_session.sh vcopies    # value-shift.patch without its first codes (8-byte copies' own cost), profiles
 #   bash benchmarks/pending/next_session.sh hs64prof   # profiles at head size 64 (int8 / fp8 per token-head, bf16)
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs (H200: s43's H100 had no slowdown), KIVI's flush profile
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
@@ -37,14 +36,15 @@
 # reproducer), bench1 / bench2 and tests (645 passed) on the H200; s43 (H100, benchmarks/results_2026-12-06_h100_s43.md)
 # ran writeprof (as s42), cells (answered: the 4-byte copies throttle the memory-instruction queue when buffered a step
 # deeper; the step removed) and writes (no pooled-state slowdown on the H100; the step stays for the H200); s44 (H100,
-# benchmarks/results_2026-12-06_h100_s44.md) ran vshift (value-shift.patch 1.45-1.79x slower: the step removed;
-# `vcopies` asks why).
+# benchmarks/results_2026-12-06_h100_s44.md) ran vshift (value-shift.patch 1.45-1.79x slower) and vcopies
+# (why: the 8-byte copies alone gain 5-6%, each way of adding the first codes costs more); both steps and the
+# patches removed.
 #
 # Steps in priority order; each prints how long it took.
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, vcopies, hs64prof, writes, writeprof, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, hs64prof, writes, writeprof, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -148,29 +148,6 @@ case "$step" in
     timeout 560 python3 benchmarks/bench.py --cuda-graphs --out "$out/benchB" --formats bf16 mixed_k8_v4 mxfp8 \
       mxfp4 nvfp4 nvfp4_separate q4_0 kivi_2bit kivi_4bit 2>&1 | tee "$out/bench2.txt" | grep "^|"
     ;;
-  vcopies)
-    # why value-shift.patch ran 1.6x slower (s44, H100: int8 per token-head 517 -> 858 us at 64 x 8192) although its
-    # copies are 8 bytes wide: value-shift-copies.patch is the same without the first 4 codes (an experiment, wrong
-    # sums: the 8-byte copies' own cost, 10.9 instructions per position against the shipped 11.0), timed and
-    # profiled; then value-shift.patch profiled (the shipped kernels' profile: s43)
-    VC="int8_per_token_head fp8_per_token_head"
-    variant value-shift-copies "V_DATA_BASE + 4" $VC || exit 1
-    timeout 100 python3 benchmarks/variant_ab.py /tmp/variant $VC --shapes 64x8192 2>&1 \
-      | tee "$out/vcopies.txt" | grep "^|"
-    # the first 4 codes' products summed on the CUDA cores instead (value-shift-cells.patch, hand-edited generated
-    # kernels of s43: 14.1 instructions per position, the same copies as value-shift.patch)
-    rm -rf /tmp/vt && cp -r . /tmp/vt && (cd /tmp/vt && git apply benchmarks/pending/value-shift-cells.patch) \
-      && grep -q VSHIFT /tmp/vt/generated/int8_per_token_head/kernels.py \
-      && timeout 100 python3 benchmarks/variant_ab.py /tmp/vt/generated $VC --shapes 64x8192 2>&1 \
-      | tee "$out/vcells.txt" | grep "^|"
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 120 python3 benchmarks/profile_decode.py \
-      --formats int8_per_token_head --out "$out/vcopies_prof" 2>&1 | tee "$out/vcopies_prof.txt" | grep "^|")
-    variant value-shift "V_DATA_BASE + 4" int8_per_token_head || exit 1
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 120 python3 benchmarks/profile_decode.py \
-      --formats int8_per_token_head --out "$out/vshift_prof" 2>&1 | tee "$out/vshift_prof.txt" | grep "^|")
-    timeout 120 python3 benchmarks/profile_decode.py --formats int8_per_token_head --out "$out/main_prof" 2>&1 \
-      | tee "$out/main_prof.txt" | grep "^|"
-    ;;
   hs64prof)
     timeout 400 python3 benchmarks/profile_decode.py --formats bf16 int8_per_token_head fp8_per_token_head mxfp8 \
       --shape 64x8192hs64 --out "$out/hs64prof" 2>&1 | tee "$out/hs64prof.txt" | grep "^|"
@@ -220,7 +197,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, vcopies, hs64prof, writes, writeprof, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, hs64prof, writes, writeprof, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
