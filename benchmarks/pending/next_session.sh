@@ -150,13 +150,14 @@ case "$step" in
       mxfp4 nvfp4 nvfp4_separate q4_0 kivi_2bit kivi_4bit 2>&1 | tee "$out/bench2.txt" | grep "^|"
     ;;
   keypairs)
-    # vLLM's cells: with an even number of KV heads (bench.py's 8) every position of KV head h starts at h * 264 mod 16
-    # (one head's position stride, 8 * 264 = 2112 bytes, is a multiple of 16), so the keys of even heads are 16-byte aligned and could take 16-byte copies that bypass L1 (s44: the
-    # cells' copies under 16 bytes all go through L1 and send L2 1.7x the requests per byte). A ceiling first:
-    # key-pairs-ceiling.patch (hand-edited generated kernels, wrong on purpose) reads every head's keys as if it were
-    # even (head // 2 * 528), so all key copies are LDGSTS.E.BYPASS.128 (8 a step per thread against 16 LDGSTS.E.64;
-    # 10.9 instructions per position against 11.0). A real version gains at most about half of what this shows (odd
-    # heads stay at 8 mod 16): worth a template change (two launches or a head-parity branch) only if this is > 6%
+    # vLLM's cells: with an even number of KV heads (bench.py's 8) every position of KV head h starts at h * 264
+    # mod 16 (one head's position stride, 8 * 264 = 2112 bytes, is a multiple of 16), so the keys of even heads are
+    # 16-byte aligned and could take 16-byte copies that bypass L1 (s44: the cells' copies under 16 bytes all go
+    # through L1 and send L2 1.7x the requests per byte). A ceiling first: key-pairs-ceiling.patch (hand-edited
+    # generated kernels, wrong on purpose) reads every head's keys as if it were even (head // 2 * 528), so all key
+    # copies are LDGSTS.E.BYPASS.128 (8 a step per thread against 16 LDGSTS.E.64; 10.9 instructions per position
+    # against 11.0). A real version gains about half of what this shows (odd heads stay at 8 mod 16): worth a
+    # template change (two launches or a head-parity branch) only if this is well above 6%
     rm -rf /tmp/vk && cp -r . /tmp/vk && (cd /tmp/vk && git apply benchmarks/pending/key-pairs-ceiling.patch) \
       && grep -q "head // 2" /tmp/vk/generated/int8_per_token_head/kernels.py \
       && timeout 150 python3 benchmarks/variant_ab.py /tmp/vk/generated int8_per_token_head fp8_per_token_head \
