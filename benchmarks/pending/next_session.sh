@@ -9,8 +9,6 @@
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~350 s?; prefill dequantize-first rows new)
 #   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused near auto's counts: H200, hs 64 / 256, groups 1 / 8 (~550 s?)
 #   bash benchmarks/pending/next_session.sh crossover2 # head sizes 64 / 256 near the counts, nvfp4's (~400 s?)
-#   bash benchmarks/pending/next_session.sh keypairs   # ceiling of 16-byte key copies for vLLM's cells (even heads are 16-byte aligned; ~100 s)
-#   bash benchmarks/pending/next_session.sh hs64prof   # profiles at head size 64 (int8 / fp8 per token-head, bf16)
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs (H200: s43's H100 had no slowdown), KIVI's flush profile
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100)
@@ -39,13 +37,13 @@
 # deeper; the step removed) and writes (no pooled-state slowdown on the H100; the step stays for the H200); s44 (H100,
 # benchmarks/results_2026-12-06_h100_s44.md) ran vshift (value-shift.patch 1.45-1.79x slower) and vcopies
 # (why: the 8-byte copies alone gain 5-6%, each way of adding the first codes costs more); both steps and the
-# patches removed.
+# patches removed; s45 (H100, benchmarks/results_2026-12-06_h100_s45.md) ran keypairs (a ceiling of 1.4-2.5%: not built) and hs64prof; both removed.
 #
 # Steps in priority order; each prints how long it took.
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, keypairs, hs64prof, writes, writeprof, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -149,24 +147,6 @@ case "$step" in
     timeout 560 python3 benchmarks/bench.py --cuda-graphs --out "$out/benchB" --formats bf16 mixed_k8_v4 mxfp8 \
       mxfp4 nvfp4 nvfp4_separate q4_0 kivi_2bit kivi_4bit 2>&1 | tee "$out/bench2.txt" | grep "^|"
     ;;
-  keypairs)
-    # vLLM's cells: with an even number of KV heads (bench.py's 8) every position of KV head h starts at h * 264
-    # mod 16 (one head's position stride, 8 * 264 = 2112 bytes, is a multiple of 16), so the keys of even heads are
-    # 16-byte aligned and could take 16-byte copies that bypass L1 (s44: the cells' copies under 16 bytes all go
-    # through L1 and send L2 1.7x the requests per byte). A ceiling first: key-pairs-ceiling.patch (hand-edited
-    # generated kernels, wrong on purpose) reads every head's keys as if it were even (head // 2 * 528), so all key
-    # copies are LDGSTS.E.BYPASS.128 (8 a step per thread against 16 LDGSTS.E.64; 10.9 instructions per position
-    # against 11.0). A real version gains about half of what this shows (odd heads stay at 8 mod 16): worth a
-    # template change (two launches or a head-parity branch) only if this is well above 6%
-    rm -rf /tmp/vk && cp -r . /tmp/vk && (cd /tmp/vk && git apply benchmarks/pending/key-pairs-ceiling.patch) \
-      && grep -q "head // 2" /tmp/vk/generated/int8_per_token_head/kernels.py \
-      && timeout 150 python3 benchmarks/variant_ab.py /tmp/vk/generated int8_per_token_head fp8_per_token_head \
-        --shapes 64x8192 4x65536 2>&1 | tee "$out/keypairs.txt" | grep "^|"
-    ;;
-  hs64prof)
-    timeout 400 python3 benchmarks/profile_decode.py --formats bf16 int8_per_token_head fp8_per_token_head mxfp8 \
-      --shape 64x8192hs64 --out "$out/hs64prof" 2>&1 | tee "$out/hs64prof.txt" | grep "^|"
-    ;;
   writeprof)
     # the writes under 70% of copy bandwidth (H200 s27), profiled as they are: issue-bound (s13's profile: issue
     # slots 64-78% busy, not_selected the largest stall) or limited elsewhere, and on which pipe?
@@ -212,7 +192,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, keypairs, hs64prof, writes, writeprof, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
