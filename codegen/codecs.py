@@ -60,6 +60,15 @@ class Codec:
         return None
 
     @property
+    def dot_bias(self) -> int | None:
+        """The integer that ``{prefix}decode_dot_biased`` leaves in every code's value (fp16 1024 + the code), for a
+        template to take away together with a zero point in one subtraction; None where the codec renders no biased
+        decoder: it is for unsigned integers, the elements a zero point goes with."""
+        if self.template == "int.py.jinja" and not self.params["signed"]:
+            return 1024
+        return None
+
+    @property
     def native_encode(self) -> bool:
         """Whether the codec renders ``{prefix}encode_native(v, NATIVE)``: with ``NATIVE`` (compiled for sm_89 or
         newer) the hardware's conversion, which gives encode's bytes (rounding, saturating; NaN gets the codec's NaN

@@ -89,6 +89,7 @@ class SideContext:
     fixed_factor: str  # tok "fixed": fp32 literal 2**-s, what the dot's result takes back (times a global scale)
     byte_decode: bool  # compiled attention decodes all codes of a byte at once ({p}_decode_dot_bytes)
     dot_factor: str  # fp32 literal: what the unscaled decoders leave out of the codes, folded into the block ratios
+    dot_bias: str  # integer literal the biased decoder leaves in the codes, taken away with the zero point ("" none)
     tok: str  # how the scale leaves the dot: none / const (one scalar) / token (one per row) / block / channel /
     #           fixed (block scales whose ratios need no per-row power of two: one constant, see fixed_block_shift)
     block_dots: bool  # tok "block" in two terms: decode (BLOCK_DOTS) takes one dot per block on the codes instead
@@ -122,11 +123,14 @@ def _fp32_constant(x: float) -> str:
     return f"tl.full([], {_float_literal(x)}, tl.float32)"
 
 
-def render_codec(codec: Codec, prefix: str, dot: bool = False, qdot: str = "") -> str:
+def render_codec(codec: Codec, prefix: str, dot: bool = False, qdot: str = "", biased: bool = False) -> str:
     """``dot``: also render ``{prefix}decode_dot`` (code -> the attention dot operand: fp16 or bf16, exactly);
-    ``qdot``: also ``{prefix}as_qdot`` (code -> itself as that tensor-core type: the quantized compute domain)."""
+    ``qdot``: also ``{prefix}as_qdot`` (code -> itself as that tensor-core type: the quantized compute domain);
+    ``biased`` (with ``dot``; unsigned integer codecs): also ``{prefix}decode_dot_biased``, which leaves
+    ``codec.dot_bias`` in the values."""
     template = _ENV.get_template(f"codecs/{codec.template}")
-    source = template.render(prefix=prefix, element=codec.name, bits=codec.bits, dot=dot, **codec.params).strip()
+    source = template.render(prefix=prefix, element=codec.name, bits=codec.bits, dot=dot, biased=biased,
+                             **codec.params).strip()
     if qdot:
         source += "\n\n\n" + _ENV.get_template("codecs/as_qdot.py.jinja").render(prefix=prefix, qdot=qdot).strip()
     return source
@@ -426,7 +430,13 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
     nan_as_zero = info.kind in ("int", "uint") or side.element.value == "fp4_e2m1"
     native_nan_zero = info.kind in ("int", "uint") and codec.native_encode and not asym
     fp64 = fp64_quotient(side)
-    sources = [render_codec(codec, f"{p}_", dot=bool(dot[0]), qdot=qdot)]
+    # one zero point per row, stored as a code, on byte codes: the dot operand's decode leaves its fp16 bias in (code +
+    # 1024, exact), and one subtraction per element takes the bias and the zero point away together (a second one
+    # otherwise). H100 (benchmarks/RESULTS.md, forty-fifth session): int8 asym's decode 0.5-4.8% faster (12.6 -> 11.8
+    # instructions per position); on int4 per token-head's packed codes 2-3% slower at head size 128 (more spills)
+    biased = (bool(dot[0]) and dot[2] == "token" and zp in ("beside", "low_bits") and codec.dot_bias is not None
+              and side.bits == 8)
+    sources = [render_codec(codec, f"{p}_", dot=bool(dot[0]), qdot=qdot, biased=biased)]
     if scodec is not None:
         sources.append(render_codec(scodec, f"{p}_scale_"))
     if float_zp:
@@ -479,6 +489,7 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
         # block ratios multiply every code anyway: they carry the codec's factor (no zero point between the two)
         dot_factor=_float_literal(codec.dot_factor) if dot[0] and dot[2] in ("block", "fixed") and codec.dot_factor
         and not asym else "",
+        dot_bias=str(codec.dot_bias) if biased else "",
         qdot=qdot, qdot_max={"int8": "127.0"}.get(qdot, "0.0"),
         native_encode=codec.native_encode, native_scale_encode=bool(scodec and scodec.native_encode),
         exact_reciprocal=bool(dynamic and scodec and scodec.exact_reciprocal and not sc.global_scale),

@@ -188,11 +188,15 @@ def check_side(name, side, module):
     codes = codes.reshape(ROWS, COLS)[:, torch.randperm(COLS, device="cuda")].contiguous()
     native = torch.empty(ROWS, COLS, dtype=torch.float32, device="cuda")
     portable = torch.empty_like(native)
-    _decode_both[(1,)](codes, native, portable, getattr(module, f"{side}_decode_dot"), ROWS, COLS)
-    both_nan = native.isnan() & portable.isnan()
-    same = (native == portable) | both_nan
-    assert bool(same.all()), (f"{name} {side}: native decode differs for codes "
-                              f"{codes[~same][:8].tolist()}: {native[~same][:8].tolist()} vs {portable[~same][:8].tolist()}")
+    for helper in ("decode_dot", "decode_dot_biased"):
+        if not hasattr(module, f"{side}_{helper}"):
+            continue
+        _decode_both[(1,)](codes, native, portable, getattr(module, f"{side}_{helper}"), ROWS, COLS)
+        both_nan = native.isnan() & portable.isnan()
+        same = (native == portable) | both_nan
+        assert bool(same.all()), (f"{name} {side}: native {helper} differs for codes "
+                                  f"{codes[~same][:8].tolist()}: {native[~same][:8].tolist()} vs "
+                                  f"{portable[~same][:8].tolist()}")
 
 
 # -- the hardware's fp8 encode in compiled writes -------------------------------------------------------------------
@@ -437,3 +441,43 @@ def test_byte_decode_ptx_model(name, side, value_of, extra_formats):
             got = list(_f16x2(out[f"${2 * j}"])) + list(_f16x2(out[f"${2 * j + 1}"]))
             want = [value_of((b >> bits * j) & ((1 << bits) - 1)) for b in data]
             assert _bits(got) == _bits(want), (name, data, j, got)
+
+
+@pytest.mark.parametrize("side", ["k", "v"])
+def test_biased_decoder(side):
+    """The decoder that leaves fp16's 1024 in each byte code (for sides with a zero point per row, whose subtraction
+    takes the bias too): the portable path run here over every code, the inline PTX modelled over every code in every
+    byte position of its register; each gives code + 1024 exactly."""
+    import numpy as np
+    module = kvgen.load("int8_asym_per_token_head")._kernels.module
+    device = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
+    codes = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8)
+    out = torch.empty(256, dtype=torch.float32, device=device)
+    _decode_biased_portable[(1,)](codes, out, getattr(module, f"{side}_decode_dot_biased"), 256)
+    assert out.tolist() == [1024.0 + c for c in range(256)]
+    asm = inline_ptx(module, side, "decode_dot_biased")
+    for word in range(256):
+        data = [(word + i * 67) % 256 for i in range(4)]
+        out = run_ptx(asm, {"$2": sum(b << 8 * i for i, b in enumerate(data))})
+        got = list(_f16x2(out["$0"])) + list(_f16x2(out["$1"]))
+        assert _bits(got) == _bits([np.float16(1024 + b) for b in data]), (data, got)
+
+
+@triton.jit
+def _decode_biased_portable(codes_ptr, out_ptr, decode: tl.constexpr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, decode(tl.load(codes_ptr + i), False).to(tl.float32))
+
+
+@pytest.mark.parametrize("name", kvgen.shipped_names())
+def test_biased_decoder_comes_with_its_subtraction(name):
+    """Attention decodes a side's codes through its biased decoder exactly where the zero point's subtraction also
+    takes its 1024 away; the unbiased decoder there would shift every value by -1024, a bias left in by +1024."""
+    import inspect
+    source = inspect.getsource(kvgen.load(name)._kernels.module.paged_attention_kernel.fn)
+    for p in ("k", "v"):
+        biased = f"{p}_decode_dot_biased({p}_code, NATIVE_CASTS)" in source
+        taken = f" + 1024).to({p}_tile.dtype)[:, None]" in source
+        assert biased == taken, (name, p, biased, taken)
+        # the shipped sides with a byte code and its zero point per row
+        assert taken == (name == "int8_asym_per_token_head"), (name, p)

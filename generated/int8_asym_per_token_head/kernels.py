@@ -139,6 +139,17 @@ def k_decode_dot(code, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def k_decode_dot_biased(code, NATIVE: tl.constexpr):
+    # decode_dot's fp16 before its subtraction: code + 1024, exact, for a caller that takes the bias away together
+    # with a zero point (one packed subtraction per two codes where two would follow; unsigned codes only)
+    if NATIVE:  # compiled: four codes per register, byte permutes only
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 m; mov.b32 m, 0x64646464; prmt.b32 $0, $2, m, 0x4140; prmt.b32 $1, $2, m, 0x4342; }",
+            "=r,=r,r", [code.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=True, pack=4)
+    return ((code.to(tl.uint16) & 255) | 0x6400).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def k_scale_encode(v):
     return v.to(tl.uint32, bitcast=True)
 
@@ -186,6 +197,17 @@ def v_decode_dot(code, NATIVE: tl.constexpr):
             "=r,=r,r", [code.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=True, pack=4)
     u = code.to(tl.uint16) & 255
     return (u | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
+def v_decode_dot_biased(code, NATIVE: tl.constexpr):
+    # decode_dot's fp16 before its subtraction: code + 1024, exact, for a caller that takes the bias away together
+    # with a zero point (one packed subtraction per two codes where two would follow; unsigned codes only)
+    if NATIVE:  # compiled: four codes per register, byte permutes only
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 m; mov.b32 m, 0x64646464; prmt.b32 $0, $2, m, 0x4140; prmt.b32 $1, $2, m, 0x4342; }",
+            "=r,=r,r", [code.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=True, pack=4)
+    return ((code.to(tl.uint16) & 255) | 0x6400).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -565,7 +587,7 @@ def paged_attention_kernel(
                 k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
                 k_code = tl.load(k_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
                 if DOT_K != 0:  # tensor-core dots: the code's value in their type
-                    k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+                    k_tile = k_decode_dot_biased(k_code, NATIVE_CASTS)  # code + 1024: the zero point's subtraction takes it
                 else:
                     k_tile = k_decode(k_code)
                 k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
@@ -578,7 +600,10 @@ def paged_attention_kernel(
                     k_zcode = (k_zword >> (8 * (K_ZP_BASE % 4))) & 255  # little-endian
                 else:
                     k_zcode = tl.load(k_cache_ptr + blk * K_ZP_PAGE + K_ZP_BASE + (off * NUM_KV_HEADS + head) * K_ZP_CELL).to(tl.uint32)
-                k_tile = k_tile - k_zcode.to(k_tile.dtype)[:, None]
+                if DOT_K != 0:  # the tile holds code + 1024: the bias goes with the zero point
+                    k_tile = k_tile - (k_zcode + 1024).to(k_tile.dtype)[:, None]
+                else:
+                    k_tile = k_tile - k_zcode.to(k_tile.dtype)[:, None]
                 k_op = k_tile
                 k_tok = k_scale_decode(k_scode)
                 scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
@@ -593,7 +618,7 @@ def paged_attention_kernel(
                 v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
                 v_code = tl.load(v_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
                 if DOT_V != 0:  # tensor-core dots: the code's value in their type
-                    v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+                    v_tile = v_decode_dot_biased(v_code, NATIVE_CASTS)  # code + 1024: the zero point's subtraction takes it
                 else:
                     v_tile = v_decode(v_code)
                 v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
@@ -606,7 +631,10 @@ def paged_attention_kernel(
                     v_zcode = (v_zword >> (8 * (V_ZP_BASE % 4))) & 255  # little-endian
                 else:
                     v_zcode = tl.load(v_cache_ptr + blk * V_ZP_PAGE + V_ZP_BASE + (off * NUM_KV_HEADS + head) * V_ZP_CELL).to(tl.uint32)
-                v_tile = v_tile - v_zcode.to(v_tile.dtype)[:, None]
+                if DOT_V != 0:  # the tile holds code + 1024: the bias goes with the zero point
+                    v_tile = v_tile - (v_zcode + 1024).to(v_tile.dtype)[:, None]
+                else:
+                    v_tile = v_tile - v_zcode.to(v_tile.dtype)[:, None]
                 v_op = v_tile
                 v_tok = v_scale_decode(v_scode)
                 if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
@@ -634,7 +662,7 @@ def paged_attention_kernel(
                 k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
                 k_code = tl.load(k_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
                 if DOT_K != 0:  # tensor-core dots: the code's value in their type
-                    k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+                    k_tile = k_decode_dot_biased(k_code, NATIVE_CASTS)  # code + 1024: the zero point's subtraction takes it
                 else:
                     k_tile = k_decode(k_code)
                 k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
@@ -647,7 +675,10 @@ def paged_attention_kernel(
                     k_zcode = (k_zword >> (8 * (K_ZP_BASE % 4))) & 255  # little-endian
                 else:
                     k_zcode = tl.load(k_cache_ptr + blk * K_ZP_PAGE + K_ZP_BASE + (off * NUM_KV_HEADS + head) * K_ZP_CELL).to(tl.uint32)
-                k_tile = k_tile - k_zcode.to(k_tile.dtype)[:, None]
+                if DOT_K != 0:  # the tile holds code + 1024: the bias goes with the zero point
+                    k_tile = k_tile - (k_zcode + 1024).to(k_tile.dtype)[:, None]
+                else:
+                    k_tile = k_tile - k_zcode.to(k_tile.dtype)[:, None]
                 k_op = k_tile
                 k_tok = k_scale_decode(k_scode)
                 scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
@@ -659,7 +690,7 @@ def paged_attention_kernel(
                 v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
                 v_code = tl.load(v_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
                 if DOT_V != 0:  # tensor-core dots: the code's value in their type
-                    v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+                    v_tile = v_decode_dot_biased(v_code, NATIVE_CASTS)  # code + 1024: the zero point's subtraction takes it
                 else:
                     v_tile = v_decode(v_code)
                 v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
@@ -672,7 +703,10 @@ def paged_attention_kernel(
                     v_zcode = (v_zword >> (8 * (V_ZP_BASE % 4))) & 255  # little-endian
                 else:
                     v_zcode = tl.load(v_cache_ptr + blk * V_ZP_PAGE + V_ZP_BASE + (off * NUM_KV_HEADS + head) * V_ZP_CELL).to(tl.uint32)
-                v_tile = v_tile - v_zcode.to(v_tile.dtype)[:, None]
+                if DOT_V != 0:  # the tile holds code + 1024: the bias goes with the zero point
+                    v_tile = v_tile - (v_zcode + 1024).to(v_tile.dtype)[:, None]
+                else:
+                    v_tile = v_tile - v_zcode.to(v_tile.dtype)[:, None]
                 v_op = v_tile
                 v_tok = v_scale_decode(v_scode)
                 if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
@@ -700,7 +734,7 @@ def paged_attention_kernel(
                 k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
                 k_code = tl.load(k_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
                 if DOT_K != 0:  # tensor-core dots: the code's value in their type
-                    k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+                    k_tile = k_decode_dot_biased(k_code, NATIVE_CASTS)  # code + 1024: the zero point's subtraction takes it
                 else:
                     k_tile = k_decode(k_code)
                 k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
@@ -713,7 +747,10 @@ def paged_attention_kernel(
                     k_zcode = (k_zword >> (8 * (K_ZP_BASE % 4))) & 255  # little-endian
                 else:
                     k_zcode = tl.load(k_cache_ptr + blk * K_ZP_PAGE + K_ZP_BASE + (off * NUM_KV_HEADS + head) * K_ZP_CELL).to(tl.uint32)
-                k_tile = k_tile - k_zcode.to(k_tile.dtype)[:, None]
+                if DOT_K != 0:  # the tile holds code + 1024: the bias goes with the zero point
+                    k_tile = k_tile - (k_zcode + 1024).to(k_tile.dtype)[:, None]
+                else:
+                    k_tile = k_tile - k_zcode.to(k_tile.dtype)[:, None]
                 k_op = k_tile
                 k_tok = k_scale_decode(k_scode)
                 scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
@@ -728,7 +765,7 @@ def paged_attention_kernel(
                 v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
                 v_code = tl.load(v_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
                 if DOT_V != 0:  # tensor-core dots: the code's value in their type
-                    v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+                    v_tile = v_decode_dot_biased(v_code, NATIVE_CASTS)  # code + 1024: the zero point's subtraction takes it
                 else:
                     v_tile = v_decode(v_code)
                 v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
@@ -741,7 +778,10 @@ def paged_attention_kernel(
                     v_zcode = (v_zword >> (8 * (V_ZP_BASE % 4))) & 255  # little-endian
                 else:
                     v_zcode = tl.load(v_cache_ptr + blk * V_ZP_PAGE + V_ZP_BASE + (off * NUM_KV_HEADS + head) * V_ZP_CELL).to(tl.uint32)
-                v_tile = v_tile - v_zcode.to(v_tile.dtype)[:, None]
+                if DOT_V != 0:  # the tile holds code + 1024: the bias goes with the zero point
+                    v_tile = v_tile - (v_zcode + 1024).to(v_tile.dtype)[:, None]
+                else:
+                    v_tile = v_tile - v_zcode.to(v_tile.dtype)[:, None]
                 v_op = v_tile
                 v_tok = v_scale_decode(v_scode)
                 if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
@@ -770,7 +810,7 @@ def paged_attention_kernel(
                 k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
                 k_code = tl.load(k_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
                 if DOT_K != 0:  # tensor-core dots: the code's value in their type
-                    k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+                    k_tile = k_decode_dot_biased(k_code, NATIVE_CASTS)  # code + 1024: the zero point's subtraction takes it
                 else:
                     k_tile = k_decode(k_code)
                 k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
@@ -783,7 +823,10 @@ def paged_attention_kernel(
                     k_zcode = (k_zword >> (8 * (K_ZP_BASE % 4))) & 255  # little-endian
                 else:
                     k_zcode = tl.load(k_cache_ptr + blk * K_ZP_PAGE + K_ZP_BASE + (off * NUM_KV_HEADS + head) * K_ZP_CELL).to(tl.uint32)
-                k_tile = k_tile - k_zcode.to(k_tile.dtype)[:, None]
+                if DOT_K != 0:  # the tile holds code + 1024: the bias goes with the zero point
+                    k_tile = k_tile - (k_zcode + 1024).to(k_tile.dtype)[:, None]
+                else:
+                    k_tile = k_tile - k_zcode.to(k_tile.dtype)[:, None]
                 k_op = k_tile
                 k_tok = k_scale_decode(k_scode)
                 scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
@@ -798,7 +841,7 @@ def paged_attention_kernel(
                 v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
                 v_code = tl.load(v_row[:, None] + d[None, :], mask=dmask[None, :], other=0)
                 if DOT_V != 0:  # tensor-core dots: the code's value in their type
-                    v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+                    v_tile = v_decode_dot_biased(v_code, NATIVE_CASTS)  # code + 1024: the zero point's subtraction takes it
                 else:
                     v_tile = v_decode(v_code)
                 v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
@@ -811,7 +854,10 @@ def paged_attention_kernel(
                     v_zcode = (v_zword >> (8 * (V_ZP_BASE % 4))) & 255  # little-endian
                 else:
                     v_zcode = tl.load(v_cache_ptr + blk * V_ZP_PAGE + V_ZP_BASE + (off * NUM_KV_HEADS + head) * V_ZP_CELL).to(tl.uint32)
-                v_tile = v_tile - v_zcode.to(v_tile.dtype)[:, None]
+                if DOT_V != 0:  # the tile holds code + 1024: the bias goes with the zero point
+                    v_tile = v_tile - (v_zcode + 1024).to(v_tile.dtype)[:, None]
+                else:
+                    v_tile = v_tile - v_zcode.to(v_tile.dtype)[:, None]
                 v_op = v_tile
                 v_tok = v_scale_decode(v_scode)
                 if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
@@ -835,7 +881,7 @@ def paged_attention_kernel(
             k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
             k_code = tl.load(k_row[:, None] + d[None, :], mask=n_mask[:, None] & dmask[None, :], other=0)
             if DOT_K != 0:  # tensor-core dots: the code's value in their type
-                k_tile = k_decode_dot(k_code, NATIVE_CASTS)
+                k_tile = k_decode_dot_biased(k_code, NATIVE_CASTS)  # code + 1024: the zero point's subtraction takes it
             else:
                 k_tile = k_decode(k_code)
             k_srow = k_cache_ptr + blk * K_SCALE_PAGE + K_SCALE_BASE + (off * NUM_KV_HEADS + head) * K_SCALE_CELL
@@ -848,7 +894,10 @@ def paged_attention_kernel(
                 k_zcode = (k_zword >> (8 * (K_ZP_BASE % 4))) & 255  # little-endian
             else:
                 k_zcode = tl.load(k_cache_ptr + blk * K_ZP_PAGE + K_ZP_BASE + (off * NUM_KV_HEADS + head) * K_ZP_CELL, mask=n_mask, other=0).to(tl.uint32)
-            k_tile = k_tile - k_zcode.to(k_tile.dtype)[:, None]
+            if DOT_K != 0:  # the tile holds code + 1024: the bias goes with the zero point
+                k_tile = k_tile - (k_zcode + 1024).to(k_tile.dtype)[:, None]
+            else:
+                k_tile = k_tile - k_zcode.to(k_tile.dtype)[:, None]
             k_op = k_tile
             k_tok = k_scale_decode(k_scode)
             scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
@@ -863,7 +912,7 @@ def paged_attention_kernel(
             v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
             v_code = tl.load(v_row[:, None] + d[None, :], mask=n_mask[:, None] & dmask[None, :], other=0)
             if DOT_V != 0:  # tensor-core dots: the code's value in their type
-                v_tile = v_decode_dot(v_code, NATIVE_CASTS)
+                v_tile = v_decode_dot_biased(v_code, NATIVE_CASTS)  # code + 1024: the zero point's subtraction takes it
             else:
                 v_tile = v_decode(v_code)
             v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
@@ -876,7 +925,10 @@ def paged_attention_kernel(
                 v_zcode = (v_zword >> (8 * (V_ZP_BASE % 4))) & 255  # little-endian
             else:
                 v_zcode = tl.load(v_cache_ptr + blk * V_ZP_PAGE + V_ZP_BASE + (off * NUM_KV_HEADS + head) * V_ZP_CELL, mask=n_mask, other=0).to(tl.uint32)
-            v_tile = v_tile - v_zcode.to(v_tile.dtype)[:, None]
+            if DOT_V != 0:  # the tile holds code + 1024: the bias goes with the zero point
+                v_tile = v_tile - (v_zcode + 1024).to(v_tile.dtype)[:, None]
+            else:
+                v_tile = v_tile - v_zcode.to(v_tile.dtype)[:, None]
             v_op = v_tile
             v_tok = v_scale_decode(v_scode)
             if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
