@@ -10,6 +10,7 @@
 #   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused near auto's counts: H200, hs 64 / 256, groups 1 / 8 (~550 s?)
 #   bash benchmarks/pending/next_session.sh crossover2 # head sizes 64 / 256 near the counts, nvfp4's (~400 s?)
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs (H200: s43's H100 had no slowdown), KIVI's flush profile
+#   bash benchmarks/pending/next_session.sh decode4prof # why 4-bit values cost decode time beyond their instructions (~150 s?)
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100)
 #   bash benchmarks/pending/next_session.sh rcpfault   # recip_fast's fault in nvfp4's write, for a Triton upgrade (ran s42, H100: ~15 s)
@@ -43,7 +44,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, decode4prof, writes, writeprof, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -147,6 +148,14 @@ case "$step" in
     timeout 560 python3 benchmarks/bench.py --cuda-graphs --out "$out/benchB" --formats bf16 mixed_k8_v4 mxfp8 \
       mxfp4 nvfp4 nvfp4_separate q4_0 kivi_2bit kivi_4bit 2>&1 | tee "$out/bench2.txt" | grep "^|"
     ;;
+  decode4prof)
+    # 4-bit values in decode (s45, static, 64 x 8192): mixed_k8_v4 issues 9.2 instructions per position and int4 per
+    # token-head 10.9 against int8 per token-head's 11.0 for fewer bytes (200 / 136 against 264), yet on the H200 both
+    # took 635-636 us against 484 (s41). Which stall or pipe do the packed values add (the byte decode's PRMTs, the
+    # P x V operand's rearrangement in shared memory, the 4- and 8-byte copies)?
+    timeout 300 python3 benchmarks/profile_decode.py --formats int8_per_token_head mixed_k8_v4 int4_per_token_head \
+      int8_per_token_head_separate --out "$out/decode4prof" 2>&1 | tee "$out/decode4prof.txt" | grep "^|"
+    ;;
   writeprof)
     # the writes under 70% of copy bandwidth (H200 s27), profiled as they are: issue-bound (s13's profile: issue
     # slots 64-78% busy, not_selected the largest stall) or limited elsewhere, and on which pipe?
@@ -192,7 +201,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, decode4prof, writes, writeprof, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
