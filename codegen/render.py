@@ -434,8 +434,9 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
     # 1024, exact), and one subtraction per element takes the bias and the zero point away together (a second one
     # otherwise). H100 (benchmarks/RESULTS.md, forty-fifth session): int8 asym's decode 0.5-4.8% faster (12.6 -> 11.8
     # instructions per position); on int4 per token-head's packed codes 2-3% slower at head size 128 (more spills)
+    # (never with the quantized domain, whose operand is the code itself: zero_point_off's bias goes with fp16 dots)
     biased = (bool(dot[0]) and dot[2] == "token" and zp in ("beside", "low_bits") and codec.dot_bias is not None
-              and side.bits == 8)
+              and side.bits == 8 and not qdot)
     sources = [render_codec(codec, f"{p}_", dot=bool(dot[0]), qdot=qdot, biased=biased)]
     if scodec is not None:
         sources.append(render_codec(scodec, f"{p}_scale_"))

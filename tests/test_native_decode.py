@@ -476,8 +476,9 @@ def test_biased_decoder_comes_with_its_subtraction(name):
     import inspect
     source = inspect.getsource(kvgen.load(name)._kernels.module.paged_attention_kernel.fn)
     for p in ("k", "v"):
-        biased = f"{p}_decode_dot_biased({p}_code, NATIVE_CASTS)" in source
-        taken = f" + 1024).to({p}_tile.dtype)[:, None]" in source
+        # one subtraction of zp + 1024 after each biased decode (every loop of the kernel has its own), and none else
+        biased = source.count(f"{p}_decode_dot_biased({p}_code, NATIVE_CASTS)")
+        taken = source.count(f" + 1024).to({p}_tile.dtype)[:, None]")
         assert biased == taken, (name, p, biased, taken)
-        # the shipped sides with a byte code and its zero point per row
-        assert taken == (name == "int8_asym_per_token_head"), (name, p)
+        # the shipped sides with a byte code and its zero point per row (a new such format belongs in this list)
+        assert (taken > 0) == (name in ("int8_asym_per_token_head",)), (name, p)
