@@ -165,3 +165,26 @@ def test_real_codes_replace_random_bytes(name, monkeypatch):
     assert not torch.isfinite(fmt.attend(*args, **kw)).all()  # the random bytes: what the helper is for
     bench.write_real_codes(fmt, cache, table, ctx)
     assert torch.isfinite(fmt.attend(*args, **kw)).all()
+
+
+def test_stall_sites_sums_samples_by_waiting_opcode(capsys):
+    """stall_sites.py reads ncu's SASS source page: samples summed by opcode (predicates dropped), and the
+    instructions listed by their share of all samples, each beside the instruction before it."""
+    sites = load_script("stall_sites")
+    page = "\n".join([
+        "==PROF== Disconnected from process 1",
+        '"# Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"',
+        '"0x10","LDS.64 R24, [R124+UR9+0xf400]","10","8"',
+        '"0x20","@!P0 HMMA.16816.F32 R64, R28, R64, RZ","60","50"',
+        '"0x30","HMMA.16816.F32 R80, R28, R80, RZ","1,000","900"',
+        '"0x40","BAR.SYNC.DEFER_BLOCKING 0x0","130","120"'])
+    sites.report("fmt", page, top=2)
+    out = capsys.readouterr().out
+    assert "stall samples 1200" in out
+    assert "HMMA 88.3%, BAR 10.8%, LDS 0.8%" in out
+    listed = [line for line in out.splitlines() if line.startswith("| 0x")]
+    assert len(listed) == 2
+    assert listed[0].startswith("| 0x30 |") and "83.3%" in listed[0] and "`@!P0 HMMA.16816.F32 R64" in listed[0]
+    assert listed[1].startswith("| 0x40 |") and "10.8%" in listed[1]
+    sites.report("empty", "ncu said nothing useful", top=2)
+    assert "no source rows" in capsys.readouterr().out
