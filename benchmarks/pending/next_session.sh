@@ -12,6 +12,8 @@
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs (H200: s43's H100 had no slowdown), KIVI's flush profile
 #   bash benchmarks/pending/next_session.sh decode4prof # why 4-bit values cost decode time beyond their instructions (~150 s?)
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
+#   bash benchmarks/pending/next_session.sh loadrows   # write-load-rows.patch timed against main, every per-row format (~250 s?)
+#   bash benchmarks/pending/next_session.sh loadrowstests # its write conformance on the GPU (~150 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100)
 #   bash benchmarks/pending/next_session.sh rcpfault   # recip_fast's fault in nvfp4's write, for a Triton upgrade (ran s42, H100: ~15 s)
 # Ran and removed (benchmarks/results_2026-12-04_h200_s28.md, _s29.md): rows128, hs256more, rules28, rules28b (s28);
@@ -44,7 +46,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, decode4prof, writes, writeprof, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, decode4prof, writes, writeprof, loadrows, loadrowstests, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -167,6 +169,29 @@ case "$step" in
     timeout 100 python3 benchmarks/time_writes.py nvfp4 nvfp4_separate mxfp4 q4_0 int8_asym_per_token_head \
       int8_per_token_head_hadamard_k --tokens 32768 256 --rounds 2 2>&1 | tee "$out/writeprof_times.txt" | grep "^|"
     ;;
+  loadrows)
+    # write-load-rows.patch (forty-sixth session, static): the writes read their input rows as [BLOCK_T, HEAD_PAD //
+    # SPLIT, SPLIT], 8 lanes a token at head 128, so the whole-row reductions and the Hadamard butterflies shuffle one
+    # stage less: static warp instructions per token-head int4 per token-head 520 -> 460, Hadamard 240 -> 212, int8 /
+    # fp8 per token-head 184 / 194 -> 160 / 170, mixed_k8_v4 188 -> 168; int8 separate 142 -> 148, int8 asym 322 ->
+    # 328, q4_0 194 -> 192 (mxfp8, q8_0, fp8 per tensor and bf16 rise more and are not timed). Shipped, then the
+    # variant, then shipped again (order effects), CUDA graphs.
+    LR_FORMATS="int4_per_token_head int8_per_token_head_hadamard_k int8_per_token_head fp8_per_token_head mixed_k8_v4 \
+      int8_per_token_head_separate int8_asym_per_token_head q4_0"
+    variant write-load-rows "def load_rows" $LR_FORMATS || exit 1
+    timeout 90 python3 benchmarks/time_writes.py $LR_FORMATS --tokens 32768 --rounds 2 2>&1 \
+      | tee "$out/loadrows_shipped.txt" | grep "^|\|^tree"
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 100 python3 benchmarks/time_writes.py $LR_FORMATS \
+      --tokens 32768 --rounds 2 2>&1 | tee "$out/loadrows_variant.txt" | grep "^|\|^tree")
+    timeout 100 python3 benchmarks/time_writes.py $LR_FORMATS --tokens 32768 --rounds 2 2>&1 \
+      | tee "$out/loadrows_shipped2.txt" | grep "^|\|^tree"
+    ;;
+  loadrowstests)
+    LR_FORMATS="int4_per_token_head int8_per_token_head_hadamard_k int8_per_token_head fp8_per_token_head mixed_k8_v4 \
+      int8_per_token_head_separate int8_asym_per_token_head q4_0"
+    variant write-load-rows "def load_rows" $LR_FORMATS || exit 1
+    variant_tests loadrows tests/test_conformance.py::test_conformance tests/test_padding.py
+    ;;
   writeab)
     # write-fast-div.patch against main (thirty-fifth session: 24% fewer
     # instructions for nvfp4, 1-2% faster on an H100, whose copy bandwidth of 3020 GB/s may have bound it instead),
@@ -201,7 +226,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, decode4prof, writes, writeprof, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, decode4prof, writes, writeprof, loadrows, loadrowstests, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
