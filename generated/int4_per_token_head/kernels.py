@@ -238,6 +238,25 @@ def fwht_inplace(x, ROWS: tl.constexpr, D: tl.constexpr, LOG_B: tl.constexpr):
 
 
 @triton.jit
+def load_rows(ptr, tok64, stride_t, tok_ok, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    # a write's [BLOCK_T, HEAD_PAD] input rows (0 past num_tokens and HEAD_SIZE), read as [BLOCK_T, HEAD_PAD // SPLIT,
+    # SPLIT] so that the compiler's coalesced layout spreads lanes over SPLIT (16-byte vectors) and then over the
+    # tokens, and keeps the rest of a row in each thread's registers. At 4 tokens of head 128 on one warp (the
+    # compiled write's tile), 8 lanes hold a token (the [BLOCK_T, HEAD_PAD] load gave 16 lanes two tokens each): 4
+    # index bits of each element in its thread instead of 3, so fwht_inplace shuffles at 3 of its 7 stages instead
+    # of 4, the row reductions take one shuffle stage less, and each thread computes one row's scale instead of two
+    # (the same elements, and the same operations on each, in other places: the same bytes). Static SASS (sm_90,
+    # bf16 input): int4_per_token_head 520 -> 460 warp instructions per token-head, int8_per_token_head_hadamard_k
+    # 240 -> 212; H100, 32768 tokens: 116.4 -> 105.2 us and 85.3 -> 82.9 (forty-sixth session). Only the rotated
+    # writes take it: the unrotated per token-head writes ran level with it (within 0.7%; int8 per token-head's 184
+    # -> 160 instructions gained nothing) and the block-scaled ones compile to more instructions.
+    SPLIT: tl.constexpr = min(HEAD_PAD, max(1, (128 // ptr.dtype.element_ty.primitive_bitwidth) * 32 // BLOCK_T))
+    dd = tl.arange(0, HEAD_PAD // SPLIT)[None, :, None] * SPLIT + tl.arange(0, SPLIT)[None, None, :]
+    x = tl.load(ptr + tok64[:, None, None] * stride_t + dd, mask=tok_ok[:, None, None] & (dd < HEAD_SIZE), other=0.0)
+    return tl.reshape(x, [BLOCK_T, HEAD_PAD])
+
+
+@triton.jit
 def store_padding(row, PAD_AT: tl.constexpr, PAD: tl.constexpr, PAD_SPAN: tl.constexpr, valid, BLOCK_T: tl.constexpr):
     # zeros over the PAD bytes of padding that follow a field, PAD_AT bytes after each valid row's start (row: [BLOCK_T]
     # byte pointers to the field); nothing where PAD is 0 (side.jinja's store_pads)
@@ -293,10 +312,11 @@ def reshape_and_cache_kernel(
     # the inputs are read for every token of the call, slot -1 too (its row is computed and not stored): a mask on
     # the slot would make these loads wait for the slot's load, two memory latencies in a row per program (H100,
     # thirty-eighth session: writes of 256 tokens 0-5% faster, of 32768 4-bit ones 2-4%, 8-bit ones within 2%)
-    in_mask = (tok < num_tokens)[:, None] & dmask[None, :]
     tok64 = tok.to(tl.int64)
-    x_key = widen(tl.load(key_ptr + tok64[:, None] * stride_kt + head * stride_kh + d[None, :], mask=in_mask, other=0.0), NATIVE_CASTS, False)
-    x_value = widen(tl.load(value_ptr + tok64[:, None] * stride_vt + head * stride_vh + d[None, :], mask=in_mask, other=0.0), NATIVE_CASTS, False)
+    # a rotated side's butterflies and whole-row scale want one token's row per group of lanes: both sides read
+    # through load_rows (benchmarks/results_2026-12-06_h100_s46.md)
+    x_key = widen(load_rows(key_ptr + head * stride_kh, tok64, stride_kt, tok < num_tokens, HEAD_SIZE, HEAD_PAD, BLOCK_T), NATIVE_CASTS, False)
+    x_value = widen(load_rows(value_ptr + head * stride_vh, tok64, stride_vt, tok < num_tokens, HEAD_SIZE, HEAD_PAD, BLOCK_T), NATIVE_CASTS, False)
 
     # ---- key ----
     # rotate: x' = FWHT_b(x * signs), b = 2**K_LOG_B (unnormalized, fixed butterfly order)
