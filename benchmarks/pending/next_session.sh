@@ -10,10 +10,7 @@
 #   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused near auto's counts: H200, hs 64 / 256, groups 1 / 8 (~550 s?)
 #   bash benchmarks/pending/next_session.sh crossover2 # head sizes 64 / 256 near the counts, nvfp4's (~400 s?)
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs (H200: s43's H100 had no slowdown), KIVI's flush profile
-#   bash benchmarks/pending/next_session.sh decode4prof # why 4-bit values cost decode time beyond their instructions (~150 s?)
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
-#   bash benchmarks/pending/next_session.sh loadrows   # write-load-rows.patch timed against main, every per-row format (~250 s?)
-#   bash benchmarks/pending/next_session.sh loadrowstests # its write conformance on the GPU (~150 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100)
 #   bash benchmarks/pending/next_session.sh rcpfault   # recip_fast's fault in nvfp4's write, for a Triton upgrade (ran s42, H100: ~15 s)
 # Ran and removed (benchmarks/results_2026-12-04_h200_s28.md, _s29.md): rows128, hs256more, rules28, rules28b (s28);
@@ -40,13 +37,15 @@
 # deeper; the step removed) and writes (no pooled-state slowdown on the H100; the step stays for the H200); s44 (H100,
 # benchmarks/results_2026-12-06_h100_s44.md) ran vshift (value-shift.patch 1.45-1.79x slower) and vcopies
 # (why: the 8-byte copies alone gain 5-6%, each way of adding the first codes costs more); both steps and the
-# patches removed; s45 (H100, benchmarks/results_2026-12-06_h100_s45.md) ran keypairs (a ceiling of 1.4-2.5%: not built) and hs64prof; both removed.
+# patches removed; s45 (H100, benchmarks/results_2026-12-06_h100_s45.md) ran keypairs (a ceiling of 1.4-2.5%: not built) and hs64prof; both removed; s46 (H100,
+# benchmarks/results_2026-12-06_h100_s46.md) ran tests (675 passed), decode4prof and loadrows / loadrowstests
+# (write-load-rows.patch merged for the rotated formats); the three steps removed.
 #
 # Steps in priority order; each prints how long it took.
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, decode4prof, writes, writeprof, loadrows, loadrowstests, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -150,14 +149,6 @@ case "$step" in
     timeout 560 python3 benchmarks/bench.py --cuda-graphs --out "$out/benchB" --formats bf16 mixed_k8_v4 mxfp8 \
       mxfp4 nvfp4 nvfp4_separate q4_0 kivi_2bit kivi_4bit 2>&1 | tee "$out/bench2.txt" | grep "^|"
     ;;
-  decode4prof)
-    # 4-bit values in decode (s45, static, 64 x 8192): mixed_k8_v4 issues 9.2 instructions per position and int4 per
-    # token-head 10.9 against int8 per token-head's 11.0 for fewer bytes (200 / 136 against 264), yet on the H200 both
-    # took 635-636 us against 484 (s41). Which stall or pipe do the packed values add (the byte decode's PRMTs, the
-    # P x V operand's rearrangement in shared memory, the 4- and 8-byte copies)?
-    timeout 300 python3 benchmarks/profile_decode.py --formats int8_per_token_head mixed_k8_v4 int4_per_token_head \
-      int8_per_token_head_separate --out "$out/decode4prof" 2>&1 | tee "$out/decode4prof.txt" | grep "^|"
-    ;;
   writeprof)
     # the writes under 70% of copy bandwidth (H200 s27), profiled as they are: issue-bound (s13's profile: issue
     # slots 64-78% busy, not_selected the largest stall) or limited elsewhere, and on which pipe?
@@ -168,29 +159,6 @@ case "$step" in
     # was merged after that run, on an H100's timings)
     timeout 100 python3 benchmarks/time_writes.py nvfp4 nvfp4_separate mxfp4 q4_0 int8_asym_per_token_head \
       int8_per_token_head_hadamard_k --tokens 32768 256 --rounds 2 2>&1 | tee "$out/writeprof_times.txt" | grep "^|"
-    ;;
-  loadrows)
-    # write-load-rows.patch (forty-sixth session, static): the writes read their input rows as [BLOCK_T, HEAD_PAD //
-    # SPLIT, SPLIT], 8 lanes a token at head 128, so the whole-row reductions and the Hadamard butterflies shuffle one
-    # stage less: static warp instructions per token-head int4 per token-head 520 -> 460, Hadamard 240 -> 212, int8 /
-    # fp8 per token-head 184 / 194 -> 160 / 170, mixed_k8_v4 188 -> 168; int8 separate 142 -> 148, int8 asym 322 ->
-    # 328, q4_0 194 -> 192 (mxfp8, q8_0, fp8 per tensor and bf16 rise more and are not timed). Shipped, then the
-    # variant, then shipped again (order effects), CUDA graphs.
-    LR_FORMATS="int4_per_token_head int8_per_token_head_hadamard_k int8_per_token_head fp8_per_token_head mixed_k8_v4 \
-      int8_per_token_head_separate int8_asym_per_token_head q4_0"
-    variant write-load-rows "def load_rows" $LR_FORMATS || exit 1
-    timeout 90 python3 benchmarks/time_writes.py $LR_FORMATS --tokens 32768 --rounds 2 2>&1 \
-      | tee "$out/loadrows_shipped.txt" | grep "^|\|^tree"
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 100 python3 benchmarks/time_writes.py $LR_FORMATS \
-      --tokens 32768 --rounds 2 2>&1 | tee "$out/loadrows_variant.txt" | grep "^|\|^tree")
-    timeout 100 python3 benchmarks/time_writes.py $LR_FORMATS --tokens 32768 --rounds 2 2>&1 \
-      | tee "$out/loadrows_shipped2.txt" | grep "^|\|^tree"
-    ;;
-  loadrowstests)
-    LR_FORMATS="int4_per_token_head int8_per_token_head_hadamard_k int8_per_token_head fp8_per_token_head mixed_k8_v4 \
-      int8_per_token_head_separate int8_asym_per_token_head q4_0"
-    variant write-load-rows "def load_rows" $LR_FORMATS || exit 1
-    variant_tests loadrows tests/test_conformance.py::test_conformance tests/test_padding.py
     ;;
   writeab)
     # write-fast-div.patch against main (thirty-fifth session: 24% fewer
@@ -226,7 +194,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, decode4prof, writes, writeprof, loadrows, loadrowstests, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
