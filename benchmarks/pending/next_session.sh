@@ -11,6 +11,7 @@
 #   bash benchmarks/pending/next_session.sh crossover2 # head sizes 64 / 256 near the counts, nvfp4's (~400 s?)
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs (H200: s43's H100 had no slowdown), KIVI's flush profile
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
+#   bash benchmarks/pending/next_session.sh loadgroups # write-load-groups.patch timed against main, then its GPU write tests (~250 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100)
 #   bash benchmarks/pending/next_session.sh rcpfault   # recip_fast's fault in nvfp4's write, for a Triton upgrade (ran s42, H100: ~15 s)
 # Ran and removed (benchmarks/results_2026-12-04_h200_s28.md, _s29.md): rows128, hs256more, rules28, rules28b (s28);
@@ -45,7 +46,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -160,6 +161,20 @@ case "$step" in
     timeout 100 python3 benchmarks/time_writes.py nvfp4 nvfp4_separate mxfp4 q4_0 int8_asym_per_token_head \
       int8_per_token_head_hadamard_k --tokens 32768 256 --rounds 2 2>&1 | tee "$out/writeprof_times.txt" | grep "^|"
     ;;
+  loadgroups)
+    # write-load-groups.patch (forty-sixth session, static): block-scaled sides with packed codes read each group of
+    # their write's input into one thread (static warp instructions per token-head nvfp4 276 -> 228, mxfp4 192 -> 150,
+    # q4_0 194 -> 168). Shipped, variant, shipped again, then the variant's write conformance on the GPU.
+    LG_FORMATS="nvfp4 mxfp4 q4_0 nvfp4_separate"
+    variant write-load-groups "def load_groups" $LG_FORMATS || exit 1
+    timeout 45 python3 benchmarks/time_writes.py nvfp4 mxfp4 q4_0 --tokens 32768 256 --rounds 2 2>&1 \
+      | tee "$out/loadgroups_shipped.txt" | grep "^|\|^tree"
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 45 python3 benchmarks/time_writes.py nvfp4 mxfp4 q4_0 \
+      --tokens 32768 256 --rounds 2 2>&1 | tee "$out/loadgroups_variant.txt" | grep "^|\|^tree")
+    timeout 45 python3 benchmarks/time_writes.py nvfp4 mxfp4 q4_0 --tokens 32768 256 --rounds 2 2>&1 \
+      | tee "$out/loadgroups_shipped2.txt" | grep "^|\|^tree"
+    variant_tests loadgroups tests/test_conformance.py::test_conformance tests/test_padding.py tests/test_fast_div.py
+    ;;
   writeab)
     # write-fast-div.patch against main (thirty-fifth session: 24% fewer
     # instructions for nvfp4, 1-2% faster on an H100, whose copy bandwidth of 3020 GB/s may have bound it instead),
@@ -194,7 +209,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
