@@ -9,9 +9,12 @@ for the whole kernel. This script says at which instructions: it profiles the sa
 child: bench.py's decode case, the third attention launch) with ncu's SourceCounters section, exports the source
 page as SASS, and prints for each format
 
-- the sampled stalls summed by opcode (the instruction a warp was waiting to issue: for a scoreboard stall, the
-  consumer of the late result, not its producer), and
-- the instructions holding the most samples, each with the instruction before it.
+- the samples by stall reason (ncu's per-instruction stall_* columns summed, issued and not),
+- the share at the copies' wait: the instruction after each `DEPBAR` (the barrier where a step waits for its
+  asynchronous copies; a kernel bound by memory bandwidth spends its waits there),
+- the samples summed by opcode (the instruction a warp was waiting to issue: for a scoreboard stall, the consumer
+  of the late result, not its producer), and
+- the instructions holding the most samples, each with its three largest reasons and the instruction before it.
 
 The raw source CSV of every format is kept in --out (NAME_sass.csv) for a closer look.
 """
@@ -83,24 +86,33 @@ def report(name: str, text: str, top: int) -> None:
         return
     samples_col = next((c for c in columns if "Stall Sampling (All" in c), None) \
         or next((c for c in columns if "Sampling" in c), None)
-    reason_cols = [c for c in columns if c != samples_col and re.search(r"stall", c, re.I)
-                   and "Sampling" not in c]
-    print(f"\n## {name}\n\ncolumns: {', '.join(columns)}\n")
     if samples_col is None:
+        print(f"\n## {name}: no stall sampling column in ncu's export ({', '.join(columns)})\n")
         return
+    # stall_<reason> counts every sample with that reason; "stall_<reason> (Not Issued)" the subset not issued
+    reason_cols = [c for c in columns if c.startswith("stall_") and "Not Issued" not in c]
     total = sum(number(r[samples_col]) for r in rows) or 1.0
+    print(f"\n## {name}\n\nstall samples {total:.0f}")
+    reasons = collections.Counter({c[len("stall_"):]: sum(number(r[c]) for r in rows) for c in reason_cols})
+    in_reasons = sum(reasons.values()) or 1.0
+    if reasons:
+        print("by reason: " + ", ".join(f"{k} {100 * v / in_reasons:.1f}%" for k, v in reasons.most_common(8)
+                                        if v > 0))
+    at_wait = sum(number(rows[i][samples_col]) for i in range(1, len(rows))
+                  if opcode(rows[i - 1]["Source"]).startswith("DEPBAR"))
+    print(f"at the copies' wait (the instruction after DEPBAR): {100 * at_wait / total:.1f}%")
     by_op = collections.Counter()
     for r in rows:
         by_op[opcode(r["Source"]).split(".")[0]] += number(r[samples_col])
-    print(f"stall samples {total:.0f}; by opcode (the waiting instruction): "
+    print("by opcode (the waiting instruction): "
           + ", ".join(f"{op} {100 * n / total:.1f}%" for op, n in by_op.most_common(12)) + "\n")
     print("| address | instruction | samples | reasons | previous instruction |")
     print("|---|---|---|---|---|")
     order = sorted(range(len(rows)), key=lambda i: -number(rows[i][samples_col]))
     for i in order[:top]:
         r = rows[i]
-        reasons = sorted(((number(r[c]), c) for c in reason_cols), reverse=True)
-        why = ", ".join(f"{c} {v:.0f}" for v, c in reasons[:3] if v > 0)
+        largest = sorted(((number(r[c]), c[len("stall_"):]) for c in reason_cols), reverse=True)
+        why = ", ".join(f"{c} {v:.0f}" for v, c in largest[:3] if v > 0)
         before = rows[i - 1]["Source"].strip() if i > 0 else ""
         address = r.get("# Address") or r.get("Address") or str(i)
         print(f"| {address} | `{r['Source'].strip()}` | {100 * number(r[samples_col]) / total:.1f}% | {why} "

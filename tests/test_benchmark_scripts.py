@@ -167,24 +167,30 @@ def test_real_codes_replace_random_bytes(name, monkeypatch):
     assert torch.isfinite(fmt.attend(*args, **kw)).all()
 
 
-def test_stall_sites_sums_samples_by_waiting_opcode(capsys):
-    """stall_sites.py reads ncu's SASS source page: samples summed by opcode (predicates dropped), and the
+def test_stall_sites_sums_samples_by_reason_and_waiting_opcode(capsys):
+    """stall_sites.py reads ncu's SASS source page: samples by reason (the "Not Issued" subsets left out), the share
+    of the instruction after each DEPBAR (the copies' wait), samples by opcode (predicates dropped), and the
     instructions listed by their share of all samples, each beside the instruction before it."""
     sites = load_script("stall_sites")
+    head = ('"# Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
+            '"stall_long_sb","stall_long_sb (Not Issued)","stall_short_sb","stall_short_sb (Not Issued)"')
     page = "\n".join([
-        "==PROF== Disconnected from process 1",
-        '"# Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"',
-        '"0x10","LDS.64 R24, [R124+UR9+0xf400]","10","8"',
-        '"0x20","@!P0 HMMA.16816.F32 R64, R28, R64, RZ","60","50"',
-        '"0x30","HMMA.16816.F32 R80, R28, R80, RZ","1,000","900"',
-        '"0x40","BAR.SYNC.DEFER_BLOCKING 0x0","130","120"'])
+        "==PROF== Disconnected from process 1", head,
+        '"0x08","DEPBAR.LE SB0, 0x0","0","0","0","0","0","0"',
+        '"0x10","BAR.SYNC.DEFER_BLOCKING 0x0","130","120","130","120","0","0"',
+        '"0x20","@!P0 HMMA.16816.F32 R64, R28, R64, RZ","60","50","0","0","60","50"',
+        '"0x30","HMMA.16816.F32 R80, R28, R80, RZ","1,000","900","200","180","800","720"',
+        '"0x40","LDS.64 R24, [R124+UR9+0xf400]","10","8","0","0","10","8"'])
     sites.report("fmt", page, top=2)
     out = capsys.readouterr().out
     assert "stall samples 1200" in out
+    assert "by reason: short_sb 72.5%, long_sb 27.5%" in out
+    assert "at the copies' wait (the instruction after DEPBAR): 10.8%" in out
     assert "HMMA 88.3%, BAR 10.8%, LDS 0.8%" in out
     listed = [line for line in out.splitlines() if line.startswith("| 0x")]
     assert len(listed) == 2
-    assert listed[0].startswith("| 0x30 |") and "83.3%" in listed[0] and "`@!P0 HMMA.16816.F32 R64" in listed[0]
-    assert listed[1].startswith("| 0x40 |") and "10.8%" in listed[1]
+    assert listed[0].startswith("| 0x30 |") and "83.3%" in listed[0] and "short_sb 800, long_sb 200" in listed[0]
+    assert "`@!P0 HMMA.16816.F32 R64" in listed[0]
+    assert listed[1].startswith("| 0x10 |") and "10.8%" in listed[1] and "`DEPBAR.LE SB0, 0x0`" in listed[1]
     sites.report("empty", "ncu said nothing useful", top=2)
     assert "no source rows" in capsys.readouterr().out
