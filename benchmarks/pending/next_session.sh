@@ -12,6 +12,7 @@
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs (H200: s43's H100 had no slowdown), KIVI's flush profile
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
 #   bash benchmarks/pending/next_session.sh loadgroups # write-load-groups.patch timed against main, then its GPU write tests (~250 s?)
+#   bash benchmarks/pending/next_session.sh loadgroups8 # the same patch at 8 tokens per program, both trees (~120 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100)
 #   bash benchmarks/pending/next_session.sh rcpfault   # recip_fast's fault in nvfp4's write, for a Triton upgrade (ran s42, H100: ~15 s)
 # Ran and removed (benchmarks/results_2026-12-04_h200_s28.md, _s29.md): rows128, hs256more, rules28, rules28b (s28);
@@ -46,7 +47,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups, loadgroups8, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -175,6 +176,16 @@ case "$step" in
       | tee "$out/loadgroups_shipped2.txt" | grep "^|\|^tree"
     variant_tests loadgroups tests/test_conformance.py::test_conformance tests/test_padding.py tests/test_fast_div.py
     ;;
+  loadgroups8)
+    # the subagent's static count at 8 tokens per program (a write-tile change, WRITE_TILES, not in the patch):
+    # nvfp4 228 -> 209 instructions per token-head with 21 programs per SM instead of 32 (25 at maxnreg 80); mxfp4
+    # already runs 8 tokens. Both trees, the rule's tiles against 8/1 and 8/1/80 (tune_writes.py: BLOCK_T/warps[/maxnreg])
+    variant write-load-groups "def load_groups" nvfp4 q4_0 || exit 1
+    timeout 50 python3 benchmarks/tune_writes.py nvfp4 q4_0 --configs 4/1 8/1 8/1/80 --tokens 32768 2>&1 \
+      | tee "$out/loadgroups8_shipped.txt" | grep "^|\|^tree"
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 50 python3 benchmarks/tune_writes.py nvfp4 q4_0 \
+      --configs 4/1 8/1 8/1/80 --tokens 32768 2>&1 | tee "$out/loadgroups8_variant.txt" | grep "^|\|^tree")
+    ;;
   writeab)
     # write-fast-div.patch against main (thirty-fifth session: 24% fewer
     # instructions for nvfp4, 1-2% faster on an H100, whose copy bandwidth of 3020 GB/s may have bound it instead),
@@ -209,7 +220,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups, loadgroups8, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
