@@ -26,7 +26,6 @@ import collections
 import csv
 import io
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -49,10 +48,10 @@ def run_ncu(ncu: str, name: str, shape: str, out: Path, tiles: str | None) -> st
         return None
     export = subprocess.run([ncu, "-i", str(report), "--page", "source", "--print-source", "sass", "--csv"],
                             capture_output=True, text=True)
-    report.unlink()  # tens of MB; the CSV holds what this script reads
-    if export.returncode != 0:
-        sys.stderr.write(f"{name}: ncu export failed\n{export.stderr[-2000:]}\n")
+    if export.returncode != 0 or not export.stdout.strip():
+        sys.stderr.write(f"{name}: ncu's export of {report} failed (kept)\n{export.stderr[-2000:]}\n")
         return None
+    report.unlink()  # tens of MB; the CSV holds what this script reads
     (out / f"{name}_sass.csv").write_text(export.stdout)
     return export.stdout
 
@@ -131,12 +130,17 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     ncu = find_ncu()
     print(f"ncu: {ncu}; decode {args.shape}; PC sampling of one launch per format", flush=True)
+    failed = []
     for name in args.formats:
         text = run_ncu(ncu, name, args.shape, out, args.tiles)
-        if text:
-            report(name, text, args.top)
-            sys.stdout.flush()
-    return 0
+        if text is None:
+            failed.append(name)
+            continue
+        report(name, text, args.top)
+        sys.stdout.flush()
+    if failed:
+        sys.stderr.write(f"stall_sites: no profile for {', '.join(failed)}\n")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
