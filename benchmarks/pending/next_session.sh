@@ -13,6 +13,7 @@
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
 #   bash benchmarks/pending/next_session.sh loadgroups # write-load-groups.patch timed against main, then its GPU write tests (~250 s?)
 #   bash benchmarks/pending/next_session.sh loadgroups8 # the same patch at 8 tokens per program, both trees (~180 s?)
+#   bash benchmarks/pending/next_session.sh kivilayout # write-kivi-layout.patch timed against main, then KIVI's GPU tests (~250 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100)
 #   bash benchmarks/pending/next_session.sh rcpfault   # recip_fast's fault in nvfp4's write, for a Triton upgrade (ran s42, H100: ~15 s)
 # Ran and removed (benchmarks/results_2026-12-04_h200_s28.md, _s29.md): rows128, hs256more, rules28, rules28b (s28);
@@ -47,7 +48,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups, loadgroups8, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups, loadgroups8, kivilayout, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -188,6 +189,22 @@ case "$step" in
     (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 90 python3 benchmarks/tune_writes.py nvfp4 q4_0 \
       --configs 4/1 8/1 8/1/80 --tokens 32768 2>&1 | tee "$out/loadgroups8_variant.txt" | grep "^|")
     ;;
+  kivilayout)
+    # write-kivi-layout.patch (forty-sixth session, a subagent's static study): KIVI's flush loads its key tile as
+    # [G // 16, HEAD_PAD // 4, 16, 4] (a channel's tokens in 2 lanes of one warp, not 2 lanes of 2 warps through
+    # shared memory) and its value tile as load_groups' view (a group of channels in one thread), and the ring stores
+    # take typed pointers: static warp instructions per token-head on a prefill's all-new path kivi_2bit 201.5 ->
+    # 173.5, kivi_4bit 200.5 -> 168; the residual store 142 -> 114. Shipped, variant, shipped again, then KIVI's
+    # GPU tests on the variant.
+    variant write-kivi-layout "def kivi_key_view" kivi_2bit kivi_4bit || exit 1
+    timeout 60 python3 benchmarks/time_writes.py kivi_2bit kivi_4bit --tokens 32768 256 --rounds 2 2>&1 \
+      | tee "$out/kivilayout_shipped.txt" | grep "^|\|^tree"
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 60 python3 benchmarks/time_writes.py kivi_2bit kivi_4bit \
+      --tokens 32768 256 --rounds 2 2>&1 | tee "$out/kivilayout_variant.txt" | grep "^|\|^tree")
+    timeout 60 python3 benchmarks/time_writes.py kivi_2bit kivi_4bit --tokens 32768 256 --rounds 2 2>&1 \
+      | tee "$out/kivilayout_shipped2.txt" | grep "^|\|^tree"
+    variant_tests kivilayout tests/test_kivi.py tests/test_kivi_reference.py "tests/test_conformance.py::test_kivi_decode_256"
+    ;;
   writeab)
     # write-fast-div.patch against main (thirty-fifth session: 24% fewer
     # instructions for nvfp4, 1-2% faster on an H100, whose copy bandwidth of 3020 GB/s may have bound it instead),
@@ -222,7 +239,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups, loadgroups8, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups, loadgroups8, kivilayout, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
