@@ -13,6 +13,7 @@
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
 #   bash benchmarks/pending/next_session.sh loadgroups # write-load-groups.patch timed against main, then its GPU write tests (~250 s?)
 #   bash benchmarks/pending/next_session.sh loadgroups8 # the same patch at 8 tokens per program, both trees (~180 s?)
+#   bash benchmarks/pending/next_session.sh kividec    # kivi-decode.patch: KIVI decode on its query rows only, both trees timed, then its GPU tests (~300 s?)
 #   bash benchmarks/pending/next_session.sh kivilayout # write-kivi-layout.patch timed against main, then KIVI's GPU tests (~250 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100)
 #   bash benchmarks/pending/next_session.sh rcpfault   # recip_fast's fault in nvfp4's write, for a Triton upgrade (ran s42, H100: ~15 s)
@@ -48,7 +49,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups, loadgroups8, kivilayout, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups, loadgroups8, kivilayout, kividec, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -189,6 +190,24 @@ case "$step" in
     (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 90 python3 benchmarks/tune_writes.py nvfp4 q4_0 \
       --configs 4/1 8/1 8/1/80 --tokens 32768 2>&1 | tee "$out/loadgroups8_variant.txt" | grep "^|")
     ;;
+  kividec)
+    # kivi-decode.patch (forty-seventh session, a subagent's static study): KIVI decode's paged steps carry only the
+    # query rows a decode fills (FOLD_ROWS, runtime/kernels.py: 4 of 16 at GROUP 4), both key-fold terms in one dot,
+    # the 4 value blocks stacked into one dot, scales and minima in one copy: static instructions per position
+    # kivi_2bit 27.1 -> 15.7 (247 -> 168 registers, 3 programs per SM), kivi_4bit 27.0 -> 15.1. The patch changes
+    # the runtime too, so each tree times itself (tune_tiles.py, the runtime's tiles): shipped, variant, shipped.
+    variant kivi-decode "def stacked_pv" kivi_2bit kivi_4bit || exit 1
+    KD_SHAPES="64x8192 4x65536 256x1024 64x8192hs64 16x8192hs256"
+    timeout 100 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit --configs rt --shapes $KD_SHAPES --cuda-graphs \
+      2>&1 | tee "$out/kividec_shipped.txt" | grep "^|"
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 100 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit \
+      --configs rt --shapes $KD_SHAPES --cuda-graphs 2>&1 | tee "$out/kividec_variant.txt" | grep "^|")
+    timeout 100 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit --configs rt --shapes 64x8192 --cuda-graphs \
+      2>&1 | tee "$out/kividec_shipped2.txt" | grep "^|"
+    variant_tests kividec tests/test_kivi.py tests/test_kivi_reference.py tests/test_kivi_outliers.py \
+      tests/test_tiles.py tests/test_sm90_compile.py tests/test_attention_plan.py tests/test_fast_dots.py \
+      "tests/test_conformance.py::test_kivi_decode_256" "tests/test_conformance.py::test_long_decode_many_tiles"
+    ;;
   kivilayout)
     # write-kivi-layout.patch (forty-sixth session, a subagent's static study): KIVI's flush loads its key tile as
     # [G // 16, HEAD_PAD // 4, 16, 4] (a channel's tokens in 2 lanes of one warp, not 2 lanes of 2 warps through
@@ -239,7 +258,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups, loadgroups8, kivilayout, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups, loadgroups8, kivilayout, kividec, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
