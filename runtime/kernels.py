@@ -374,6 +374,22 @@ def attention_tiles(code_bits: dict, dots: dict, block_scaled: bool, block_m: in
     return tiles
 
 
+def fold_rows(dots: dict, block_m: int, group: int, query_tokens: int, key_groups: int, value_blocks: int) -> int:
+    """The kernel's FOLD_ROWS: the query rows that the paged steps of a key-folding decode (KEY_FOLD with the values'
+    BLOCK_DOTS) carry, the first of the tile's ``block_m``: every row ``query_tokens`` query tokens of ``group``
+    heads can fill (decode: ``group``), as a power of two, and at least what fills a tensor-core dot's 16 rows with
+    the key fold's two terms of ``key_groups`` token groups (group_scores) and with the values' ``value_blocks``
+    blocks stacked (stacked_pv). The tile's other rows hold no query (row_mask). ``block_m`` (every row) otherwise.
+    Static counts (benchmarks/sass_count.py, sm_90, decode at 64 x 8192, GROUP 4: 4 rows of 16): kivi_2bit 27.1 ->
+    15.7 instructions per position (247 -> 168 registers, 2 -> 3 programs per SM), kivi_4bit 27.0 -> 15.1 (250 ->
+    179 registers, 2 programs per SM). H100 (forty-seventh session, tune_tiles.py with CUDA graphs): kivi_2bit
+    1380-1411 -> 1110 us at 64 x 8192, 695 -> 521 at 4 x 65536, 938 -> 853 at 256 x 1024, 902 -> 722 at head size
+    256; kivi_4bit 1388-1408 -> 1227, 709 -> 614, 903 -> 809, 885 -> 718; head size 64 level."""
+    if not (dots.get("KEY_FOLD") and dots.get("BLOCK_DOTS")):
+        return block_m
+    return min(block_m, max(_next_pow2(group * query_tokens), 16 // (2 * key_groups), 16 // value_blocks))
+
+
 def attention_key(code_bits: dict, dots: dict, block_scaled: bool, block_m: int, head_pad: int, wide: bool,
                   pow2_blocks: bool, scale_words: bool, position_scales: bool) -> tuple:
     """The fields ATTENTION_TILES' rules match, for attention_tiles' arguments."""
@@ -698,6 +714,10 @@ class KernelSet:
         convert_first = int(convert_values_first(self.module.CODE_BITS, dots, block_m, head_pad,
                                                  wide_rows(consts, "V"), tiles.pop("convert_first", None)))
         num_q_tiles = triton_cdiv(max_query_len, block_q)
+        if getattr(self.module, "KEY_FOLD", False):
+            dots = dict(dots, FOLD_ROWS=fold_rows(dots, block_m, group, min(block_q, max_query_len),
+                                                  block_n // self.module.BLOCK_N_GROUP,
+                                                  head_pad // self.scale_rows.get("V", (head_pad, 0))[0]))
         num_seqs = seq_lens.shape[0]
         # an upper bound of the KV length without reading seq_lens back: what the block table can address
         max_kv = block_table.shape[1] * consts["BLOCK_SIZE"] if max_seq_len is None else max_seq_len

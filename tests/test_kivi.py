@@ -324,8 +324,10 @@ def test_group_scores_products_are_exact():
     import torch
 
     rng = np.random.default_rng(3)
-    M, N, H, G = 16, 64, 128, 32
-    for qdtype in (np.float16, "bf16"):
+    N, H, G = 64, 128, 32
+    # 16 rows: the second term's dot accumulates into the first's; 4 (the paged steps' FOLD_ROWS in decode): both
+    # terms' rows in one dot
+    for M, qdtype in ((16, np.float16), (16, "bf16"), (4, np.float16), (4, "bf16")):
         q = rng.uniform(-1.99, 1.99, (M, H)).astype(np.float32)
         # query values of the dot type: bf16 (8 significant bits) or fp16 (11)
         q = (torch.from_numpy(q).to(torch.bfloat16).float().numpy() if qdtype == "bf16"

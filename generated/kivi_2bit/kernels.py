@@ -550,17 +550,64 @@ def group_scores(q, codes, ratio, gmin, tok, G: tl.constexpr, DOT: tl.constexpr)
     # < 2) and minima. q * ratio_g (< 4, at most 22 significant bits) enters the dot times 2**13 in two fp16 terms:
     # exact where |q * ratio_g| >= 2**-16, else off by less than 2**-38 of tok per code unit (the unfolded operand:
     # 2**-25 of |q| * tok for scales 2**14 below the step's largest). All groups' query rows go into one dot
-    # ([N // G * M, H] rows); each position keeps the rows of its own group.
+    # ([N // G * M, H] rows, both terms' rows where they are few); each position keeps the rows of its own group.
     M: tl.constexpr = q.shape[0]
     H: tl.constexpr = q.shape[1]
     N: tl.constexpr = codes.shape[0]
     NG: tl.constexpr = N // G
     tl.static_assert(DOT == 1)  # two fp16 terms hold 22 bits; two of bf16 would not
-    qs = tl.reshape(q[None, :, :] * (ratio * 8192.0)[:, None, :], [NG * M, H])
-    r = tl.reshape(mma(qs, tl.trans(codes), DOT, 2, 1), [NG, M, N])
+    qs = q[None, :, :] * (ratio * 8192.0)[:, None, :]  # [NG, M, H]
+    if 2 * NG * M <= 32:
+        # few rows (the paged steps' FOLD_ROWS): both terms in one dot, one operand and one pass over the codes;
+        # each term's products sum in fp32 on their own, then the two sums add
+        qs_hi = qs.to(tl.float16)
+        qs_lo = (qs - qs_hi.to(tl.float32)).to(tl.float16)
+        terms = tl.reshape(tl.permute(tl.join(qs_hi, qs_lo), [3, 0, 1, 2]), [2 * NG * M, H])  # (term, group, row)
+        r = tl.sum(tl.reshape(mma(terms, tl.trans(codes), DOT, 1, 1), [2, NG, M, N]), axis=0)
+    else:  # the second term's dot accumulates into the first's
+        r = tl.reshape(mma(tl.reshape(qs, [NG * M, H]), tl.trans(codes), DOT, 2, 1), [NG, M, N])
     mins = tl.sum(q[None, :, :] * gmin[:, None, :], axis=2)  # [NG, M]: q . min_g, exact products, fp32 sums
     own = tl.arange(0, NG)[:, None, None] == (tl.arange(0, N) // G)[None, None, :]
     return tl.sum(tl.where(own, r * (tok * 0.0001220703125) + mins[:, :, None], 0.0), axis=0)
+
+
+@triton.jit
+def first_rows(x, R: tl.constexpr):
+    # the first R rows of x [M, C] (R dividing M), exactly (the other rows' places add zeros)
+    M: tl.constexpr = x.shape[0]
+    if R == M:
+        return x
+    return tl.sum(tl.where((tl.arange(0, M // R) == 0)[:, None, None], tl.reshape(x, [M // R, R, x.shape[1]]), 0),
+                  axis=0)
+
+
+@triton.jit
+def first_of(x, R: tl.constexpr):
+    # the first R elements of x [M] (R dividing M), exactly
+    M: tl.constexpr = x.shape[0]
+    if R == M:
+        return x
+    return tl.sum(tl.where((tl.arange(0, M // R) == 0)[:, None], tl.reshape(x, [M // R, R]), 0), axis=0)
+
+
+@triton.jit
+def stacked_pv(p, v, s, gmin, NB: tl.constexpr, DOT: tl.constexpr, P_TERMS: tl.constexpr):
+    # [R, H], block b of the head = (p * s[:, b]) @ v_b + p @ gmin[:, b] for few rows R (the paged steps' FOLD_ROWS):
+    # p [R, N], v [N, H] codes (one dot term), s, gmin [N, NB] the blocks' scales and minima. Every block's weights
+    # p * s[:, b] go into one dot ([NB * R, N] rows, as block_pv's: relative to each row's largest of them in the
+    # block, at most 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term), and each
+    # output column keeps the rows of its own block. The minima: p . gmin[:, b] per row in fp32 (products rounded to
+    # fp32, not p rounded to the dot's type as in a dot of its own).
+    R: tl.constexpr = p.shape[0]
+    N: tl.constexpr = p.shape[1]
+    H: tl.constexpr = v.shape[1]
+    pw = p[None, :, :] * tl.trans(s)[:, None, :]  # [NB, R, N]
+    top = tl.max(pw, axis=2)
+    top = tl.where(top >= 1.1754944e-38, top, 1.0)  # a subnormal top would make 1 / top infinite
+    o = tl.reshape(mma(tl.reshape(pw * (1.0 / top)[:, :, None], [NB * R, N]), v, DOT, P_TERMS, 1), [NB, R, H])
+    mins = tl.sum(p[None, :, :] * tl.trans(gmin)[:, None, :], axis=2)  # [NB, R]
+    own = tl.arange(0, NB)[:, None, None] == (tl.arange(0, H) // (H // NB))[None, None, :]
+    return tl.sum(tl.where(own, o * top[:, :, None] + mins[:, :, None], 0.0), axis=0)
 
 
 @triton.jit
@@ -639,7 +686,7 @@ def paged_attention_kernel(
     OFFSETS_64: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr, V_CONVERT_FIRST: tl.constexpr,
     MASK_FREE_STEPS: tl.constexpr,
     BLOCK_DOTS: tl.constexpr,
-    KEY_FOLD: tl.constexpr,
+    KEY_FOLD: tl.constexpr, FOLD_ROWS: tl.constexpr,
     TOKEN_GROUP: tl.constexpr, RESIDUAL: tl.constexpr, RING: tl.constexpr,
     DOT_R: tl.constexpr, QR_TERMS: tl.constexpr, PR_TERMS: tl.constexpr,
 ):
@@ -669,6 +716,8 @@ def paged_attention_kernel(
         q_norm = pow2_floor(tl.max(tl.abs(q), axis=1))
         q = q * pow2_inv(q_norm)[:, None]
         row_scale = q_norm * qk_scale
+        if KEY_FOLD:  # the key fold's query rows (FOLD_ROWS, below)
+            q_fold = first_rows(q, FOLD_ROWS)
 
         # KV positions this program reads: [lo, hi), the tile's causal and window range within the split's chunk
         last_q = tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1
@@ -686,6 +735,18 @@ def paged_attention_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+        if KEY_FOLD:
+            # the paged steps carry only the tile's first FOLD_ROWS rows (the runtime's choice: every row a query of
+            # this launch can fill, GROUP per token in decode, enough for the dots' 16 rows): the key fold's rows and
+            # the values' stacked blocks (stacked_pv); the rows after them hold no query (row_mask) and take copies
+            # of those rows' state after the paged steps
+            q_pos_all = q_pos
+            row_scale_all = row_scale
+            q_pos = first_of(q_pos, FOLD_ROWS)
+            row_scale = first_of(row_scale, FOLD_ROWS)
+            m_i = tl.full([FOLD_ROWS], float("-inf"), tl.float32)
+            l_i = tl.zeros([FOLD_ROWS], tl.float32)
+            acc = tl.zeros([FOLD_ROWS, HEAD_PAD], tl.float32)
         # positions < Q(seq_len) are quantized in the pages, the rest in the residual ring of this sequence
         quantized = (tl.maximum(seq_len - RESIDUAL, 0) // TOKEN_GROUP) * TOKEN_GROUP
         sid = tl.load(seq_ids_ptr + seq).to(tl.int64)
@@ -759,7 +820,8 @@ def paged_attention_kernel(
                     k_tok = 1.0
                     k_op = tl.reshape(tl.reshape(k_tile, [BLOCK_N // 32, 32, HEAD_PAD]) * (k_gs)[:, None, :] + k_gm[:, None, :], [BLOCK_N, HEAD_PAD])
                 if KEY_FOLD:  # decode: each group's scales fold into the query, the codes enter the dot alone
-                    scores = group_scores(q, k_op, k_gs * pow2_inv(k_tok), k_gm, k_tok, 32, DOT_K)
+                    # (for the FOLD_ROWS rows of q_fold, those the paged steps carry)
+                    scores = group_scores(q_fold, k_op, k_gs * pow2_inv(k_tok), k_gm, k_tok, 32, DOT_K)
                 else:
                     # per channel: q . (code * scale + min) = (q . code * scale / 2**e) * 2**e + q . min; the minima (fp16
                     # values: one dot term) per position of their group, a second dot
@@ -825,16 +887,31 @@ def paged_attention_kernel(
                         v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio.to(v_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
                     else:  # two terms (hi + lo: exact products) or exact fp32 dots
                         v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+                if KEY_FOLD & (FOLD_ROWS < BLOCK_M) & (V_ZP_PAGE == V_SCALE_PAGE) & (V_ZP_CELL == V_SCALE_CELL) & (V_ZP_BASE == V_SCALE_BASE + HEAD_PAD // 32 * 2):
+                    # the stacked value blocks (stacked_pv), each row's minima right after its scales: one load of both
+                    # (it reaches the dot through the scales, so the compiler's software pipeline copies it ahead; the
+                    # minima's own load would not), in place of the two above
+                    v_gi2 = tl.arange(0, 2 * (HEAD_PAD // 32))
+                    v_pair = tl.load(v_srow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi2[None, :],
+                                     mask=(v_gi2 % (HEAD_PAD // 32) < HEAD_SIZE // 32)[None, :], other=0)
+                    v_scode, v_gzcode = tl.split(tl.permute(tl.reshape(v_pair, [BLOCK_N, 2, HEAD_PAD // 32]), [0, 2, 1]))
+                    v_bs = v_scale_decode(v_scode)
+                    v_gmin = v_zp_decode(v_gzcode)
                 if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
                     v_op = keep_layout(v_op)
                 if BLOCK_DOTS:
-                    # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
-                    # relative to each query row's largest of them in the block (block_pv)
-                    pv = block_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS)
-                    # the groups' minima: sum over positions of p * min, p relative to its row's largest
-                    p_top = tl.max(p, axis=1)
-                    p_top = tl.where(p_top >= 1.1754944e-38, p_top, 1.0)
-                    pv = pv + mma(p * (1.0 / p_top)[:, None], v_min, DOT_V, P_TERMS, 1) * p_top[:, None]
+                    if KEY_FOLD & (FOLD_ROWS < BLOCK_M):
+                        # the paged steps' FOLD_ROWS rows: every block's weighted rows in one dot, the minima in fp32
+                        # (stacked_pv)
+                        pv = stacked_pv(p, v_op, v_bs, v_gmin, HEAD_PAD // 32, DOT_V, P_TERMS)
+                    else:
+                        # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
+                        # relative to each query row's largest of them in the block (block_pv)
+                        pv = block_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS)
+                        # the groups' minima: sum over positions of p * min, p relative to its row's largest
+                        p_top = tl.max(p, axis=1)
+                        p_top = tl.where(p_top >= 1.1754944e-38, p_top, 1.0)
+                        pv = pv + mma(p * (1.0 / p_top)[:, None], v_min, DOT_V, P_TERMS, 1) * p_top[:, None]
                 else:
                     # the per-position value factors enter the probabilities, relative to each query row's largest weight
                     # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
@@ -904,7 +981,8 @@ def paged_attention_kernel(
                     k_tok = 1.0
                     k_op = tl.reshape(tl.reshape(k_tile, [BLOCK_N // 32, 32, HEAD_PAD]) * (k_gs)[:, None, :] + k_gm[:, None, :], [BLOCK_N, HEAD_PAD])
                 if KEY_FOLD:  # decode: each group's scales fold into the query, the codes enter the dot alone
-                    scores = group_scores(q, k_op, k_gs * pow2_inv(k_tok), k_gm, k_tok, 32, DOT_K)
+                    # (for the FOLD_ROWS rows of q_fold, those the paged steps carry)
+                    scores = group_scores(q_fold, k_op, k_gs * pow2_inv(k_tok), k_gm, k_tok, 32, DOT_K)
                 else:
                     # per channel: q . (code * scale + min) = (q . code * scale / 2**e) * 2**e + q . min; the minima (fp16
                     # values: one dot term) per position of their group, a second dot
@@ -967,16 +1045,31 @@ def paged_attention_kernel(
                         v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio.to(v_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
                     else:  # two terms (hi + lo: exact products) or exact fp32 dots
                         v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+                if KEY_FOLD & (FOLD_ROWS < BLOCK_M) & (V_ZP_PAGE == V_SCALE_PAGE) & (V_ZP_CELL == V_SCALE_CELL) & (V_ZP_BASE == V_SCALE_BASE + HEAD_PAD // 32 * 2):
+                    # the stacked value blocks (stacked_pv), each row's minima right after its scales: one load of both
+                    # (it reaches the dot through the scales, so the compiler's software pipeline copies it ahead; the
+                    # minima's own load would not), in place of the two above
+                    v_gi2 = tl.arange(0, 2 * (HEAD_PAD // 32))
+                    v_pair = tl.load(v_srow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi2[None, :],
+                                     mask=(v_gi2 % (HEAD_PAD // 32) < HEAD_SIZE // 32)[None, :], other=0)
+                    v_scode, v_gzcode = tl.split(tl.permute(tl.reshape(v_pair, [BLOCK_N, 2, HEAD_PAD // 32]), [0, 2, 1]))
+                    v_bs = v_scale_decode(v_scode)
+                    v_gmin = v_zp_decode(v_gzcode)
                 if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
                     v_op = keep_layout(v_op)
                 if BLOCK_DOTS:
-                    # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
-                    # relative to each query row's largest of them in the block (block_pv)
-                    pv = block_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS)
-                    # the groups' minima: sum over positions of p * min, p relative to its row's largest
-                    p_top = tl.max(p, axis=1)
-                    p_top = tl.where(p_top >= 1.1754944e-38, p_top, 1.0)
-                    pv = pv + mma(p * (1.0 / p_top)[:, None], v_min, DOT_V, P_TERMS, 1) * p_top[:, None]
+                    if KEY_FOLD & (FOLD_ROWS < BLOCK_M):
+                        # the paged steps' FOLD_ROWS rows: every block's weighted rows in one dot, the minima in fp32
+                        # (stacked_pv)
+                        pv = stacked_pv(p, v_op, v_bs, v_gmin, HEAD_PAD // 32, DOT_V, P_TERMS)
+                    else:
+                        # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
+                        # relative to each query row's largest of them in the block (block_pv)
+                        pv = block_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS)
+                        # the groups' minima: sum over positions of p * min, p relative to its row's largest
+                        p_top = tl.max(p, axis=1)
+                        p_top = tl.where(p_top >= 1.1754944e-38, p_top, 1.0)
+                        pv = pv + mma(p * (1.0 / p_top)[:, None], v_min, DOT_V, P_TERMS, 1) * p_top[:, None]
                 else:
                     # the per-position value factors enter the probabilities, relative to each query row's largest weight
                     # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
@@ -1046,7 +1139,8 @@ def paged_attention_kernel(
                     k_tok = 1.0
                     k_op = tl.reshape(tl.reshape(k_tile, [BLOCK_N // 32, 32, HEAD_PAD]) * (k_gs)[:, None, :] + k_gm[:, None, :], [BLOCK_N, HEAD_PAD])
                 if KEY_FOLD:  # decode: each group's scales fold into the query, the codes enter the dot alone
-                    scores = group_scores(q, k_op, k_gs * pow2_inv(k_tok), k_gm, k_tok, 32, DOT_K)
+                    # (for the FOLD_ROWS rows of q_fold, those the paged steps carry)
+                    scores = group_scores(q_fold, k_op, k_gs * pow2_inv(k_tok), k_gm, k_tok, 32, DOT_K)
                 else:
                     # per channel: q . (code * scale + min) = (q . code * scale / 2**e) * 2**e + q . min; the minima (fp16
                     # values: one dot term) per position of their group, a second dot
@@ -1112,16 +1206,31 @@ def paged_attention_kernel(
                         v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio.to(v_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
                     else:  # two terms (hi + lo: exact products) or exact fp32 dots
                         v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+                if KEY_FOLD & (FOLD_ROWS < BLOCK_M) & (V_ZP_PAGE == V_SCALE_PAGE) & (V_ZP_CELL == V_SCALE_CELL) & (V_ZP_BASE == V_SCALE_BASE + HEAD_PAD // 32 * 2):
+                    # the stacked value blocks (stacked_pv), each row's minima right after its scales: one load of both
+                    # (it reaches the dot through the scales, so the compiler's software pipeline copies it ahead; the
+                    # minima's own load would not), in place of the two above
+                    v_gi2 = tl.arange(0, 2 * (HEAD_PAD // 32))
+                    v_pair = tl.load(v_srow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi2[None, :],
+                                     mask=(v_gi2 % (HEAD_PAD // 32) < HEAD_SIZE // 32)[None, :], other=0)
+                    v_scode, v_gzcode = tl.split(tl.permute(tl.reshape(v_pair, [BLOCK_N, 2, HEAD_PAD // 32]), [0, 2, 1]))
+                    v_bs = v_scale_decode(v_scode)
+                    v_gmin = v_zp_decode(v_gzcode)
                 if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
                     v_op = keep_layout(v_op)
                 if BLOCK_DOTS:
-                    # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
-                    # relative to each query row's largest of them in the block (block_pv)
-                    pv = block_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS)
-                    # the groups' minima: sum over positions of p * min, p relative to its row's largest
-                    p_top = tl.max(p, axis=1)
-                    p_top = tl.where(p_top >= 1.1754944e-38, p_top, 1.0)
-                    pv = pv + mma(p * (1.0 / p_top)[:, None], v_min, DOT_V, P_TERMS, 1) * p_top[:, None]
+                    if KEY_FOLD & (FOLD_ROWS < BLOCK_M):
+                        # the paged steps' FOLD_ROWS rows: every block's weighted rows in one dot, the minima in fp32
+                        # (stacked_pv)
+                        pv = stacked_pv(p, v_op, v_bs, v_gmin, HEAD_PAD // 32, DOT_V, P_TERMS)
+                    else:
+                        # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
+                        # relative to each query row's largest of them in the block (block_pv)
+                        pv = block_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS)
+                        # the groups' minima: sum over positions of p * min, p relative to its row's largest
+                        p_top = tl.max(p, axis=1)
+                        p_top = tl.where(p_top >= 1.1754944e-38, p_top, 1.0)
+                        pv = pv + mma(p * (1.0 / p_top)[:, None], v_min, DOT_V, P_TERMS, 1) * p_top[:, None]
                 else:
                     # the per-position value factors enter the probabilities, relative to each query row's largest weight
                     # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
@@ -1192,7 +1301,8 @@ def paged_attention_kernel(
                     k_tok = 1.0
                     k_op = tl.reshape(tl.reshape(k_tile, [BLOCK_N // 32, 32, HEAD_PAD]) * (k_gs)[:, None, :] + k_gm[:, None, :], [BLOCK_N, HEAD_PAD])
                 if KEY_FOLD:  # decode: each group's scales fold into the query, the codes enter the dot alone
-                    scores = group_scores(q, k_op, k_gs * pow2_inv(k_tok), k_gm, k_tok, 32, DOT_K)
+                    # (for the FOLD_ROWS rows of q_fold, those the paged steps carry)
+                    scores = group_scores(q_fold, k_op, k_gs * pow2_inv(k_tok), k_gm, k_tok, 32, DOT_K)
                 else:
                     # per channel: q . (code * scale + min) = (q . code * scale / 2**e) * 2**e + q . min; the minima (fp16
                     # values: one dot term) per position of their group, a second dot
@@ -1258,16 +1368,31 @@ def paged_attention_kernel(
                         v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio.to(v_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
                     else:  # two terms (hi + lo: exact products) or exact fp32 dots
                         v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+                if KEY_FOLD & (FOLD_ROWS < BLOCK_M) & (V_ZP_PAGE == V_SCALE_PAGE) & (V_ZP_CELL == V_SCALE_CELL) & (V_ZP_BASE == V_SCALE_BASE + HEAD_PAD // 32 * 2):
+                    # the stacked value blocks (stacked_pv), each row's minima right after its scales: one load of both
+                    # (it reaches the dot through the scales, so the compiler's software pipeline copies it ahead; the
+                    # minima's own load would not), in place of the two above
+                    v_gi2 = tl.arange(0, 2 * (HEAD_PAD // 32))
+                    v_pair = tl.load(v_srow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi2[None, :],
+                                     mask=(v_gi2 % (HEAD_PAD // 32) < HEAD_SIZE // 32)[None, :], other=0)
+                    v_scode, v_gzcode = tl.split(tl.permute(tl.reshape(v_pair, [BLOCK_N, 2, HEAD_PAD // 32]), [0, 2, 1]))
+                    v_bs = v_scale_decode(v_scode)
+                    v_gmin = v_zp_decode(v_gzcode)
                 if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
                     v_op = keep_layout(v_op)
                 if BLOCK_DOTS:
-                    # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
-                    # relative to each query row's largest of them in the block (block_pv)
-                    pv = block_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS)
-                    # the groups' minima: sum over positions of p * min, p relative to its row's largest
-                    p_top = tl.max(p, axis=1)
-                    p_top = tl.where(p_top >= 1.1754944e-38, p_top, 1.0)
-                    pv = pv + mma(p * (1.0 / p_top)[:, None], v_min, DOT_V, P_TERMS, 1) * p_top[:, None]
+                    if KEY_FOLD & (FOLD_ROWS < BLOCK_M):
+                        # the paged steps' FOLD_ROWS rows: every block's weighted rows in one dot, the minima in fp32
+                        # (stacked_pv)
+                        pv = stacked_pv(p, v_op, v_bs, v_gmin, HEAD_PAD // 32, DOT_V, P_TERMS)
+                    else:
+                        # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
+                        # relative to each query row's largest of them in the block (block_pv)
+                        pv = block_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS)
+                        # the groups' minima: sum over positions of p * min, p relative to its row's largest
+                        p_top = tl.max(p, axis=1)
+                        p_top = tl.where(p_top >= 1.1754944e-38, p_top, 1.0)
+                        pv = pv + mma(p * (1.0 / p_top)[:, None], v_min, DOT_V, P_TERMS, 1) * p_top[:, None]
                 else:
                     # the per-position value factors enter the probabilities, relative to each query row's largest weight
                     # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
@@ -1334,7 +1459,8 @@ def paged_attention_kernel(
                 k_tok = 1.0
                 k_op = tl.reshape(tl.reshape(k_tile, [BLOCK_N // 32, 32, HEAD_PAD]) * (k_gs)[:, None, :] + k_gm[:, None, :], [BLOCK_N, HEAD_PAD])
             if KEY_FOLD:  # decode: each group's scales fold into the query, the codes enter the dot alone
-                scores = group_scores(q, k_op, k_gs * pow2_inv(k_tok), k_gm, k_tok, 32, DOT_K)
+                # (for the FOLD_ROWS rows of q_fold, those the paged steps carry)
+                scores = group_scores(q_fold, k_op, k_gs * pow2_inv(k_tok), k_gm, k_tok, 32, DOT_K)
             else:
                 # per channel: q . (code * scale + min) = (q . code * scale / 2**e) * 2**e + q . min; the minima (fp16
                 # values: one dot term) per position of their group, a second dot
@@ -1400,16 +1526,31 @@ def paged_attention_kernel(
                     v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio.to(v_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
                 else:  # two terms (hi + lo: exact products) or exact fp32 dots
                     v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
+            if KEY_FOLD & (FOLD_ROWS < BLOCK_M) & (V_ZP_PAGE == V_SCALE_PAGE) & (V_ZP_CELL == V_SCALE_CELL) & (V_ZP_BASE == V_SCALE_BASE + HEAD_PAD // 32 * 2):
+                # the stacked value blocks (stacked_pv), each row's minima right after its scales: one load of both
+                # (it reaches the dot through the scales, so the compiler's software pipeline copies it ahead; the
+                # minima's own load would not), in place of the two above
+                v_gi2 = tl.arange(0, 2 * (HEAD_PAD // 32))
+                v_pair = tl.load(v_srow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi2[None, :],
+                                 mask=n_mask[:, None] & (v_gi2 % (HEAD_PAD // 32) < HEAD_SIZE // 32)[None, :], other=0)
+                v_scode, v_gzcode = tl.split(tl.permute(tl.reshape(v_pair, [BLOCK_N, 2, HEAD_PAD // 32]), [0, 2, 1]))
+                v_bs = v_scale_decode(v_scode)
+                v_gmin = v_zp_decode(v_gzcode)
             if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
                 v_op = keep_layout(v_op)
             if BLOCK_DOTS:
-                # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
-                # relative to each query row's largest of them in the block (block_pv)
-                pv = block_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS)
-                # the groups' minima: sum over positions of p * min, p relative to its row's largest
-                p_top = tl.max(p, axis=1)
-                p_top = tl.where(p_top >= 1.1754944e-38, p_top, 1.0)
-                pv = pv + mma(p * (1.0 / p_top)[:, None], v_min, DOT_V, P_TERMS, 1) * p_top[:, None]
+                if KEY_FOLD & (FOLD_ROWS < BLOCK_M):
+                    # the paged steps' FOLD_ROWS rows: every block's weighted rows in one dot, the minima in fp32
+                    # (stacked_pv)
+                    pv = stacked_pv(p, v_op, v_bs, v_gmin, HEAD_PAD // 32, DOT_V, P_TERMS)
+                else:
+                    # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
+                    # relative to each query row's largest of them in the block (block_pv)
+                    pv = block_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS)
+                    # the groups' minima: sum over positions of p * min, p relative to its row's largest
+                    p_top = tl.max(p, axis=1)
+                    p_top = tl.where(p_top >= 1.1754944e-38, p_top, 1.0)
+                    pv = pv + mma(p * (1.0 / p_top)[:, None], v_min, DOT_V, P_TERMS, 1) * p_top[:, None]
             else:
                 # the per-position value factors enter the probabilities, relative to each query row's largest weight
                 # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
@@ -1426,6 +1567,13 @@ def paged_attention_kernel(
             acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
+        if KEY_FOLD:  # every row of the tile again: copies of the paged steps' rows
+            q_pos = q_pos_all
+            row_scale = row_scale_all
+            m_i = tl.reshape(tl.broadcast_to(m_i[None, :], [BLOCK_M // FOLD_ROWS, FOLD_ROWS]), [BLOCK_M])
+            l_i = tl.reshape(tl.broadcast_to(l_i[None, :], [BLOCK_M // FOLD_ROWS, FOLD_ROWS]), [BLOCK_M])
+            acc = tl.reshape(tl.broadcast_to(acc[None, :, :], [BLOCK_M // FOLD_ROWS, FOLD_ROWS, HEAD_PAD]),
+                             [BLOCK_M, HEAD_PAD])
         for start in range(tl.maximum(lo, quantized), hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_mask = n < hi
