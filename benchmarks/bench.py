@@ -196,8 +196,10 @@ def decode_case(fmt, num_seqs: int, ctx: int, block_size: int, head_size: int = 
 
 
 def write_case(fmt, num_tokens: int, block_size: int, release_pool: bool = True, planned: bool = False,
-               ordered_slots: bool = False):
-    """reshape_and_cache of num_tokens tokens (KIVI: one prefill of that many tokens, or that many decode steps).
+               ordered_slots: bool = False, flushing: bool = False):
+    """reshape_and_cache of num_tokens tokens (KIVI: one prefill of that many tokens, or that many decode steps;
+    ``flushing``: a decode step of num_tokens sequences whose new token makes each flush a group, G - 1 of its
+    tokens read back from the residual ring).
     ``planned``: the write as an engine runs it per layer, ``plan.run`` of a plan made once (Format.plan_write).
     ``ordered_slots``: paged formats' tokens at slots 0, 1, 2, ... (a prefill into consecutive blocks) instead of
     the default random permutation of the cache's slots (the case every figure here was measured on).
@@ -211,8 +213,11 @@ def write_case(fmt, num_tokens: int, block_size: int, release_pool: bool = True,
     if release_pool:
         torch.cuda.empty_cache()
     torch.manual_seed(0)
-    num_blocks = math.ceil(num_tokens / block_size) + 1
-    extra = {"max_seqs": max(num_tokens if num_tokens <= 256 else 1, 1)} if fmt.spec.streaming else {}
+    if flushing and not fmt.spec.streaming:
+        raise ValueError(f"{fmt.spec.name}: only streaming (KIVI) formats flush")
+    flush_len = fmt.layout.RESIDUAL["tokens"] + fmt.layout.RESIDUAL["group"] if flushing else 0
+    num_blocks = (math.ceil(flush_len / block_size) + 1) * num_tokens if flushing else math.ceil(num_tokens / block_size) + 1
+    extra = {"max_seqs": max(num_tokens if num_tokens <= 256 or flushing else 1, 1)} if fmt.spec.streaming else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cache = fmt.allocate(num_blocks, block_size, HKV, D, device="cuda", **extra)
@@ -222,7 +227,7 @@ def write_case(fmt, num_tokens: int, block_size: int, release_pool: bool = True,
              else torch.randperm(num_blocks * block_size, device="cuda")[:num_tokens]).to(torch.int64)
     cell = fmt.page_bytes(block_size, HKV, D) / block_size
     moved = 2 * key.numel() * key.element_size() + num_tokens * cell
-    meta = {} if not fmt.spec.streaming else _write_sequences(num_tokens, block_size, num_blocks)
+    meta = {} if not fmt.spec.streaming else _write_sequences(num_tokens, block_size, num_blocks, flush_len)
     if planned:
         plan = fmt.plan_write(key, cache, slots, **meta)
         fn = lambda: plan.run(cache, key, value)  # noqa: E731
@@ -231,17 +236,21 @@ def write_case(fmt, num_tokens: int, block_size: int, release_pool: bool = True,
     return (graphed(fn) if GRAPHS else fn), moved
 
 
-def _write_sequences(num_tokens: int, block_size: int, num_blocks: int) -> dict:
-    """A streaming format's write metadata: one sequence's prefill of num_tokens, or a decode step of that many."""
-    if num_tokens > 256:  # one sequence's prefill
+def _write_sequences(num_tokens: int, block_size: int, num_blocks: int, flush_len: int = 0,
+                     device: str = "cuda") -> dict:
+    """A streaming format's write metadata: one sequence's prefill of num_tokens, or a decode step of that many
+    (flush_len > 0: every sequence at that length after the step, the residual window plus one group, so each step's
+    token flushes a group)."""
+    if num_tokens > 256 and not flush_len:  # one sequence's prefill
         seqs, q_len = 1, num_tokens
     else:  # a decode step of num_tokens sequences
         seqs, q_len = num_tokens, 1
-    per_seq = math.ceil(q_len / block_size) + 1
-    table = torch.arange(seqs * per_seq, dtype=torch.int32, device="cuda").remainder(num_blocks).reshape(seqs, per_seq)
-    return dict(seq_ids=torch.arange(seqs, dtype=torch.int32, device="cuda"),
-                query_start_loc=torch.arange(seqs + 1, dtype=torch.int32, device="cuda") * q_len,
-                seq_lens=torch.full((seqs,), q_len, dtype=torch.int32, device="cuda"), block_table=table,
+    length = flush_len or q_len
+    per_seq = math.ceil(length / block_size) + 1
+    table = torch.arange(seqs * per_seq, dtype=torch.int32, device=device).remainder(num_blocks).reshape(seqs, per_seq)
+    return dict(seq_ids=torch.arange(seqs, dtype=torch.int32, device=device),
+                query_start_loc=torch.arange(seqs + 1, dtype=torch.int32, device=device) * q_len,
+                seq_lens=torch.full((seqs,), length, dtype=torch.int32, device=device), block_table=table,
                 max_query_len=q_len)
 
 

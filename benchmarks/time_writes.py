@@ -5,9 +5,11 @@ script times whichever tree ``kvgen`` imports from and uses that tree's benchmar
 serves both (`PYTHONPATH=OTHER_TREE_PARENT python benchmarks/time_writes.py ...`).
 
     python benchmarks/time_writes.py kivi_2bit kivi_4bit --tokens 32768 256 --rounds 2
+    python benchmarks/time_writes.py kivi_2bit --flushing 256 64   # KIVI decode steps whose every token flushes a group
 
 Prints one markdown row per (format, token count): median us per round and the fraction of the copy bandwidth
-measured in the same run (bytes as bench.py counts them).
+measured in the same run (bytes as bench.py counts them; none for the flushing steps, whose bytes bench.py does not
+count).
 """
 import argparse
 import sys
@@ -26,6 +28,9 @@ def main() -> None:
     ap.add_argument("formats", nargs="+")
     ap.add_argument("--tokens", nargs="+", type=int, default=[32768, 256])
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--flushing", nargs="*", type=int, default=[],
+                    help="KIVI: also decode steps of these many sequences, each of whose new tokens flushes a group "
+                         "read back from the residual ring (rows 'N flushing')")
     args = ap.parse_args()
     bench.require_gpu(ap)
     bench.GRAPHS = True
@@ -40,12 +45,15 @@ def main() -> None:
         bench.bench(fn)
         del fn
         torch.cuda.empty_cache()
-        for tokens in args.tokens:
-            fn, moved = bench.write_case(fmt, tokens, block)
+        cases = [(t, False) for t in args.tokens]
+        cases += [(t, True) for t in args.flushing] if fmt.spec.streaming else []
+        for tokens, flushing in cases:
+            fn, moved = bench.write_case(fmt, tokens, block, flushing=flushing)
             times = [bench.bench(fn) for _ in range(args.rounds)]
             best = min(times)
-            print(f"| {name} | {tokens} | " + " | ".join(f"{t * 1e6:.1f}" for t in times)
-                  + f" | {moved / best / copy * 100:.0f}% |", flush=True)
+            label = f"{tokens} flushing" if flushing else f"{tokens}"
+            print(f"| {name} | {label} | " + " | ".join(f"{t * 1e6:.1f}" for t in times)
+                  + (" | - |" if flushing else f" | {moved / best / copy * 100:.0f}% |"), flush=True)
             del fn
             torch.cuda.empty_cache()
 

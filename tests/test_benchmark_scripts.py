@@ -167,6 +167,41 @@ def test_real_codes_replace_random_bytes(name, monkeypatch):
     assert torch.isfinite(fmt.attend(*args, **kw)).all()
 
 
+def test_flushing_write_steps_flush_a_group_each(monkeypatch):
+    """time_writes.py --flushing times KIVI decode steps whose every token flushes a group: bench._write_sequences'
+    metadata (flush_len = R + G) puts each sequence one token past a group boundary of the spec's own definition
+    (quantized length = (L - R) // G * G, R and G read from the spec), and the write then rewrites every page that
+    group lies in."""
+    import warnings
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    bench = load_script("bench")
+    fmt = kvgen.load("kivi_2bit")
+    R, G = fmt.spec.key.residual.tokens, fmt.spec.key.scale.group_tokens
+    seqs, heads, head_size = 2, 1, 64
+    per_seq = -(-(R + G) // G) + 1
+    meta = bench._write_sequences(seqs, G, seqs * per_seq, flush_len=R + G, device="cpu")
+    lens = meta["seq_lens"].tolist()
+    assert lens == [R + G] * seqs and meta["query_start_loc"].tolist() == list(range(seqs + 1))
+    quantized = lambda n: max(n - R, 0) // G * G  # noqa: E731
+    assert all(quantized(n) - quantized(n - 1) == G for n in lens)
+    table = meta["block_table"]
+    assert table.shape[1] * G >= R + G and len(set(table.flatten().tolist())) == table.numel()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache = fmt.allocate(seqs * per_seq, G, heads, head_size, max_seqs=seqs)
+    for t in cache.tensors.values():
+        t.view(torch.uint8).fill_(0xFF)
+    before = {name: t.view(torch.uint8).clone() for name, t in cache.tensors.items()}
+    key = torch.randn(seqs, heads, head_size, dtype=torch.bfloat16)
+    slots = torch.full((seqs,), -1, dtype=torch.int64)
+    fmt.write(cache, key, key.clone(), slots, **meta)
+    pages = cache.tensors["kv_cache"].view(torch.uint8).reshape(seqs * per_seq, -1)
+    changed = (pages != before["kv_cache"].reshape(seqs * per_seq, -1)).any(dim=1)
+    # group 0 of each sequence: the first block of its table row
+    assert changed[table[:, 0].long()].all(), changed
+
+
 def test_stall_sites_sums_samples_by_reason_and_waiting_opcode(capsys):
     """stall_sites.py reads ncu's SASS source page: samples by reason (the "Not Issued" subsets left out), the share
     of the instruction after each DEPBAR (the copies' wait), samples by opcode (predicates dropped), and the

@@ -12,8 +12,8 @@
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs (H200: s43's H100 had no slowdown), KIVI's flush profile
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
 #   bash benchmarks/pending/next_session.sh loadgroups8 # load_groups' writes at 8 tokens per program against the rule's 4 (~60 s?)
-#   bash benchmarks/pending/next_session.sh kivicases  # write-kivi-layout.patch's GPU failure located: a grid of stream checks on the variant (~200 s?)
-#   bash benchmarks/pending/next_session.sh kivilayout # write-kivi-layout.patch timed against main, then KIVI's GPU tests (~250 s?)
+#   bash benchmarks/pending/next_session.sh kivicases  # stream checks of main and both KIVI flush-layout patches: where the full one miscompiles (~450 s?)
+#   bash benchmarks/pending/next_session.sh kivilayout # write-kivi-layout-prefill.patch timed against main, then KIVI's GPU tests (~300 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100)
 #   bash benchmarks/pending/next_session.sh rcpfault   # recip_fast's fault in nvfp4's write, for a Triton upgrade (ran s42, H100: ~15 s)
 # Ran and removed (benchmarks/results_2026-12-04_h200_s28.md, _s29.md): rows128, hs256more, rules28, rules28b (s28);
@@ -173,32 +173,42 @@ case "$step" in
       | tee "$out/loadgroups8.txt" | grep "^|"
     ;;
   kivicases)
-    # where write-kivi-layout.patch's compiled flush stores other bytes than the reference (s47, H100: kivi_4bit,
-    # head size 32, fp32, a decode token's flush from the ring; the interpreter agrees with the reference): the
-    # stream check over formats x KV heads x head sizes x dtypes x streams, on main first (hypothesis draws its cases
-    # at random, so the failing one may fail on main too), then on the variant
+    # write-kivi-layout.patch's compiled flush stored other key bytes than the reference (s47, H100: kivi_4bit, head
+    # size 32, fp32; the interpreter agrees with the reference). A subagent read the PTX: at head size 32 the key
+    # view puts a channel's tokens on lane bits 0 and 4, and Triton 3.6 reduces over them with butterfly shuffles 2
+    # and 1 (both flush paths; heads 64 / 128 reduce over lane bit 0 alone, correctly). The stream grid (formats x
+    # KV heads x head sizes x dtypes x streams) on main, the full patch and write-kivi-layout-prefill.patch (the
+    # views at heads of 64 or more on the all-new path only): expected main and the prefill variant clean, the full
+    # patch failing at head size 32 only. First the cut-down kernel (reduce_lanes_fault.py: on the GPU its minima
+    # and maxima against torch)
+    timeout 60 python3 benchmarks/pending/reduce_lanes_fault.py 2>&1 | tee "$out/reduce_lanes_fault.txt"
     echo "main:"
-    timeout 200 python3 benchmarks/pending/kivi_layout_cases.py 2>&1 | tee "$out/kivicases_main.txt" \
+    timeout 180 python3 benchmarks/pending/kivi_layout_cases.py 2>&1 | tee "$out/kivicases_main.txt" \
       | grep -v "^kivi.* ok$"
-    variant write-kivi-layout "def kivi_key_view" kivi_2bit kivi_4bit || exit 1
-    echo "write-kivi-layout.patch:"
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 200 python3 benchmarks/pending/kivi_layout_cases.py 2>&1 \
-      | tee "$out/kivicases.txt" | grep -v "^kivi.* ok$")
+    for p in write-kivi-layout write-kivi-layout-prefill; do
+      variant $p "def kivi_key_view" kivi_2bit kivi_4bit || exit 1
+      echo "$p.patch:"
+      (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 180 python3 benchmarks/pending/kivi_layout_cases.py \
+        2>&1 | tee "$out/kivicases_$p.txt" | grep -v "^kivi.* ok$")
+    done
     ;;
   kivilayout)
-    # write-kivi-layout.patch (forty-sixth session, a subagent's static study): KIVI's flush loads its key tile as
-    # [G // 16, HEAD_PAD // 4, 16, 4] (a channel's tokens in 2 lanes of one warp, not 2 lanes of 2 warps through
-    # shared memory) and its value tile as load_groups' view (a group of channels in one thread), and the ring stores
-    # take typed pointers: static warp instructions per token-head on a prefill's all-new path kivi_2bit 201.5 ->
-    # 173.5, kivi_4bit 200.5 -> 168; the residual store 142 -> 114. Shipped, variant, shipped again, then KIVI's
-    # GPU tests on the variant.
-    variant write-kivi-layout "def kivi_key_view" kivi_2bit kivi_4bit || exit 1
-    timeout 60 python3 benchmarks/time_writes.py kivi_2bit kivi_4bit --tokens 32768 256 --rounds 2 2>&1 \
-      | tee "$out/kivilayout_shipped.txt" | grep "^|\|^tree"
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 60 python3 benchmarks/time_writes.py kivi_2bit kivi_4bit \
-      --tokens 32768 256 --rounds 2 2>&1 | tee "$out/kivilayout_variant.txt" | grep "^|\|^tree")
-    timeout 60 python3 benchmarks/time_writes.py kivi_2bit kivi_4bit --tokens 32768 256 --rounds 2 2>&1 \
-      | tee "$out/kivilayout_shipped2.txt" | grep "^|\|^tree"
+    # write-kivi-layout-prefill.patch (forty-seventh session, a subagent's variant of write-kivi-layout.patch, which
+    # timed 18-25% faster on an H100 but miscompiles at head size 32): KIVI's flush loads its key tile as
+    # [G // 16, HEAD_PAD // 4, 16, 4] (a channel's tokens in 2 lanes of one warp) and its value tile as load_groups'
+    # view (a group in one thread) on the all-new path at heads of 64 or more, with the quantize-and-store code
+    # emitted in each branch (one shared tail converted the tiles back through shared memory); the ring-reading
+    # path keeps main's loads. Static warp instructions per token-head, prefill launch: kivi_2bit 201.3 -> 169.1,
+    # kivi_4bit 201.9 -> 164.9 (the full patch 172.7 / 168.6); ring path 232.8 -> 234.1, 233.5 -> 225.6. Shipped,
+    # variant, shipped again (prefill writes of 32768 and 256 tokens, and decode steps of 256 sequences whose every
+    # token flushes a group from the ring), then KIVI's GPU tests on the variant
+    variant write-kivi-layout-prefill "def kivi_key_view" kivi_2bit kivi_4bit || exit 1
+    timeout 80 python3 benchmarks/time_writes.py kivi_2bit kivi_4bit --tokens 32768 256 --flushing 256 --rounds 2 \
+      2>&1 | tee "$out/kivilayout_shipped.txt" | grep "^|\|^tree"
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 80 python3 benchmarks/time_writes.py kivi_2bit kivi_4bit \
+      --tokens 32768 256 --flushing 256 --rounds 2 2>&1 | tee "$out/kivilayout_variant.txt" | grep "^|\|^tree")
+    timeout 80 python3 benchmarks/time_writes.py kivi_2bit kivi_4bit --tokens 32768 256 --flushing 256 --rounds 2 \
+      2>&1 | tee "$out/kivilayout_shipped2.txt" | grep "^|\|^tree"
     variant_tests kivilayout tests/test_kivi.py tests/test_kivi_reference.py "tests/test_conformance.py::test_kivi_decode_256"
     ;;
   writeab)
