@@ -12,6 +12,7 @@
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs (H200: s43's H100 had no slowdown), KIVI's flush profile
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
 #   bash benchmarks/pending/next_session.sh loadgroups8 # load_groups' writes at 8 tokens per program against the rule's 4 (~60 s?)
+#   bash benchmarks/pending/next_session.sh blockrows  # block-rows.patch: q8_0 / q4_0 decode on the rows a decode fills, both trees timed, then its GPU tests (~350 s?)
 #   bash benchmarks/pending/next_session.sh kivicases  # stream checks of main and both KIVI flush-layout patches: where the full one miscompiles (~450 s?)
 #   bash benchmarks/pending/next_session.sh kivilayout # write-kivi-layout-prefill.patch timed against main, then KIVI's GPU tests (~300 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100)
@@ -50,7 +51,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, kivicases, kivilayout, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, blockrows, kivicases, kivilayout, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -172,6 +173,28 @@ case "$step" in
     timeout 90 python3 benchmarks/tune_writes.py nvfp4 q4_0 --configs 4/1 8/1 8/1/80 --tokens 32768 2>&1 \
       | tee "$out/loadgroups8.txt" | grep "^|"
     ;;
+  blockrows)
+    # block-rows.patch (forty-seventh session, a subagent's static study): the two-term block-scaled formats' decode
+    # (q8_0, q4_0: BLOCK_DOTS) on the query rows a decode fills, as KIVI's since s47 (FOLD_ROWS): every block's query
+    # rows stacked into one 16-row dot (stacked_scores), the value blocks into one (stacked_pv). Static at 64 x 8192:
+    # q8_0 15.9 -> 10.8 instructions per position (255 registers, 2 programs per SM; 11.1 at 168 registers and 3
+    # with the tiles 128/4/2/168), q4_0 13.5 -> 9.6 (237 -> 143 registers, 2 -> 3 programs per SM). The patch changes
+    # the runtime, so each tree times itself: shipped, variant (also q8_0 capped at 168 registers), shipped again;
+    # then the GPU tests of the variant
+    variant block-rows "def stacked_scores" q8_0 q4_0 || exit 1
+    BR_SHAPES="64x8192 4x65536 256x1024 64x8192hs64 16x8192hs256"
+    timeout 100 python3 benchmarks/tune_tiles.py q8_0 q4_0 --configs rt --shapes $BR_SHAPES --cuda-graphs 2>&1 \
+      | tee "$out/blockrows_shipped.txt" | grep "^|"
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 100 python3 benchmarks/tune_tiles.py q8_0 q4_0 \
+      --configs rt --shapes $BR_SHAPES --cuda-graphs 2>&1 | tee "$out/blockrows_variant.txt" | grep "^|")
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 60 python3 benchmarks/tune_tiles.py q8_0 \
+      --configs rt 128/4/2/168 --shapes 64x8192 4x65536 --cuda-graphs 2>&1 | tee "$out/blockrows_q8cap.txt" | grep "^|")
+    timeout 60 python3 benchmarks/tune_tiles.py q8_0 q4_0 --configs rt --shapes 64x8192 --cuda-graphs 2>&1 \
+      | tee "$out/blockrows_shipped2.txt" | grep "^|"
+    variant_tests blockrows tests/test_stacked_blocks.py tests/test_tiles.py tests/test_attention_plan.py \
+      tests/test_fast_dots.py tests/test_sm90_compile.py tests/test_conformance.py -k "q8_0 or q4_0 or stacked or fold \
+      or tiles or plan or fast or sm90"
+    ;;
   kivicases)
     # write-kivi-layout.patch's compiled flush stored other key bytes than the reference (s47, H100: kivi_4bit, head
     # size 32, fp32; the interpreter agrees with the reference). A subagent read the PTX: at head size 32 the key
@@ -245,7 +268,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, kivicases, kivilayout, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, blockrows, kivicases, kivilayout, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
