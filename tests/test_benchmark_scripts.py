@@ -202,6 +202,23 @@ def test_flushing_write_steps_flush_a_group_each(monkeypatch):
     assert changed[table[:, 0].long()].all(), changed
 
 
+def test_write_reductions_get_the_shuffles_their_lanes_need():
+    """Triton 3.6 lowers a reduction whose axis spans lane bits 0 and 4 to butterfly shuffles over masks 1 and 2
+    (benchmarks/pending/reduce_lanes_fault.py), silently wrong, and the interpreter cannot see it: the views that
+    give the writes their layouts (load_rows, load_groups) met it at head size 32 in a KIVI flush variant. Static
+    (sm_90 PTX, no GPU): first the scan must flag the cut-down kernel (--selftest), then every write kernel of the
+    shipped formats, KIVI's flush and residual kernels included, at head size 32 with bf16 and fp32 inputs must
+    reduce with the masks its lanes need."""
+    script = str(ROOT / "benchmarks" / "reduce_lanes_scan.py")
+    res = subprocess.run([sys.executable, script, "--selftest"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    res = subprocess.run([sys.executable, script, "--kinds", "write,stream", "--heads", "32"], capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    totals = res.stdout.strip().splitlines()[-1]
+    assert "BAD 0," in totals and "errors 0" in totals and "ok 0," not in totals, totals
+
+
 def test_stall_sites_sums_samples_by_reason_and_waiting_opcode(capsys):
     """stall_sites.py reads ncu's SASS source page: samples by reason (the "Not Issued" subsets left out), the share
     of the instruction after each DEPBAR (the copies' wait), samples by opcode (predicates dropped), and the
