@@ -216,7 +216,8 @@ def write_case(fmt, num_tokens: int, block_size: int, release_pool: bool = True,
     if flushing and not fmt.spec.streaming:
         raise ValueError(f"{fmt.spec.name}: only streaming (KIVI) formats flush")
     flush_len = fmt.layout.RESIDUAL["tokens"] + fmt.layout.RESIDUAL["group"] if flushing else 0
-    num_blocks = (math.ceil(flush_len / block_size) + 1) * num_tokens if flushing else math.ceil(num_tokens / block_size) + 1
+    num_blocks = ((math.ceil(flush_len / block_size) + 1) * num_tokens if flushing
+                  else math.ceil(num_tokens / block_size) + 1)
     extra = {"max_seqs": max(num_tokens if num_tokens <= 256 or flushing else 1, 1)} if fmt.spec.streaming else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
