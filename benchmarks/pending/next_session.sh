@@ -15,7 +15,7 @@
 #   bash benchmarks/pending/next_session.sh blockrows  # block-rows.patch: q8_0 / q4_0 decode on the rows a decode fills, both trees timed, then its GPU tests (~350 s?)
 #   bash benchmarks/pending/next_session.sh kivicases  # stream checks of main and both KIVI flush-layout patches: where the full one miscompiles (~450 s?)
 #   bash benchmarks/pending/next_session.sh kivilayout # write-kivi-layout-prefill.patch timed against main, then KIVI's GPU tests (~300 s?)
-#   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100)
+#   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100; stale since: rebase first)
 #   bash benchmarks/pending/next_session.sh rcpfault   # recip_fast's fault in nvfp4's write, for a Triton upgrade (ran s42, H100: ~15 s)
 # Ran and removed (benchmarks/results_2026-12-04_h200_s28.md, _s29.md): rows128, hs256more, rules28, rules28b (s28);
 # hs256rest, kiviacc (merged) and the first rowspread (s29); tests, dequant, maskfree, rowspread, rowspread128 and
@@ -240,6 +240,8 @@ case "$step" in
     # timed and profiled; its nvfp4 branch miscompiles at head size 256 (s35), so this measures whether instruction
     # cuts pay on the H200, not a merge
     WD_FORMATS="nvfp4 nvfp4_separate int8_asym_per_token_head q4_0 kivi_2bit kivi_4bit"
+    git apply --check benchmarks/pending/write-fast-div.patch 2>/dev/null \
+      || { echo "write-fast-div.patch no longer applies to main (s47 found it stale): rebase it first" >&2; exit 1; }
     variant write-fast-div "KEEP: tl.constexpr" $WD_FORMATS || exit 1
     WD_TIMED="nvfp4 int8_asym_per_token_head q4_0"
     timeout 60 python3 benchmarks/time_writes.py $WD_TIMED --tokens 32768 --rounds 2 2>&1 \
