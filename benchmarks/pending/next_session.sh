@@ -13,6 +13,7 @@
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
 #   bash benchmarks/pending/next_session.sh loadgroups8 # load_groups' writes at 8 tokens per program against the rule's 4 (~60 s?)
 #   bash benchmarks/pending/next_session.sh blockrows  # block-rows.patch: q8_0 / q4_0 decode on the rows a decode fills, both trees timed, then its GPU tests (~350 s?)
+#   bash benchmarks/pending/next_session.sh foldrows   # fold-rows-all.patch: the single-dot formats' decode on 8 of 16 rows, both trees timed, then GPU tests (~500 s?)
 #   bash benchmarks/pending/next_session.sh kivicases  # stream checks of main and both KIVI flush-layout patches: where the full one miscompiles (~450 s?)
 #   bash benchmarks/pending/next_session.sh kivilayout # write-kivi-layout-prefill.patch timed against main, then KIVI's GPU tests (~300 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100; stale since: rebase first)
@@ -51,7 +52,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, blockrows, kivicases, kivilayout, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, blockrows, foldrows, kivicases, kivilayout, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -195,6 +196,27 @@ case "$step" in
       tests/test_fast_dots.py tests/test_sm90_compile.py tests/test_conformance.py -k "q8_0 or q4_0 or stacked or fold \
       or tiles or plan or fast or sm90"
     ;;
+  foldrows)
+    # fold-rows-all.patch (forty-seventh session, a subagent's static study): the single-dot formats' decode carries
+    # the softmax, row scales and loop state on the first 8 of 16 rows where a decode fills at most 8 (GROUP 4:
+    # LIVE_FOLD, FOLD_ROWS = 8; the mma layout holds rows r and r + 8 in two registers, so 8 is a register
+    # selection, 4 would need shuffles). Static instructions per position at 64 x 8192: int4 per token-head 10.9 ->
+    # 9.5, mixed_k8_v4 9.2 -> 8.0, int8 asym 11.8 -> 10.1, Hadamard 10.5 -> 9.1, int8 per token-head 11.0 -> 9.5,
+    # fp8 per token-head 9.4 -> 8.2, nvfp4 12.9 -> 12.1, mxfp4 12.9 -> 11.6, mxfp8 12.2 -> 11.0, bf16 8.0 -> 6.9,
+    # fp8 5.9 -> 5.1; programs per SM unchanged. The runtime changes too: each tree times itself (shipped, variant,
+    # shipped again at 64 x 8192), then the variant's GPU tests
+    FR_FORMATS="bf16 fp8_e4m3 int8_per_token_head fp8_per_token_head int8_asym_per_token_head \
+      int8_per_token_head_hadamard_k int4_per_token_head mixed_k8_v4 mxfp8 mxfp4 nvfp4"
+    variant fold-rows-all "LIVE_FOLD = True" $FR_FORMATS || exit 1
+    timeout 150 python3 benchmarks/tune_tiles.py $FR_FORMATS --configs rt --shapes 64x8192 4x65536 --cuda-graphs \
+      2>&1 | tee "$out/foldrows_shipped.txt" | grep "^|"
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 150 python3 benchmarks/tune_tiles.py $FR_FORMATS \
+      --configs rt --shapes 64x8192 4x65536 --cuda-graphs 2>&1 | tee "$out/foldrows_variant.txt" | grep "^|")
+    timeout 90 python3 benchmarks/tune_tiles.py $FR_FORMATS --configs rt --shapes 64x8192 --cuda-graphs 2>&1 \
+      | tee "$out/foldrows_shipped2.txt" | grep "^|"
+    variant_tests foldrows tests/test_conformance.py tests/test_tiles.py tests/test_attention_plan.py \
+      tests/test_native_decode.py
+    ;;
   kivicases)
     # write-kivi-layout.patch's compiled flush stored other key bytes than the reference (s47, H100: kivi_4bit, head
     # size 32, fp32; the interpreter agrees with the reference). A subagent read the PTX: at head size 32 the key
@@ -270,7 +292,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, blockrows, kivicases, kivilayout, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, blockrows, foldrows, kivicases, kivilayout, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
