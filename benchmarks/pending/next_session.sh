@@ -12,6 +12,7 @@
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs (H200: s43's H100 had no slowdown), KIVI's flush profile
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
 #   bash benchmarks/pending/next_session.sh loadgroups8 # load_groups' writes at 8 tokens per program against the rule's 4 (~60 s?)
+#   bash benchmarks/pending/next_session.sh decoderows # decode-rows.patch (blockrows + foldrows in one): every non-KIVI format's decode, both trees timed, then GPU tests (~560 s?)
 #   bash benchmarks/pending/next_session.sh blockrows  # block-rows.patch: q8_0 / q4_0 decode on the rows a decode fills, both trees timed, then its GPU tests (~350 s?)
 #   bash benchmarks/pending/next_session.sh foldrows   # fold-rows-all.patch: the single-dot formats' decode on 8 of 16 rows, both trees timed, then GPU tests (~500 s?)
 #   bash benchmarks/pending/next_session.sh kivicases  # stream checks of main and both KIVI flush-layout patches: where the full one miscompiles (~450 s?)
@@ -52,7 +53,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, blockrows, foldrows, kivicases, kivilayout, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, blockrows, foldrows, kivicases, kivilayout, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -174,6 +175,25 @@ case "$step" in
     timeout 90 python3 benchmarks/tune_writes.py nvfp4 q4_0 --configs 4/1 8/1 8/1/80 --tokens 32768 2>&1 \
       | tee "$out/loadgroups8.txt" | grep "^|"
     ;;
+  decoderows)
+    # decode-rows.patch (forty-seventh session): block-rows.patch and fold-rows-all.patch in one (a subagent's merge:
+    # one FOLD_ROWS mechanism, ROW_FOLD = "key" | "blocks" | "live" per format; every format's static count equal
+    # to its own patch's). One step for both: every non-KIVI format timed in each tree (the runtime changes too),
+    # shipped, variant, shipped again at 64 x 8192, then the variant's GPU tests. If it fails, blockrows / foldrows
+    # time the halves apart
+    DR_FORMATS="bf16 fp8_e4m3 int8_per_token_head int8_per_token_head_separate fp8_per_token_head \
+      int8_asym_per_token_head int8_per_token_head_hadamard_k int4_per_token_head mixed_k8_v4 mxfp8 mxfp4 nvfp4 \
+      q8_0 q4_0"
+    variant decode-rows 'ROW_FOLD = "' $DR_FORMATS || exit 1
+    timeout 150 python3 benchmarks/tune_tiles.py $DR_FORMATS --configs rt --shapes 64x8192 4x65536 --cuda-graphs \
+      2>&1 | tee "$out/decoderows_shipped.txt" | grep "^|"
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 150 python3 benchmarks/tune_tiles.py $DR_FORMATS \
+      --configs rt --shapes 64x8192 4x65536 --cuda-graphs 2>&1 | tee "$out/decoderows_variant.txt" | grep "^|")
+    timeout 80 python3 benchmarks/tune_tiles.py $DR_FORMATS --configs rt --shapes 64x8192 --cuda-graphs 2>&1 \
+      | tee "$out/decoderows_shipped2.txt" | grep "^|"
+    variant_tests decoderows tests/test_stacked_blocks.py tests/test_conformance.py tests/test_tiles.py \
+      tests/test_attention_plan.py tests/test_native_decode.py
+    ;;
   blockrows)
     # block-rows.patch (forty-seventh session, a subagent's static study): the two-term block-scaled formats' decode
     # (q8_0, q4_0: BLOCK_DOTS) on the query rows a decode fills, as KIVI's since s47 (FOLD_ROWS): every block's query
@@ -292,7 +312,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, blockrows, foldrows, kivicases, kivilayout, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, blockrows, foldrows, kivicases, kivilayout, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
