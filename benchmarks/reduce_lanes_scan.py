@@ -54,7 +54,6 @@ import re
 import sys
 import tempfile
 import traceback
-import warnings
 
 os.environ["TRITON_INTERPRET"] = "0"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sass_count
@@ -75,35 +74,13 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # ---------------------------------------------------------------------------------------------------------------
 # captures: {label: (jit function, args, kwargs)} of the launches the runtime makes
 # ---------------------------------------------------------------------------------------------------------------
-def capture_write(fmt, head: int, dtype, tokens: int = 4096) -> dict:
-    """sass_count.count_write's capture with a head size and input dtype."""
-    blocks = -(-tokens // 16) + 1
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        cache = fmt.allocate(blocks, 16, 8, head)
-    key = torch.zeros(tokens, 8, head, dtype=dtype)
-    slots = torch.arange(tokens, dtype=torch.int64)
-    got = sc._captured(fmt, lambda: fmt.write(cache, key, key.clone(), slots))
+def capture_write(fmt, head: int, dtype) -> dict:
+    got = sc.write_launches(fmt, 4096, dtype, head)
     return {n: got[n] for n in ("reshape_and_cache_kernel",) if n in got}
 
 
 def capture_stream(fmt, head: int, dtype, seqs: int, tokens: int, ctx: int) -> dict:
-    """sass_count.count_write_streaming's capture with a head size, input dtype, and ``tokens`` new tokens on each of
-    ``seqs`` sequences that end at ``ctx`` tokens (tokens == ctx: a prefill; tokens == 1: a decode step)."""
-    block = fmt.layout.RESIDUAL["group"]
-    per_seq = -(-ctx // block)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        cache = fmt.allocate(seqs * per_seq, block, 8, head, max_seqs=seqs)
-    key = torch.zeros(seqs * tokens, 8, head, dtype=dtype)
-    table = torch.arange(seqs * per_seq, dtype=torch.int32).reshape(seqs, per_seq)
-    qsl = torch.arange(seqs + 1, dtype=torch.int32) * tokens
-    lens = torch.full((seqs,), ctx, dtype=torch.int32)
-    slots = (torch.arange(seqs, dtype=torch.int64)[:, None] * per_seq * block
-             + torch.arange(ctx - tokens, ctx, dtype=torch.int64)[None, :]).reshape(-1)
-    got = sc._captured(fmt, lambda: fmt.write(
-        cache, key, key.clone(), slots, seq_ids=torch.arange(seqs, dtype=torch.int32), query_start_loc=qsl,
-        seq_lens=lens, block_table=table, max_query_len=tokens))
+    got = sc.stream_launches(fmt, seqs, tokens, ctx, head, dtype)
     return {n: got[n] for n in ("kivi_flush_kernel", "kivi_residual_kernel") if n in got}
 
 

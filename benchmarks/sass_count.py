@@ -216,6 +216,39 @@ def count(name: str, dot_precision: str = "auto", seqs: int = 64, ctx: int = 819
                 mix=ops.most_common(8), loads=dict(sorted(loads.items())))
 
 
+def write_launches(fmt, tokens: int = 4096, dtype: torch.dtype = torch.bfloat16, head: int = 128) -> dict:
+    """The launches of ``fmt.write`` of ``tokens`` tokens of ``dtype`` (8 KV heads, block size 16, slots in order),
+    captured, not run: {kernel name: (args, kwargs)}."""
+    blocks = -(-tokens // 16) + 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache = fmt.allocate(blocks, 16, 8, head)
+    key = torch.zeros(tokens, 8, head, dtype=dtype)
+    slots = torch.arange(tokens, dtype=torch.int64)
+    return _captured(fmt, lambda: fmt.write(cache, key, key.clone(), slots))
+
+
+def stream_launches(fmt, seqs: int, tokens: int, ctx: int, head: int = 128,
+                    dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The launches of a streaming (KIVI) format's write, captured, not run: ``tokens`` new tokens on each of
+    ``seqs`` sequences that end at ``ctx`` tokens (tokens == ctx: a prefill; tokens == 1: a decode step), 8 KV
+    heads, the group as block size."""
+    block = fmt.layout.RESIDUAL["group"]
+    per_seq = -(-ctx // block)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache = fmt.allocate(seqs * per_seq, block, 8, head, max_seqs=seqs)
+    key = torch.zeros(seqs * tokens, 8, head, dtype=dtype)
+    table = torch.arange(seqs * per_seq, dtype=torch.int32).reshape(seqs, per_seq)
+    qsl = torch.arange(seqs + 1, dtype=torch.int32) * tokens
+    lens = torch.full((seqs,), ctx, dtype=torch.int32)
+    slots = (torch.arange(seqs, dtype=torch.int64)[:, None] * per_seq * block
+             + torch.arange(ctx - tokens, ctx, dtype=torch.int64)[None, :]).reshape(-1)
+    return _captured(fmt, lambda: fmt.write(
+        cache, key, key.clone(), slots, seq_ids=torch.arange(seqs, dtype=torch.int32), query_start_loc=qsl,
+        seq_lens=lens, block_table=table, max_query_len=tokens))
+
+
 def count_write(name: str, tokens: int = 4096, dtype: torch.dtype = torch.bfloat16, dump: str | None = None) -> dict:
     """The reshape-and-cache kernel exactly as the runtime would launch it on a GPU for ``tokens`` tokens of
     ``dtype`` (captured from ``Format.write`` like the attention kernel; the input type changes the kernel's layouts):
@@ -224,14 +257,8 @@ def count_write(name: str, tokens: int = 4096, dtype: torch.dtype = torch.bfloat
     fmt = kvgen.load(name)
     if fmt.spec.streaming:
         raise ValueError(f"{name}: KIVI writes through its own flush and residual kernels")
-    blocks = -(-tokens // 16) + 1
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        cache = fmt.allocate(blocks, 16, 8, 128)
-    key = torch.zeros(tokens, 8, 128, dtype=dtype)
-    slots = torch.arange(tokens, dtype=torch.int64)
     os.environ["TRITON_INTERPRET"] = "0"
-    args, kwargs = _captured(fmt, lambda: fmt.write(cache, key, key.clone(), slots))["reshape_and_cache_kernel"]
+    args, kwargs = write_launches(fmt, tokens, dtype)["reshape_and_cache_kernel"]
     src, launch = _bound_source(fmt._kernels.module.reshape_and_cache_kernel, args, kwargs)
     block_t = kwargs["BLOCK_T"]
     kernel, sass, usage = compile_sm90(src, launch)
@@ -242,7 +269,7 @@ def count_write(name: str, tokens: int = 4096, dtype: torch.dtype = torch.bfloat
                 f.write(text)
     lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
     ops = collections.Counter(opcode(line) for line in lines)
-    moved = 2 * 128 * key.element_size() + fmt.page_bytes(16, 8, 128) / 16 / 8  # K and V in, the cell out, per token-head
+    moved = 2 * 128 * dtype.itemsize + fmt.page_bytes(16, 8, 128) / 16 / 8  # K and V in, the cell out, per token-head
     # every warp runs the listed instructions once: warp instructions per token-head (before the seventh session
     # this printed instructions per thread at 4 warps and 16 tokens per program: a quarter of this measure)
     warp_instructions = len(lines) * launch.get("num_warps", 4)
@@ -297,20 +324,8 @@ def count_write_streaming(name: str, seqs: int = 1, tokens: int = 32768) -> list
     res = fmt.layout.RESIDUAL
     if not res:
         raise ValueError(f"{name}: not a streaming (residual-window) format")
-    block = res["group"]
-    per_seq = -(-tokens // block)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        cache = fmt.allocate(seqs * per_seq, block, 8, 128, max_seqs=seqs)
-    key = torch.zeros(seqs * tokens, 8, 128, dtype=torch.bfloat16)
-    table = torch.arange(seqs * per_seq, dtype=torch.int32).reshape(seqs, per_seq)
-    qsl = torch.arange(seqs + 1, dtype=torch.int32) * tokens
-    lens = torch.full((seqs,), tokens, dtype=torch.int32)
-    slots = torch.arange(seqs * tokens, dtype=torch.int64)
     os.environ["TRITON_INTERPRET"] = "0"
-    launches = _captured(fmt, lambda: fmt.write(
-        cache, key, key.clone(), slots, seq_ids=torch.arange(seqs, dtype=torch.int32), query_start_loc=qsl,
-        seq_lens=lens, block_table=table, max_query_len=tokens))
+    launches = stream_launches(fmt, seqs, tokens, tokens)
     out = []
     for kname in ("kivi_flush_kernel", "kivi_residual_kernel"):
         args, kwargs = launches[kname]
