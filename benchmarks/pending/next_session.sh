@@ -12,9 +12,7 @@
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs (H200: s43's H100 had no slowdown), KIVI's flush profile
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
 #   bash benchmarks/pending/next_session.sh loadgroups8 # load_groups' writes at 8 tokens per program against the rule's 4 (~60 s?)
-#   bash benchmarks/pending/next_session.sh decoderows # decode-rows.patch (blockrows + foldrows in one): every non-KIVI format's decode, both trees timed, then GPU tests (~560 s?)
-#   bash benchmarks/pending/next_session.sh blockrows  # block-rows.patch: q8_0 / q4_0 decode on the rows a decode fills, both trees timed, then its GPU tests (~350 s?)
-#   bash benchmarks/pending/next_session.sh foldrows   # fold-rows-all.patch: the single-dot formats' decode on 8 of 16 rows, both trees timed, then GPU tests (~500 s?)
+#   bash benchmarks/pending/next_session.sh decoderows # decode-rows.patch (two static studies in one): every non-KIVI format's decode, both trees timed, then GPU tests (~560 s?)
 #   bash benchmarks/pending/next_session.sh kivicases  # stream checks of main and both KIVI flush-layout patches: where the full one miscompiles (~450 s?)
 #   bash benchmarks/pending/next_session.sh kivilayout # write-kivi-layout-prefill.patch timed against main, then KIVI's GPU tests (~300 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100; stale since: rebase first)
@@ -53,7 +51,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, blockrows, foldrows, kivicases, kivilayout, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, kivicases, kivilayout, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -179,8 +177,9 @@ case "$step" in
     # decode-rows.patch (forty-seventh session): block-rows.patch and fold-rows-all.patch in one (a subagent's merge:
     # one FOLD_ROWS mechanism, ROW_FOLD = "key" | "blocks" | "live" per format; every format's static count equal
     # to its own patch's). One step for both: every non-KIVI format timed in each tree (the runtime changes too),
-    # shipped, variant, shipped again at 64 x 8192, then the variant's GPU tests. If it fails, blockrows / foldrows
-    # time the halves apart
+    # shipped, variant (also q8_0 at 168 registers: 3 programs per SM, 11.1 instructions per position statically),
+    # shipped again at 64 x 8192, then the variant's GPU tests. The two halves, to time apart if it fails, are the
+    # patches block-rows.patch (q8_0 / q4_0) and fold-rows-all.patch (the others) in git history at 857ae02
     DR_FORMATS="bf16 fp8_e4m3 int8_per_token_head int8_per_token_head_separate fp8_per_token_head \
       int8_asym_per_token_head int8_per_token_head_hadamard_k int4_per_token_head mixed_k8_v4 mxfp8 mxfp4 nvfp4 \
       q8_0 q4_0"
@@ -189,53 +188,12 @@ case "$step" in
       2>&1 | tee "$out/decoderows_shipped.txt" | grep "^|"
     (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 150 python3 benchmarks/tune_tiles.py $DR_FORMATS \
       --configs rt --shapes 64x8192 4x65536 --cuda-graphs 2>&1 | tee "$out/decoderows_variant.txt" | grep "^|")
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 40 python3 benchmarks/tune_tiles.py q8_0 \
+      --configs 128/4/2/168 --shapes 64x8192 4x65536 --cuda-graphs 2>&1 | tee "$out/decoderows_q8cap.txt" | grep "^|")
     timeout 80 python3 benchmarks/tune_tiles.py $DR_FORMATS --configs rt --shapes 64x8192 --cuda-graphs 2>&1 \
       | tee "$out/decoderows_shipped2.txt" | grep "^|"
     variant_tests decoderows tests/test_stacked_blocks.py tests/test_conformance.py tests/test_tiles.py \
       tests/test_attention_plan.py tests/test_native_decode.py
-    ;;
-  blockrows)
-    # block-rows.patch (forty-seventh session, a subagent's static study): the two-term block-scaled formats' decode
-    # (q8_0, q4_0: BLOCK_DOTS) on the query rows a decode fills, as KIVI's since s47 (FOLD_ROWS): every block's query
-    # rows stacked into one 16-row dot (stacked_scores), the value blocks into one (stacked_pv). Static at 64 x 8192:
-    # q8_0 15.9 -> 10.8 instructions per position (255 registers, 2 programs per SM; 11.1 at 168 registers and 3
-    # with the tiles 128/4/2/168), q4_0 13.5 -> 9.6 (237 -> 143 registers, 2 -> 3 programs per SM). The patch changes
-    # the runtime, so each tree times itself: shipped, variant (also q8_0 capped at 168 registers), shipped again;
-    # then the GPU tests of the variant
-    variant block-rows "def stacked_scores" q8_0 q4_0 || exit 1
-    BR_SHAPES="64x8192 4x65536 256x1024 64x8192hs64 16x8192hs256"
-    timeout 100 python3 benchmarks/tune_tiles.py q8_0 q4_0 --configs rt --shapes $BR_SHAPES --cuda-graphs 2>&1 \
-      | tee "$out/blockrows_shipped.txt" | grep "^|"
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 100 python3 benchmarks/tune_tiles.py q8_0 q4_0 \
-      --configs rt --shapes $BR_SHAPES --cuda-graphs 2>&1 | tee "$out/blockrows_variant.txt" | grep "^|")
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 60 python3 benchmarks/tune_tiles.py q8_0 \
-      --configs rt 128/4/2/168 --shapes 64x8192 4x65536 --cuda-graphs 2>&1 | tee "$out/blockrows_q8cap.txt" | grep "^|")
-    timeout 60 python3 benchmarks/tune_tiles.py q8_0 q4_0 --configs rt --shapes 64x8192 --cuda-graphs 2>&1 \
-      | tee "$out/blockrows_shipped2.txt" | grep "^|"
-    variant_tests blockrows tests/test_stacked_blocks.py tests/test_tiles.py tests/test_attention_plan.py \
-      tests/test_fast_dots.py tests/test_sm90_compile.py tests/test_conformance.py -k "q8_0 or q4_0 or stacked or fold \
-      or tiles or plan or fast or sm90"
-    ;;
-  foldrows)
-    # fold-rows-all.patch (forty-seventh session, a subagent's static study): the single-dot formats' decode carries
-    # the softmax, row scales and loop state on the first 8 of 16 rows where a decode fills at most 8 (GROUP 4:
-    # LIVE_FOLD, FOLD_ROWS = 8; the mma layout holds rows r and r + 8 in two registers, so 8 is a register
-    # selection, 4 would need shuffles). Static instructions per position at 64 x 8192: int4 per token-head 10.9 ->
-    # 9.5, mixed_k8_v4 9.2 -> 8.0, int8 asym 11.8 -> 10.1, Hadamard 10.5 -> 9.1, int8 per token-head 11.0 -> 9.5,
-    # fp8 per token-head 9.4 -> 8.2, nvfp4 12.9 -> 12.1, mxfp4 12.9 -> 11.6, mxfp8 12.2 -> 11.0, bf16 8.0 -> 6.9,
-    # fp8 5.9 -> 5.1; programs per SM unchanged. The runtime changes too: each tree times itself (shipped, variant,
-    # shipped again at 64 x 8192), then the variant's GPU tests
-    FR_FORMATS="bf16 fp8_e4m3 int8_per_token_head fp8_per_token_head int8_asym_per_token_head \
-      int8_per_token_head_hadamard_k int4_per_token_head mixed_k8_v4 mxfp8 mxfp4 nvfp4"
-    variant fold-rows-all "LIVE_FOLD = True" $FR_FORMATS || exit 1
-    timeout 150 python3 benchmarks/tune_tiles.py $FR_FORMATS --configs rt --shapes 64x8192 4x65536 --cuda-graphs \
-      2>&1 | tee "$out/foldrows_shipped.txt" | grep "^|"
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 150 python3 benchmarks/tune_tiles.py $FR_FORMATS \
-      --configs rt --shapes 64x8192 4x65536 --cuda-graphs 2>&1 | tee "$out/foldrows_variant.txt" | grep "^|")
-    timeout 90 python3 benchmarks/tune_tiles.py $FR_FORMATS --configs rt --shapes 64x8192 --cuda-graphs 2>&1 \
-      | tee "$out/foldrows_shipped2.txt" | grep "^|"
-    variant_tests foldrows tests/test_conformance.py tests/test_tiles.py tests/test_attention_plan.py \
-      tests/test_native_decode.py
     ;;
   kivicases)
     # write-kivi-layout.patch's compiled flush stored other key bytes than the reference (s47, H100: kivi_4bit, head
@@ -312,7 +270,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, blockrows, foldrows, kivicases, kivilayout, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, kivicases, kivilayout, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
