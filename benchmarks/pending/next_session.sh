@@ -11,7 +11,7 @@
 #   bash benchmarks/pending/next_session.sh crossover2 # head sizes 64 / 256 near the counts, nvfp4's (~400 s?)
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs (H200: s43's H100 had no slowdown), KIVI's flush profile
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
-#   bash benchmarks/pending/next_session.sh loadgroups8 # load_groups' writes at 8 tokens per program against the rule's 4 (~60 s?)
+#   bash benchmarks/pending/next_session.sh loadgroups8 # the writes under 70% at 8 / 16 tokens per program against the rule's 4 (~150 s?)
 #   bash benchmarks/pending/next_session.sh decoderows # decode-rows.patch (two static studies in one): every non-KIVI format's decode, both trees timed, then GPU tests (~560 s?)
 #   bash benchmarks/pending/next_session.sh kivicases  # stream checks of main and both KIVI flush-layout patches: where the full one miscompiles (~450 s?)
 #   bash benchmarks/pending/next_session.sh kivilayout # write-kivi-layout-prefill.patch timed against main, then KIVI's GPU tests (~300 s?)
@@ -167,10 +167,14 @@ case "$step" in
       int8_per_token_head_hadamard_k --tokens 32768 256 --rounds 2 2>&1 | tee "$out/writeprof_times.txt" | grep "^|"
     ;;
   loadgroups8)
-    # load_groups (merged in s47) at 8 tokens per program, a write-tile change (WRITE_TILES): the subagent's static
-    # count nvfp4 228 -> 209 instructions per token-head with 21 programs per SM instead of 32 (25 at maxnreg 80).
-    # The rule's tiles against 8/1 and 8/1/80 (tune_writes.py: BLOCK_T/warps[/maxnreg])
-    timeout 90 python3 benchmarks/tune_writes.py nvfp4 q4_0 --configs 4/1 8/1 8/1/80 --tokens 32768 2>&1 \
+    # 8 tokens per program against the rule's 4 (WRITE_TILES), for the writes under 70% of copy bandwidth: static
+    # warp instructions per token-head (sass_count.py --write with kernels.WRITE_OVERRIDE, s48) drop at 8 tokens for
+    # every write since load_rows / load_groups (int4 per token-head 460 -> 403, the Hadamard format 212 -> 163,
+    # int8 asym 322 -> 307, q4_0 168 -> 135, nvfp4 228 -> 209) with 17-21 programs per SM instead of 25-32; the
+    # twelfth session timed 8 tokens slower for all but mxfp4, before those loads. tune_writes.py's
+    # BLOCK_T/warps[/maxnreg] (16/1: int4 per token-head 377.5, Hadamard 140, 9-10 programs per SM)
+    timeout 200 python3 benchmarks/tune_writes.py int4_per_token_head int8_per_token_head_hadamard_k \
+      int8_asym_per_token_head q4_0 nvfp4 --configs 4/1 8/1 8/1/80 16/1 --tokens 32768 256 2>&1 \
       | tee "$out/loadgroups8.txt" | grep "^|"
     ;;
   decoderows)
