@@ -13,6 +13,7 @@
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
 #   bash benchmarks/pending/next_session.sh loadgroups8 # the writes under 70% at 8 / 16 tokens per program against the rule's 4 (~150 s?)
 #   bash benchmarks/pending/next_session.sh decoderows # decode-rows.patch (two static studies in one): every non-KIVI format's decode, both trees timed, then GPU tests (~560 s?)
+#   bash benchmarks/pending/next_session.sh rowcaps    # decode-rows.patch's freed registers: more programs per SM for the 8-bit formats (~330 s?)
 #   bash benchmarks/pending/next_session.sh kivicases  # stream checks of main and both KIVI flush-layout patches: where the full one miscompiles (~450 s?)
 #   bash benchmarks/pending/next_session.sh kivilayout # write-kivi-layout-prefill.patch timed against main, then KIVI's GPU tests (~300 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100; stale since: rebase first)
@@ -51,7 +52,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, kivicases, kivilayout, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, rowcaps, kivicases, kivilayout, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -199,6 +200,27 @@ case "$step" in
     variant_tests decoderows tests/test_stacked_blocks.py tests/test_conformance.py tests/test_tiles.py \
       tests/test_attention_plan.py tests/test_native_decode.py
     ;;
+  rowcaps)
+    # decode-rows.patch's fewer live rows leave registers free (s48, static: `sass_count.py --tiles` on the patched
+    # tree): int8 / int8 asym per token-head compile at a 128-register cap without spills (4 programs per SM instead
+    # of 3; PERF_NOTES: 3 -> 4 blocks per SM took an int8 kernel 431 -> 302 us), the Hadamard format at 168 (3
+    # instead of 2; 255 before), fp8 / int8 separate at 2 stages and 128 registers (3 instead of 2). On the
+    # variant, against its runtime tiles (rt), at the three head-128 decode shapes
+    DR_FORMATS="int8_per_token_head int8_asym_per_token_head int8_per_token_head_hadamard_k fp8_e4m3 \
+      int8_per_token_head_separate"
+    variant decode-rows 'ROW_FOLD = "' $DR_FORMATS || exit 1
+    cd /tmp/var || exit 1
+    export PYTHONPATH=/tmp/site:/tmp/varroot
+    timeout 150 python3 benchmarks/tune_tiles.py int8_per_token_head int8_asym_per_token_head \
+      --configs rt 128/4/2/128 128/4/2/128p --shapes 64x8192 4x65536 256x1024 --cuda-graphs 2>&1 \
+      | tee "$out/rowcaps_int8.txt" | grep "^|"
+    timeout 90 python3 benchmarks/tune_tiles.py int8_per_token_head_hadamard_k \
+      --configs rt 128/4/2/168 128/4/2/168p --shapes 64x8192 4x65536 256x1024 --cuda-graphs 2>&1 \
+      | tee "$out/rowcaps_hadamard.txt" | grep "^|"
+    timeout 120 python3 benchmarks/tune_tiles.py fp8_e4m3 int8_per_token_head_separate \
+      --configs rt 128/4/2/128p 128/4/3/168p --shapes 64x8192 4x65536 256x1024 --cuda-graphs 2>&1 \
+      | tee "$out/rowcaps_fp8.txt" | grep "^|"
+    ;;
   kivicases)
     # write-kivi-layout.patch's compiled flush stored other key bytes than the reference (s47, H100: kivi_4bit, head
     # size 32, fp32; the interpreter agrees with the reference). A subagent read the PTX: at head size 32 the key
@@ -274,7 +296,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, kivicases, kivilayout, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, rowcaps, kivicases, kivilayout, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
