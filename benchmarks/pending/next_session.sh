@@ -207,7 +207,7 @@ case "$step" in
     # instead of 2; 255 before), fp8 / int8 separate at 2 stages and 128 registers (3 instead of 2). On the
     # variant, against its runtime tiles (rt), at the three head-128 decode shapes
     DR_FORMATS="int8_per_token_head int8_asym_per_token_head int8_per_token_head_hadamard_k fp8_e4m3 \
-      int8_per_token_head_separate"
+      int8_per_token_head_separate mxfp4 mxfp8 nvfp4"
     variant decode-rows 'ROW_FOLD = "' $DR_FORMATS || exit 1
     cd /tmp/var || exit 1
     export PYTHONPATH=/tmp/site:/tmp/varroot
@@ -220,6 +220,10 @@ case "$step" in
     timeout 120 python3 benchmarks/tune_tiles.py fp8_e4m3 int8_per_token_head_separate \
       --configs rt 128/4/2/128p 128/4/3/168p --shapes 64x8192 4x65536 256x1024 --cuda-graphs 2>&1 \
       | tee "$out/rowcaps_fp8.txt" | grep "^|"
+    # and 4 programs per SM at 64 positions a step for the block-scaled formats (static: mxfp4 11.6 -> 11.9
+    # instructions per position, mxfp8 11.0 -> 12.0, nvfp4 12.1 -> 13.5, no spills)
+    timeout 90 python3 benchmarks/tune_tiles.py mxfp4 mxfp8 nvfp4 --configs rt 64/4/3/128p --shapes 64x8192 4x65536 \
+      --cuda-graphs 2>&1 | tee "$out/rowcaps_mx.txt" | grep "^|"
     ;;
   kivicases)
     # write-kivi-layout.patch's compiled flush stored other key bytes than the reference (s47, H100: kivi_4bit, head
