@@ -12,7 +12,8 @@
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs (H200: s43's H100 had no slowdown), KIVI's flush profile
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
 #   bash benchmarks/pending/next_session.sh loadgroups8 # the writes under 70% at 8 / 16 tokens per program against the rule's 4 (~150 s?)
-#   bash benchmarks/pending/next_session.sh decoderows # decode-rows.patch (two static studies in one): every non-KIVI format's decode, both trees timed, then GPU tests (~560 s?)
+#   bash benchmarks/pending/next_session.sh decoderows # decode-rows.patch (two static studies in one): every non-KIVI format's decode, both trees timed (~330 s?)
+#   bash benchmarks/pending/next_session.sh decoderowstests # its GPU tests (~240 s?)
 #   bash benchmarks/pending/next_session.sh rowcaps    # decode-rows.patch's freed registers: more programs per SM for the 8-bit formats (~330 s?)
 #   bash benchmarks/pending/next_session.sh kivicases  # stream checks of main and both KIVI flush-layout patches: where the full one miscompiles (~450 s?)
 #   bash benchmarks/pending/next_session.sh kivilayout # write-kivi-layout-prefill.patch timed against main, then KIVI's GPU tests (~300 s?)
@@ -52,7 +53,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, rowcaps, kivicases, kivilayout, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, kivicases, kivilayout, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -182,8 +183,8 @@ case "$step" in
     # decode-rows.patch (forty-seventh session): block-rows.patch and fold-rows-all.patch in one (a subagent's merge:
     # one FOLD_ROWS mechanism, ROW_FOLD = "key" | "blocks" | "live" per format; every format's static count equal
     # to its own patch's). One step for both: every non-KIVI format timed in each tree (the runtime changes too),
-    # shipped, variant (also q8_0 at 168 registers: 3 programs per SM, 11.1 instructions per position statically),
-    # shipped again at 64 x 8192, then the variant's GPU tests. The two halves, to time apart if it fails, are the
+    # shipped, variant (also q8_0 at 168 registers: 3 programs per SM, 11.1 instructions per position statically);
+    # the variant's GPU tests are the step decoderowstests. The two halves, to time apart if it fails, are the
     # patches block-rows.patch (q8_0 / q4_0) and fold-rows-all.patch (the others) in git history at 857ae02
     DR_FORMATS="bf16 fp8_e4m3 int8_per_token_head int8_per_token_head_separate fp8_per_token_head \
       int8_asym_per_token_head int8_per_token_head_hadamard_k int4_per_token_head mixed_k8_v4 mxfp8 mxfp4 nvfp4 \
@@ -195,8 +196,12 @@ case "$step" in
       --configs rt --shapes 64x8192 4x65536 --cuda-graphs 2>&1 | tee "$out/decoderows_variant.txt" | grep "^|")
     (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 40 python3 benchmarks/tune_tiles.py q8_0 \
       --configs 128/4/2/168 --shapes 64x8192 4x65536 --cuda-graphs 2>&1 | tee "$out/decoderows_q8cap.txt" | grep "^|")
-    timeout 80 python3 benchmarks/tune_tiles.py $DR_FORMATS --configs rt --shapes 64x8192 --cuda-graphs 2>&1 \
-      | tee "$out/decoderows_shipped2.txt" | grep "^|"
+    ;;
+  decoderowstests)
+    # decode-rows.patch's GPU tests (split from decoderows, s48, so that each call fits a short device budget)
+    variant decode-rows 'ROW_FOLD = "' bf16 fp8_e4m3 int8_per_token_head int8_per_token_head_separate \
+      fp8_per_token_head int8_asym_per_token_head int8_per_token_head_hadamard_k int4_per_token_head mixed_k8_v4 \
+      mxfp8 mxfp4 nvfp4 q8_0 q4_0 || exit 1
     variant_tests decoderows tests/test_stacked_blocks.py tests/test_conformance.py tests/test_tiles.py \
       tests/test_attention_plan.py tests/test_native_decode.py
     ;;
@@ -300,7 +305,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, rowcaps, kivicases, kivilayout, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, kivicases, kivilayout, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
