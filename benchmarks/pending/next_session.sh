@@ -189,13 +189,14 @@ case "$step" in
     DR_FORMATS="bf16 fp8_e4m3 int8_per_token_head int8_per_token_head_separate fp8_per_token_head \
       int8_asym_per_token_head int8_per_token_head_hadamard_k int4_per_token_head mixed_k8_v4 mxfp8 mxfp4 nvfp4 \
       q8_0 q4_0"
+    DR_SHAPES=${DR_SHAPES:-64x8192 4x65536}  # (DR_SHAPES=64x8192: half the time, for a short budget)
     variant decode-rows 'ROW_FOLD = "' $DR_FORMATS || exit 1
-    timeout 150 python3 benchmarks/tune_tiles.py $DR_FORMATS --configs rt --shapes 64x8192 4x65536 --cuda-graphs \
+    timeout 150 python3 benchmarks/tune_tiles.py $DR_FORMATS --configs rt --shapes $DR_SHAPES --cuda-graphs \
       2>&1 | tee "$out/decoderows_shipped.txt" | grep "^|"
     (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 150 python3 benchmarks/tune_tiles.py $DR_FORMATS \
-      --configs rt --shapes 64x8192 4x65536 --cuda-graphs 2>&1 | tee "$out/decoderows_variant.txt" | grep "^|")
+      --configs rt --shapes $DR_SHAPES --cuda-graphs 2>&1 | tee "$out/decoderows_variant.txt" | grep "^|")
     (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 40 python3 benchmarks/tune_tiles.py q8_0 \
-      --configs 128/4/2/168 --shapes 64x8192 4x65536 --cuda-graphs 2>&1 | tee "$out/decoderows_q8cap.txt" | grep "^|")
+      --configs 128/4/2/168 --shapes $DR_SHAPES --cuda-graphs 2>&1 | tee "$out/decoderows_q8cap.txt" | grep "^|")
     ;;
   decoderowstests)
     # decode-rows.patch's GPU tests (split from decoderows, s48, so that each call fits a short device budget)
