@@ -47,7 +47,8 @@
 # benchmarks/results_2026-12-06_h100_s46.md) ran tests (675 passed), decode4prof and loadrows / loadrowstests
 # (write-load-rows.patch merged for the rotated formats); the three steps removed; s47 (H100,
 # benchmarks/results_2026-12-06_h100_s47.md) ran kividec and loadgroups (kivi-decode.patch and
-# write-load-groups.patch merged; both steps removed) and kivilayout (faster, one GPU stream case wrong: kivicases).
+# write-load-groups.patch merged; both steps removed) and kivilayout (faster, one GPU stream case wrong: kivicases); s48 got no
+# machine (every start failed).
 #
 # Steps in priority order; each prints how long it took.
 set -uo pipefail
