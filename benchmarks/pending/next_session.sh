@@ -211,7 +211,8 @@ case "$step" in
     # decode-rows.patch's fewer live rows leave registers free (s48, static: `sass_count.py --tiles` on the patched
     # tree): int8 / int8 asym per token-head compile at a 128-register cap without spills (4 programs per SM instead
     # of 3; PERF_NOTES: 3 -> 4 blocks per SM took an int8 kernel 431 -> 302 us), the Hadamard format at 168 (3
-    # instead of 2; 255 before), fp8 / int8 separate at 2 stages and 128 registers (3 instead of 2). On the
+    # instead of 2; 255 before), fp8 / int8 separate at 2 stages and 128 registers (3 instead of 2; 128/4/3/168p is
+    # their runtime tiles, a control). On the
     # variant, against its runtime tiles (rt), at the three head-128 decode shapes
     DR_FORMATS="int8_per_token_head int8_asym_per_token_head int8_per_token_head_hadamard_k fp8_e4m3 \
       int8_per_token_head_separate mxfp4 mxfp8 nvfp4"
