@@ -15,6 +15,7 @@
 #   bash benchmarks/pending/next_session.sh decoderows # decode-rows.patch (two static studies in one): every non-KIVI format's decode, both trees timed (~330 s?)
 #   bash benchmarks/pending/next_session.sh decoderowstests # its GPU tests (~240 s?)
 #   bash benchmarks/pending/next_session.sh rowcaps    # decode-rows.patch's freed registers: more programs per SM for the 8-bit formats (~330 s?)
+#   bash benchmarks/pending/next_session.sh quantcaps  # the quantized domain's int8 dots at 4 programs per SM (main; ~120 s?)
 #   bash benchmarks/pending/next_session.sh kivicases  # stream checks of main and both KIVI flush-layout patches: where the full one miscompiles (~450 s?)
 #   bash benchmarks/pending/next_session.sh kivilayout # write-kivi-layout-prefill.patch timed against main, then KIVI's GPU tests (~300 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100; stale since: rebase first)
@@ -54,7 +55,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, kivicases, kivilayout, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, quantcaps, kivicases, kivilayout, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -232,6 +233,17 @@ case "$step" in
     # instructions per position, mxfp8 11.0 -> 12.0, nvfp4 12.1 -> 13.5, no spills)
     timeout 90 python3 benchmarks/tune_tiles.py mxfp4 mxfp8 nvfp4 --configs rt 64/4/3/128p --shapes 64x8192 4x65536 \
       --cuda-graphs 2>&1 | tee "$out/rowcaps_mx.txt" | grep "^|"
+    ;;
+  quantcaps)
+    # the quantized domain (dot_precision="quantized": int8 x int8 dots, the query and probabilities quantized per
+    # row) at 4 programs per SM: on main, int8 separate and int8 per token-head compile at 128/4/2/128 without spills
+    # (s49, static: 8.4 instructions per position against 8.1 at the rule's 128/4/3/168p, 37 KiB of shared memory
+    # against 70, so 4 programs per SM instead of 3). ../shared/PERF_NOTES.md's experimental kernel of that design
+    # (int8 dots, scales out of the cell, 128 positions a step, 4 warps, 4 programs per SM) read at 86% of copy
+    # bandwidth (302 us at 64 x 8192); the twenty-third session timed the quantized domain at 3 per SM only (385 us)
+    timeout 200 python3 benchmarks/tune_tiles.py int8_per_token_head_separate int8_per_token_head \
+      --dot-precision quantized --configs rt 128/4/2/128 128/4/2/128p --shapes 64x8192 4x65536 256x1024 \
+      --cuda-graphs 2>&1 | tee "$out/quantcaps.txt" | grep "^|"
     ;;
   kivicases)
     # write-kivi-layout.patch's compiled flush stored other key bytes than the reference (s47, H100: kivi_4bit, head
