@@ -240,8 +240,10 @@ case "$step" in
     # (s49, static: 8.4 instructions per position against 8.1 at the rule's 128/4/3/168p, 37 KiB of shared memory
     # against 70, so 4 programs per SM instead of 3). ../shared/PERF_NOTES.md's experimental kernel of that design
     # (int8 dots, scales out of the cell, 128 positions a step, 4 warps, 4 programs per SM) read at 86% of copy
-    # bandwidth (302 us at 64 x 8192); the twenty-third session timed the quantized domain at 3 per SM only (385 us)
-    timeout 200 python3 benchmarks/tune_tiles.py int8_per_token_head_separate int8_per_token_head \
+    # bandwidth (302 us at 64 x 8192); the twenty-third session timed the quantized domain at 3 per SM only (385 us).
+    # The Hadamard format's quantized domain too (9.6 against 8.5 instructions, 0.1 spills, 4 per SM instead of 3)
+    timeout 240 python3 benchmarks/tune_tiles.py int8_per_token_head_separate int8_per_token_head \
+      int8_per_token_head_hadamard_k \
       --dot-precision quantized --configs rt 128/4/2/128 128/4/2/128p --shapes 64x8192 4x65536 256x1024 \
       --cuda-graphs 2>&1 | tee "$out/quantcaps.txt" | grep "^|"
     ;;
