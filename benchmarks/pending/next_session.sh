@@ -237,8 +237,8 @@ case "$step" in
   quantcaps)
     # the quantized domain (dot_precision="quantized": int8 x int8 dots, the query and probabilities quantized per
     # row) at 4 programs per SM: on main, int8 separate and int8 per token-head compile at 128/4/2/128 without spills
-    # (s49, static: 8.4 instructions per position against 8.1 at the rule's 128/4/3/168p, 37 KiB of shared memory
-    # against 70, so 4 programs per SM instead of 3). ../shared/PERF_NOTES.md's experimental kernel of that design
+    # (s49, static: 8.4 instructions per position against 8.1 at the runtime's tiles, 168 registers and 3 programs
+    # per SM; int8 separate's shared memory 70 -> 37 KiB at 2 stages). ../shared/PERF_NOTES.md's experimental kernel of that design
     # (int8 dots, scales out of the cell, 128 positions a step, 4 warps, 4 programs per SM) read at 86% of copy
     # bandwidth (302 us at 64 x 8192); the twenty-third session timed the quantized domain at 3 per SM only (385 us).
     # The Hadamard format's quantized domain too (9.6 against 8.5 instructions, 0.1 spills, 4 per SM instead of 3)
