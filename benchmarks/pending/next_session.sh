@@ -15,6 +15,7 @@
 #   bash benchmarks/pending/next_session.sh decoderows # decode-rows.patch (two static studies in one): every non-KIVI format's decode, both trees timed (~330 s?)
 #   bash benchmarks/pending/next_session.sh decoderowstests # its GPU tests (~240 s?)
 #   bash benchmarks/pending/next_session.sh rowcaps    # decode-rows.patch's freed registers: more programs per SM for the 8-bit formats (~330 s?)
+#   bash benchmarks/pending/next_session.sh valuesplit # value-split.patch (on decode-rows.patch): half the value staging, 4 programs per SM (~300 s?)
 #   bash benchmarks/pending/next_session.sh quantcaps  # the quantized domain's int8 dots at 4 programs per SM (main; ~120 s?)
 #   bash benchmarks/pending/next_session.sh kivicases  # stream checks of main and both KIVI flush-layout patches: where the full one miscompiles (~450 s?)
 #   bash benchmarks/pending/next_session.sh kivilayout # write-kivi-layout-prefill.patch timed against main, then KIVI's GPU tests (~300 s?)
@@ -55,17 +56,22 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, quantcaps, kivicases, kivilayout, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, valuesplit, quantcaps, kivicases, kivilayout, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
 # copied over /tmp/var's generated/ (for its tests)
-# (variant PATCH MARKER FORMAT...: MARKER, a name the patched kernels hold, checks the build is the patch's)
+# (variant PATCH MARKER FORMAT...: MARKER, a name the patched kernels hold, checks the build is the patch's; PATCH
+# may be several, joined by "+")
 variant() {
   local patch=$1 marker=$2; shift 2
   rm -rf /tmp/var /tmp/varroot /tmp/variant && cp -r . /tmp/var || return 1
-  (cd /tmp/var && { git apply "benchmarks/pending/$patch.patch" || patch -p1 < "benchmarks/pending/$patch.patch"; }) \
-    && mkdir -p /tmp/varroot && ln -sfn /tmp/var /tmp/varroot/kvgen || return 1
+  local one  # (PATCH may name several, joined by "+", applied in that order)
+  for one in ${patch//+/ }; do
+    (cd /tmp/var && { git apply "benchmarks/pending/$one.patch" || patch -p1 < "benchmarks/pending/$one.patch"; }) \
+      || return 1
+  done
+  mkdir -p /tmp/varroot && ln -sfn /tmp/var /tmp/varroot/kvgen || return 1
   local specs=""
   for f in "$@"; do specs="$specs'/tmp/var/specs/$f.yaml', "; done
   PYTHONPATH=/tmp/site:/tmp/varroot python3 -c "from kvgen.codegen.build import build_paths; \
@@ -233,6 +239,22 @@ case "$step" in
     # instructions per position, mxfp8 11.0 -> 12.0, nvfp4 12.1 -> 13.5, no spills)
     timeout 90 python3 benchmarks/tune_tiles.py mxfp4 mxfp8 nvfp4 --configs rt 64/4/3/128p --shapes 64x8192 4x65536 \
       --cuda-graphs 2>&1 | tee "$out/rowcaps_mx.txt" | grep "^|"
+    ;;
+  valuesplit)
+    # value-split.patch (s49, on top of decode-rows.patch): decode's P x V dot as two dots of half the value columns
+    # each (V_SPLIT, value_dot), so that the compiler's staging buffer of converted values takes 16 KiB instead of
+    # 32 at 128 positions of head size 128. Static (sm_90, 64 x 8192, 128/4/2/128p -> the same with V_SPLIT, "s"):
+    # fp8 72 -> 56 KiB, 3 -> 4 programs per SM, 5.1 -> 5.6 instructions per position; mixed_k8_v4 65 -> 49 KiB, 3 ->
+    # 4, 8.0 -> 8.1; mxfp4 57 -> 41 KiB, 3 -> 4, 11.5 -> 11.4; nvfp4 58 -> 42 KiB, 3 -> 4, 12.0 -> 11.8 (their
+    # runtime tiles: fp8 2 per SM, the others 3). Off by default: tune_tiles.py's "s" configs turn it on. On the
+    # variant (decode-rows.patch + value-split.patch), against its runtime tiles; then its GPU tests (bit for bit
+    # against the unsplit kernel, test_value_split.py, and the tile tests)
+    variant decode-rows+value-split 'VALUE_SPLIT = "' fp8_e4m3 mixed_k8_v4 mxfp4 nvfp4 int8_per_token_head_separate \
+      mxfp8 int8_asym_per_token_head || exit 1
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 200 python3 benchmarks/tune_tiles.py fp8_e4m3 \
+      mixed_k8_v4 mxfp4 nvfp4 --configs rt 128/4/2/128p 128/4/2/128ps --shapes 64x8192 4x65536 --cuda-graphs 2>&1 \
+      | tee "$out/valuesplit.txt" | grep "^|")
+    variant_tests valuesplit tests/test_value_split.py tests/test_tiles.py
     ;;
   quantcaps)
     # the quantized domain (dot_precision="quantized": int8 x int8 dots, the query and probabilities quantized per
