@@ -50,7 +50,7 @@
 # (write-load-rows.patch merged for the rotated formats); the three steps removed; s47 (H100,
 # benchmarks/results_2026-12-06_h100_s47.md) ran kividec and loadgroups (kivi-decode.patch and
 # write-load-groups.patch merged; both steps removed) and kivilayout (faster, one GPU stream case wrong: kivicases); s48 got no
-# machine (every start failed).
+# machine (every start failed), nor did s49 (it added valuesplit and quantcaps).
 #
 # Steps in priority order; each prints how long it took.
 set -uo pipefail
