@@ -264,9 +264,10 @@ case "$step" in
     # (int8 dots, scales out of the cell, 128 positions a step, 4 warps, 4 programs per SM) read at 86% of copy
     # bandwidth (302 us at 64 x 8192); the twenty-third session timed the quantized domain at 3 per SM only (385 us).
     # The Hadamard format's quantized domain too (9.6 against 8.5 instructions, 0.1 spills, 4 per SM instead of 3)
-    timeout 240 python3 benchmarks/tune_tiles.py int8_per_token_head_separate int8_per_token_head \
-      int8_per_token_head_hadamard_k \
-      --dot-precision quantized --configs rt 128/4/2/128 128/4/2/128p --shapes 64x8192 4x65536 256x1024 \
+    # (QC_FORMATS / QC_SHAPES: fewer, for a short budget)
+    timeout 240 python3 benchmarks/tune_tiles.py ${QC_FORMATS:-int8_per_token_head_separate int8_per_token_head \
+      int8_per_token_head_hadamard_k} \
+      --dot-precision quantized --configs rt 128/4/2/128 128/4/2/128p --shapes ${QC_SHAPES:-64x8192 4x65536 256x1024} \
       --cuda-graphs 2>&1 | tee "$out/quantcaps.txt" | grep "^|"
     ;;
   kivicases)
