@@ -162,6 +162,13 @@ def _choose_mode() -> None:
 # (benchmarks/RESULTS.md, 2026-11-30; the format named was measured, the others follow its rule); the last two keep
 # the configuration used before that measurement, also for the prefills not named. The interpreter takes 128
 # positions per step.
+# Forty-ninth session (H100, benchmarks/RESULTS.md; `python benchmarks/tune_tiles.py int8_per_token_head_separate
+# --dot-precision quantized --configs rt 128/4/2/128 --shapes 64x8192 4x65536 256x1024 --cuda-graphs`): int8 separate's
+# quantized domain (int8 dots: its value codes are the dot's operand, not staged as fp16) compiles at 2 stages and 128
+# registers without spills, 37 KiB of shared memory: 4 programs per SM instead of 3, 462 -> 423 us at 64 x 8192 (79%
+# -> 87% of copy bandwidth; 422 again), 237 -> 224 at 4 x 65536, 292 -> 258 at 256 x 1024. The inline-scale cells'
+# quantized domain was not faster so (int8 per token-head 508 -> 522 us at 64 x 8192; the Hadamard format 273 -> 290
+# at 4 x 65536) and keeps its rule: the rule's last field (int8 dots) is its own.
 DECODE_ROWS = 16
 # Prefill programs of more query rows than this run the whole steps every row sees in a loop of their own, without
 # the causal / window mask (the kernel's MASK_FREE_STEPS); decode (one new token per sequence, whatever the rows:
@@ -175,7 +182,9 @@ MASK_FREE_ROWS = DECODE_ROWS
 # fp32; "ieee" exact fp32 dots; "quantized" int8 dots on int8 codes; "fast" one 16-bit term per operand
 DOT_PRECISIONS = ("auto", "ieee", "quantized", "fast")
 ATTENTION_TILES = (
-    # bits, terms, block, split, rows, head, wide, e8m0, block dots[, scale words[, position scales]] -> tiles
+    # bits, terms, block, split, rows, head, wide, e8m0, block dots[, scale words[, position scales[, int8 dots]]]
+    # -> tiles
+    ((8, 1, False, False, 16, 128, True, None, None, None, None, True), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4)),  # int8 separate's quantized domain
     ((8, 1, False, False, 16, 128, True, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # fp8, int8 separate
     ((16, 1, None, False, 16, 64, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # bf16, hs 64
     ((8, 1, False, False, 16, 64, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # fp8, int8 separate, int8 / fp8 per token-head, hs 64
@@ -402,8 +411,9 @@ def attention_key(code_bits: dict, dots: dict, block_scaled: bool, block_m: int,
         elif mode != 0:  # the call's terms: per-block dots (BLOCK_DOTS) take the codes alone, one term
             terms = max(terms, dots[f"{side}_TERMS"])
             split |= (dots[f"{x}_TERMS"] > 1) << (x == "P")  # bit 0 the query's, bit 1 the probabilities'
+    int8_dots = 3 in (dots["DOT_K"], dots["DOT_V"])  # the quantized domain
     return (bits, terms, block_scaled, split, DECODE_ROWS if block_m <= DECODE_ROWS else block_m, head_pad, wide,
-            pow2_blocks, bool(dots.get("BLOCK_DOTS")), scale_words, position_scales)
+            pow2_blocks, bool(dots.get("BLOCK_DOTS")), scale_words, position_scales, int8_dots)
 
 
 _TILE_RULE_MEMO: dict = {}  # key -> (rule, tiles), for the table _TILE_RULE_MEMO_OF

@@ -160,6 +160,13 @@ def test_measured_choices(compiled):
                                                                    programs_per_sm=4)
     # the quantized domain was measured under the 8-bit cap (benchmarks/decode_modes.py), rotated keys included
     assert tiles("int8_per_token_head_hadamard_k", precision="quantized")["maxnreg"] == 168
+    # ... and int8 separate's at 2 stages and 128 registers, 4 programs per SM (forty-ninth session, H100: 8-12% less
+    # time at the three head-128 decode shapes); its exact dots keep the 16-byte rows' rule above
+    quantized_rule = dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4)
+    assert tiles("int8_per_token_head_separate", precision="quantized") == quantized_rule
+    assert tiles("int8_per_token_head_separate") != quantized_rule
+    for name in ("int8_per_token_head", "int8_per_token_head_hadamard_k", "mixed_k8_v4"):
+        assert tiles(name, precision="quantized") != quantized_rule, name
 
 
 def wide(name: str, head_size: int = 128, sides: str = "KV") -> bool:

@@ -16,7 +16,6 @@
 #   bash benchmarks/pending/next_session.sh decoderowstests # its GPU tests (~240 s?)
 #   bash benchmarks/pending/next_session.sh rowcaps    # decode-rows.patch's freed registers: more programs per SM for the 8-bit formats (~330 s?)
 #   bash benchmarks/pending/next_session.sh valuesplit # value-split.patch (on decode-rows.patch): half the value staging, 4 programs per SM (~300 s?)
-#   bash benchmarks/pending/next_session.sh quantcaps  # the quantized domain's int8 dots at 4 programs per SM (main; ~120 s?)
 #   bash benchmarks/pending/next_session.sh kivicases  # stream checks of main and both KIVI flush-layout patches: where the full one miscompiles (~450 s?)
 #   bash benchmarks/pending/next_session.sh kivilayout # write-kivi-layout-prefill.patch timed against main, then KIVI's GPU tests (~300 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100; stale since: rebase first)
@@ -50,13 +49,15 @@
 # (write-load-rows.patch merged for the rotated formats); the three steps removed; s47 (H100,
 # benchmarks/results_2026-12-06_h100_s47.md) ran kividec and loadgroups (kivi-decode.patch and
 # write-load-groups.patch merged; both steps removed) and kivilayout (faster, one GPU stream case wrong: kivicases); s48 got no
-# machine (every start failed), nor did s49 (it added valuesplit and quantcaps).
+# machine (every start failed); s49 (an H100 for its last minutes, benchmarks/results_2026-12-07_h100_s49.md) ran
+# quantcaps (int8 separate's quantized domain at 128/4/2/128 merged as a rule; the step removed) and valuesplit
+# without its tile tests (it stays, after decoderows).
 #
 # Steps in priority order; each prints how long it took.
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, valuesplit, quantcaps, kivicases, kivilayout, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, valuesplit, kivicases, kivilayout, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -255,20 +256,6 @@ case "$step" in
       mixed_k8_v4 mxfp4 nvfp4 --configs rt 128/4/2/128p 128/4/2/128ps --shapes 64x8192 4x65536 --cuda-graphs 2>&1 \
       | tee "$out/valuesplit.txt" | grep "^|")
     [ -n "${VS_NOTESTS:-}" ] || variant_tests valuesplit tests/test_value_split.py tests/test_tiles.py  # (VS_NOTESTS=1: timing only)
-    ;;
-  quantcaps)
-    # the quantized domain (dot_precision="quantized": int8 x int8 dots, the query and probabilities quantized per
-    # row) at 4 programs per SM: on main, int8 separate and int8 per token-head compile at 128/4/2/128 without spills
-    # (s49, static: 8.4 instructions per position against 8.1 at the runtime's tiles, 168 registers and 3 programs
-    # per SM; int8 separate's shared memory 70 -> 37 KiB at 2 stages). ../shared/PERF_NOTES.md's experimental kernel of that design
-    # (int8 dots, scales out of the cell, 128 positions a step, 4 warps, 4 programs per SM) read at 86% of copy
-    # bandwidth (302 us at 64 x 8192); the twenty-third session timed the quantized domain at 3 per SM only (385 us).
-    # The Hadamard format's quantized domain too (9.6 against 8.5 instructions, 0.1 spills, 4 per SM instead of 3)
-    # (QC_FORMATS / QC_SHAPES: fewer, for a short budget)
-    timeout 240 python3 benchmarks/tune_tiles.py ${QC_FORMATS:-int8_per_token_head_separate int8_per_token_head \
-      int8_per_token_head_hadamard_k} \
-      --dot-precision quantized --configs rt 128/4/2/128 128/4/2/128p --shapes ${QC_SHAPES:-64x8192 4x65536 256x1024} \
-      --cuda-graphs 2>&1 | tee "$out/quantcaps.txt" | grep "^|"
     ;;
   kivicases)
     # write-kivi-layout.patch's compiled flush stored other key bytes than the reference (s47, H100: kivi_4bit, head
