@@ -67,7 +67,7 @@ start=$(date +%s)
 variant() {
   local patch=$1 marker=$2; shift 2
   rm -rf /tmp/var /tmp/varroot /tmp/variant && cp -r . /tmp/var || return 1
-  local one  # (PATCH may name several, joined by "+", applied in that order)
+  local one
   for one in ${patch//+/ }; do
     (cd /tmp/var && { git apply "benchmarks/pending/$one.patch" || patch -p1 < "benchmarks/pending/$one.patch"; }) \
       || return 1
@@ -332,7 +332,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, kivicases, kivilayout, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, valuesplit, kivicases, kivilayout, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
