@@ -16,6 +16,8 @@
 #   bash benchmarks/pending/next_session.sh decoderowstests # its GPU tests (~240 s?)
 #   bash benchmarks/pending/next_session.sh rowcaps    # decode-rows.patch's freed registers: more programs per SM for the 8-bit formats (~330 s?)
 #   bash benchmarks/pending/next_session.sh valuesplit # value-split.patch (on decode-rows.patch): half the value staging, 4 programs per SM (~300 s?)
+#   bash benchmarks/pending/next_session.sh drvs       # decoderows at 64 x 8192 and valuesplit's timing in one call, one tree (~300 s?)
+#   bash benchmarks/pending/next_session.sh drvstests  # decoderowstests and valuesplit's tests in one call (~400 s?)
 #   bash benchmarks/pending/next_session.sh kivicases  # stream checks of main and both KIVI flush-layout patches: where the full one miscompiles (~450 s?)
 #   bash benchmarks/pending/next_session.sh kivilayout # write-kivi-layout-prefill.patch timed against main, then KIVI's GPU tests (~300 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100; stale since: rebase first)
@@ -57,7 +59,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, valuesplit, kivicases, kivilayout, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, valuesplit, drvs, drvstests, kivicases, kivilayout, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -257,6 +259,34 @@ case "$step" in
       | tee "$out/valuesplit.txt" | grep "^|")
     [ -n "${VS_NOTESTS:-}" ] || variant_tests valuesplit tests/test_value_split.py tests/test_tiles.py  # (VS_NOTESTS=1: timing only)
     ;;
+  drvs)
+    # decoderows and valuesplit's timings in one call, on one tree (decode-rows.patch + value-split.patch: the split is
+    # off unless a config ends in "s", so "rt" times decode-rows.patch alone), at 64 x 8192 (then 4 x 65536 for the
+    # split's formats): shipped, variant, q8_0 at 168 registers, the split against 128/4/2/128p (~300 s?)
+    DR_FORMATS="bf16 fp8_e4m3 int8_per_token_head int8_per_token_head_separate fp8_per_token_head \
+      int8_asym_per_token_head int8_per_token_head_hadamard_k int4_per_token_head mixed_k8_v4 mxfp8 mxfp4 nvfp4 \
+      q8_0 q4_0"
+    variant decode-rows+value-split 'VALUE_SPLIT = "' $DR_FORMATS || exit 1
+    timeout 100 python3 benchmarks/tune_tiles.py $DR_FORMATS --configs rt --shapes 64x8192 --cuda-graphs \
+      2>&1 | tee "$out/decoderows_shipped.txt" | grep "^|"
+    cd /tmp/var || exit 1
+    export PYTHONPATH=/tmp/site:/tmp/varroot
+    timeout 100 python3 benchmarks/tune_tiles.py $DR_FORMATS --configs rt --shapes 64x8192 --cuda-graphs 2>&1 \
+      | tee "$out/decoderows_variant.txt" | grep "^|"
+    timeout 30 python3 benchmarks/tune_tiles.py q8_0 --configs 128/4/2/168 --shapes 64x8192 --cuda-graphs 2>&1 \
+      | tee "$out/decoderows_q8cap.txt" | grep "^|"
+    timeout 150 python3 benchmarks/tune_tiles.py fp8_e4m3 mixed_k8_v4 mxfp4 nvfp4 --configs rt 128/4/2/128p \
+      128/4/2/128ps --shapes 64x8192 4x65536 --cuda-graphs 2>&1 | tee "$out/valuesplit.txt" | grep "^|"
+    ;;
+  drvstests)
+    # the GPU tests of decode-rows.patch + value-split.patch together (decoderowstests' and valuesplit's lists)
+    variant decode-rows+value-split 'VALUE_SPLIT = "' bf16 fp8_e4m3 int8_per_token_head \
+      int8_per_token_head_separate fp8_per_token_head int8_asym_per_token_head int8_per_token_head_hadamard_k \
+      int4_per_token_head mixed_k8_v4 mxfp8 mxfp4 nvfp4 q8_0 q4_0 || exit 1
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 400 python3 -m pytest -q -n 16 -p no:cacheprovider \
+      tests/test_stacked_blocks.py tests/test_conformance.py tests/test_tiles.py tests/test_attention_plan.py \
+      tests/test_native_decode.py tests/test_value_split.py 2>&1 | tee "$out/drvs_tests.txt" | tail -3)
+    ;;
   kivicases)
     # write-kivi-layout.patch's compiled flush stored other key bytes than the reference (s47, H100: kivi_4bit, head
     # size 32, fp32; the interpreter agrees with the reference). A subagent read the PTX: at head size 32 the key
@@ -332,7 +362,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, valuesplit, kivicases, kivilayout, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, valuesplit, drvs, drvstests, kivicases, kivilayout, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
