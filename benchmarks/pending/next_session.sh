@@ -15,6 +15,7 @@
 #   bash benchmarks/pending/next_session.sh decoderows # decode-rows.patch (two static studies in one): every non-KIVI format's decode, both trees timed (~330 s?)
 #   bash benchmarks/pending/next_session.sh decoderowstests # its GPU tests (~240 s?)
 #   bash benchmarks/pending/next_session.sh rowcaps    # decode-rows.patch's freed registers: more programs per SM for the 8-bit formats (~330 s?)
+#   bash benchmarks/pending/next_session.sh rowcaps2   # int4 / fp8 per token-head at 128 registers on decode-rows + value-split (~150 s?)
 #   bash benchmarks/pending/next_session.sh valuesplit # value-split.patch (on decode-rows.patch): half the value staging, 4 programs per SM (~300 s?)
 #   bash benchmarks/pending/next_session.sh drvs       # decoderows at 64 x 8192 and valuesplit's timing in one call, one tree (~300 s?)
 #   bash benchmarks/pending/next_session.sh drvstests  # decoderowstests and valuesplit's tests in one call (~400 s?)
@@ -59,7 +60,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, valuesplit, drvs, drvstests, kivicases, kivilayout, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, rowcaps2, valuesplit, drvs, drvstests, kivicases, kivilayout, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -243,6 +244,18 @@ case "$step" in
     timeout 90 python3 benchmarks/tune_tiles.py mxfp4 mxfp8 nvfp4 --configs rt 64/4/3/128p --shapes 64x8192 4x65536 \
       --cuda-graphs 2>&1 | tee "$out/rowcaps_mx.txt" | grep "^|"
     ;;
+  rowcaps2)
+    # what the fiftieth session's static scan of the decode-rows + value-split tree added to rowcaps (sass_count.py
+    # --tiles, 64 x 8192): int4 per token-head at 128 registers, 4 programs per SM (53 KiB, 10.3 instructions per
+    # position against 9.5, 0.3 spilled loads and stores); fp8 per token-head at 128 with the value dot split (4 per
+    # SM, 8.5 against 8.2, no spills; without the split 0.4 spilled) (~150 s?)
+    variant decode-rows+value-split 'VALUE_SPLIT = "' int4_per_token_head fp8_per_token_head || exit 1
+    cd /tmp/var || exit 1
+    export PYTHONPATH=/tmp/site:/tmp/varroot
+    timeout 140 python3 benchmarks/tune_tiles.py int4_per_token_head fp8_per_token_head \
+      --configs rt 128/4/2/128 128/4/2/128s --shapes 64x8192 4x65536 256x1024 --cuda-graphs 2>&1 \
+      | tee "$out/rowcaps2.txt" | grep "^|"
+    ;;
   valuesplit)
     # value-split.patch (s49, on top of decode-rows.patch): decode's P x V dot as two dots of half the value columns
     # each (V_SPLIT, value_dot), so that the compiler's staging buffer of converted values takes 16 KiB instead of
@@ -362,7 +375,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, valuesplit, drvs, drvstests, kivicases, kivilayout, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, rowcaps2, valuesplit, drvs, drvstests, kivicases, kivilayout, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
