@@ -290,6 +290,10 @@ case "$step" in
       | tee "$out/decoderows_q8cap.txt" | grep "^|"
     timeout 150 python3 benchmarks/tune_tiles.py fp8_e4m3 mixed_k8_v4 mxfp4 nvfp4 --configs rt 128/4/2/128p \
       128/4/2/128ps --shapes 64x8192 4x65536 --cuda-graphs 2>&1 | tee "$out/valuesplit.txt" | grep "^|"
+    # the value dot in four quarters ("q", s50): int8 separate and mxfp8 57 -> 49 KiB, 4 programs per SM (halves left
+    # them 1 KiB over); auto's int8 separate, not its quantized domain's rule
+    timeout 100 python3 benchmarks/tune_tiles.py int8_per_token_head_separate mxfp8 --configs rt 128/4/2/128ps \
+      128/4/2/128pq --shapes 64x8192 4x65536 --cuda-graphs 2>&1 | tee "$out/valuequarters.txt" | grep "^|"
     ;;
   drvstests)
     # the GPU tests of decode-rows.patch + value-split.patch together (decoderowstests' and valuesplit's lists)
