@@ -294,6 +294,10 @@ case "$step" in
     # them 1 KiB over); auto's int8 separate, not its quantized domain's rule
     timeout 100 python3 benchmarks/tune_tiles.py int8_per_token_head_separate mxfp8 --configs rt 128/4/2/128ps \
       128/4/2/128pq --shapes 64x8192 4x65536 --cuda-graphs 2>&1 | tee "$out/valuequarters.txt" | grep "^|"
+    # and mxfp4 / nvfp4 at 3 stages in quarters: 50 / 52 KiB, 4 programs per SM (their rule: 3 stages, 168
+    # registers, 3 per SM; halves at 3 stages 58 / 60 KiB, 3)
+    timeout 60 python3 benchmarks/tune_tiles.py mxfp4 nvfp4 --configs 128/4/3/128pq --shapes 64x8192 4x65536 \
+      --cuda-graphs 2>&1 | tee -a "$out/valuequarters.txt" | grep "^|"
     ;;
   drvstests)
     # the GPU tests of decode-rows.patch + value-split.patch together (decoderowstests' and valuesplit's lists)
