@@ -18,6 +18,7 @@
 #   bash benchmarks/pending/next_session.sh rowcaps2   # int4 / fp8 per token-head at 128 registers on decode-rows + value-split (~150 s?)
 #   bash benchmarks/pending/next_session.sh valuesplit # value-split.patch (on decode-rows.patch): half the value staging, 4 programs per SM (~300 s?)
 #   bash benchmarks/pending/next_session.sh drvs       # decoderows at 64 x 8192 and valuesplit's timing in one call, one tree (~300 s?)
+#   bash benchmarks/pending/next_session.sh occupancy  # 5 / 6 programs per SM at 64-position steps, 96 / 80 registers (~200 s?)
 #   bash benchmarks/pending/next_session.sh drvstests  # decoderowstests and valuesplit's tests in one call (~400 s?)
 #   bash benchmarks/pending/next_session.sh kivicases  # stream checks of main and both KIVI flush-layout patches: where the full one miscompiles (~450 s?)
 #   bash benchmarks/pending/next_session.sh kivilayout # write-kivi-layout-prefill.patch timed against main, then KIVI's GPU tests (~300 s?)
@@ -60,7 +61,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, rowcaps2, valuesplit, drvs, drvstests, kivicases, kivilayout, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, rowcaps2, valuesplit, drvs, occupancy, drvstests, kivicases, kivilayout, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -299,6 +300,23 @@ case "$step" in
     timeout 60 python3 benchmarks/tune_tiles.py mxfp4 nvfp4 --configs 128/4/3/128pq --shapes 64x8192 4x65536 \
       --cuda-graphs 2>&1 | tee -a "$out/valuequarters.txt" | grep "^|"
     ;;
+  occupancy)
+    # more programs per SM than any rule takes (s50, static, decode-rows + value-split tree, sass_count.py --tiles at
+    # 64 x 8192): 64-position steps with the value dot in halves under 96 / 80 registers fit 5 / 6 programs of 4 warps
+    # per SM (decode waits on latency at 3: benchmarks/RESULTS.md, forty-sixth session), for more instructions per
+    # position: mxfp4 11.4 -> 11.9 (64/4/3/96ps, 5 per SM, no spills) / 12.2 (64/4/3/80ps, 6, 0.2 spilled); nvfp4 12.0
+    # -> 13.4 / 13.9; fp8 5.1 -> 7.4 (64/4/2/96ps, 5) / 7.8 (64/4/2/80ps, 6, 0.3); int8 separate 7.3 -> 10.8 / 11.8;
+    # mxfp8 11.0 -> 12.6 (64/4/2/80ps, 6, 0.4) (~200 s?)
+    variant decode-rows+value-split 'VALUE_SPLIT = "' mxfp4 nvfp4 fp8_e4m3 int8_per_token_head_separate mxfp8 || exit 1
+    cd /tmp/var || exit 1
+    export PYTHONPATH=/tmp/site:/tmp/varroot
+    timeout 120 python3 benchmarks/tune_tiles.py mxfp4 nvfp4 --configs rt 64/4/3/96ps 64/4/3/80ps \
+      --shapes 64x8192 4x65536 --cuda-graphs 2>&1 | tee "$out/occupancy.txt" | grep "^|"
+    timeout 120 python3 benchmarks/tune_tiles.py fp8_e4m3 int8_per_token_head_separate --configs rt 64/4/2/96ps \
+      64/4/2/80ps --shapes 64x8192 4x65536 --cuda-graphs 2>&1 | tee -a "$out/occupancy.txt" | grep "^|"
+    timeout 60 python3 benchmarks/tune_tiles.py mxfp8 --configs rt 64/4/2/80ps --shapes 64x8192 4x65536 \
+      --cuda-graphs 2>&1 | tee -a "$out/occupancy.txt" | grep "^|"
+    ;;
   drvstests)
     # the GPU tests of decode-rows.patch + value-split.patch together (decoderowstests' and valuesplit's lists)
     variant decode-rows+value-split 'VALUE_SPLIT = "' bf16 fp8_e4m3 int8_per_token_head \
@@ -383,7 +401,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, rowcaps2, valuesplit, drvs, drvstests, kivicases, kivilayout, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, rowcaps2, valuesplit, drvs, occupancy, drvstests, kivicases, kivilayout, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
