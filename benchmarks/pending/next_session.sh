@@ -19,6 +19,7 @@
 #   bash benchmarks/pending/next_session.sh valuesplit # value-split.patch (on decode-rows.patch): half the value staging, 4 programs per SM (~300 s?)
 #   bash benchmarks/pending/next_session.sh drvs       # decoderows at 64 x 8192 and valuesplit's timing in one call, one tree (~300 s?)
 #   bash benchmarks/pending/next_session.sh occupancy  # 5 / 6 programs per SM at 64-position steps, 96 / 80 registers (~200 s?)
+#   bash benchmarks/pending/next_session.sh kivicaps   # kivi_4bit at 168 registers: 3 programs per SM instead of 2, statically (~150 s?)
 #   bash benchmarks/pending/next_session.sh drvstests  # decoderowstests and valuesplit's tests in one call (~400 s?)
 #   bash benchmarks/pending/next_session.sh kivicases  # stream checks of main and both KIVI flush-layout patches: where the full one miscompiles (~450 s?)
 #   bash benchmarks/pending/next_session.sh kivilayout # write-kivi-layout-prefill.patch timed against main, then KIVI's GPU tests (~300 s?)
@@ -61,7 +62,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, rowcaps2, valuesplit, drvs, occupancy, drvstests, kivicases, kivilayout, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, rowcaps2, valuesplit, drvs, occupancy, kivicaps, drvstests, kivicases, kivilayout, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -317,6 +318,13 @@ case "$step" in
     timeout 60 python3 benchmarks/tune_tiles.py mxfp8 --configs rt 64/4/2/80ps --shapes 64x8192 4x65536 \
       --cuda-graphs 2>&1 | tee -a "$out/occupancy.txt" | grep "^|"
     ;;
+  kivicaps)
+    # KIVI's decode at head size 128 takes "the rest"'s tiles without a register cap (s50, static, main: sass_count.py):
+    # kivi_4bit compiles to 179 registers, 2 programs per SM; capped at 168, 3 per SM with no spills and 15.3
+    # instructions per position against 15.1; at 128, 4 per SM (0.2-0.3 spilled). kivi_2bit: 168 already (3 per SM)
+    timeout 200 python3 benchmarks/tune_tiles.py kivi_4bit kivi_2bit --configs rt 64/4/3/168 64/4/3/128 \
+      --shapes 64x8192 4x65536 256x1024 --cuda-graphs 2>&1 | tee "$out/kivicaps.txt" | grep "^|"
+    ;;
   drvstests)
     # the GPU tests of decode-rows.patch + value-split.patch together (decoderowstests' and valuesplit's lists)
     variant decode-rows+value-split 'VALUE_SPLIT = "' bf16 fp8_e4m3 int8_per_token_head \
@@ -401,7 +409,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, rowcaps2, valuesplit, drvs, occupancy, drvstests, kivicases, kivilayout, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, rowcaps2, valuesplit, drvs, occupancy, kivicaps, drvstests, kivicases, kivilayout, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
