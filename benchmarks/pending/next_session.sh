@@ -324,6 +324,9 @@ case "$step" in
     # instructions per position against 15.1; at 128, 4 per SM (0.2-0.3 spilled). kivi_2bit: 168 already (3 per SM)
     timeout 200 python3 benchmarks/tune_tiles.py kivi_4bit kivi_2bit --configs rt 64/4/3/168 64/4/3/128 \
       --shapes 64x8192 4x65536 256x1024 --cuda-graphs 2>&1 | tee "$out/kivicaps.txt" | grep "^|"
+    # head size 64: kivi_4bit's rule (128/4/2, no cap) compiles to 224 registers, 2 per SM; at 168, 3 (0.2 spilled)
+    timeout 60 python3 benchmarks/tune_tiles.py kivi_4bit --configs rt 128/4/2/168 --shapes 64x8192hs64 \
+      --cuda-graphs 2>&1 | tee -a "$out/kivicaps.txt" | grep "^|"
     ;;
   drvstests)
     # the GPU tests of decode-rows.patch + value-split.patch together (decoderowstests' and valuesplit's lists)
