@@ -20,6 +20,7 @@
 #   bash benchmarks/pending/next_session.sh drvs       # decoderows at 64 x 8192 and valuesplit's timing in one call, one tree (~300 s?)
 #   bash benchmarks/pending/next_session.sh occupancy  # 5 / 6 programs per SM at 64-position steps, 96 / 80 registers (~200 s?)
 #   bash benchmarks/pending/next_session.sh kivicaps   # kivi_4bit at 168 registers: 3 programs per SM instead of 2, statically (~150 s?)
+#   bash benchmarks/pending/next_session.sh rowcaps64  # head size 64 at 128 registers on decode-rows.patch: 4 programs per SM (~200 s?)
 #   bash benchmarks/pending/next_session.sh drvstests  # decoderowstests and valuesplit's tests in one call (~400 s?)
 #   bash benchmarks/pending/next_session.sh kivicases  # stream checks of main and both KIVI flush-layout patches: where the full one miscompiles (~450 s?)
 #   bash benchmarks/pending/next_session.sh kivilayout # write-kivi-layout-prefill.patch timed against main, then KIVI's GPU tests (~300 s?)
@@ -62,7 +63,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, rowcaps2, valuesplit, drvs, occupancy, kivicaps, drvstests, kivicases, kivilayout, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, rowcaps2, valuesplit, drvs, occupancy, kivicaps, rowcaps64, drvstests, kivicases, kivilayout, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -328,6 +329,21 @@ case "$step" in
     timeout 60 python3 benchmarks/tune_tiles.py kivi_4bit --configs rt 128/4/2/168 --shapes 64x8192hs64 \
       --cuda-graphs 2>&1 | tee -a "$out/kivicaps.txt" | grep "^|"
     ;;
+  rowcaps64)
+    # head size 64 on decode-rows.patch (+ value-split.patch, off here): the per token-head formats, q8_0, int8
+    # separate, mixed_k8_v4 and nvfp4 compile at 128 registers without spills (s50, static: 4 programs per SM
+    # instead of 3, within +-0.5 instructions per position of their rules' tiles; int8 per token-head 6.1 -> 6.0 at
+    # 128/4/2/128p). Their hs64 decode is 1.03-1.37x bf16 (forty-first session) (~200 s?)
+    variant decode-rows+value-split 'VALUE_SPLIT = "' fp8_per_token_head int8_per_token_head \
+      int8_asym_per_token_head int8_per_token_head_hadamard_k q8_0 int8_per_token_head_separate mixed_k8_v4 nvfp4 \
+      mxfp8 || exit 1
+    cd /tmp/var || exit 1
+    export PYTHONPATH=/tmp/site:/tmp/varroot
+    timeout 200 python3 benchmarks/tune_tiles.py bf16 fp8_per_token_head int8_per_token_head int8_asym_per_token_head \
+      int8_per_token_head_hadamard_k q8_0 int8_per_token_head_separate mixed_k8_v4 nvfp4 mxfp8 \
+      --configs rt 128/4/3/128p 128/4/2/128p --shapes 64x8192hs64 --cuda-graphs 2>&1 | tee "$out/rowcaps64.txt" \
+      | grep "^|"
+    ;;
   drvstests)
     # the GPU tests of decode-rows.patch + value-split.patch together (decoderowstests' and valuesplit's lists)
     variant decode-rows+value-split 'VALUE_SPLIT = "' bf16 fp8_e4m3 int8_per_token_head \
@@ -412,7 +428,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, rowcaps2, valuesplit, drvs, occupancy, kivicaps, drvstests, kivicases, kivilayout, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, rowcaps2, valuesplit, drvs, occupancy, kivicaps, rowcaps64, drvstests, kivicases, kivilayout, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
