@@ -334,7 +334,7 @@ case "$step" in
     # separate, mixed_k8_v4 and nvfp4 compile at 128 registers without spills (s50, static: 4 programs per SM
     # instead of 3, within +-0.5 instructions per position of their rules' tiles; int8 per token-head 6.1 -> 6.0 at
     # 128/4/2/128p). Their hs64 decode is 1.03-1.37x bf16 (forty-first session) (~200 s?)
-    variant decode-rows+value-split 'VALUE_SPLIT = "' fp8_per_token_head int8_per_token_head \
+    variant decode-rows+value-split 'VALUE_SPLIT = "' bf16 fp8_per_token_head int8_per_token_head \
       int8_asym_per_token_head int8_per_token_head_hadamard_k q8_0 int8_per_token_head_separate mixed_k8_v4 nvfp4 \
       mxfp8 || exit 1
     cd /tmp/var || exit 1
