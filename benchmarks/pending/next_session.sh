@@ -301,6 +301,11 @@ case "$step" in
     # registers, 3 per SM; halves at 3 stages 58 / 60 KiB, 3)
     timeout 60 python3 benchmarks/tune_tiles.py mxfp4 nvfp4 --configs 128/4/3/128pq --shapes 64x8192 4x65536 \
       --cuda-graphs 2>&1 | tee -a "$out/valuequarters.txt" | grep "^|"
+    # q4_0 / q8_0's stacked value blocks split too (s50): q4_0 at 128/4/2/128ps 58 -> 42 KiB, 4 programs per SM, 9.7
+    # instructions per position against its tiles' 9.6 at 3; q8_0 (register-bound) at 128 registers 4 per SM, 0.4
+    # spilled, 11.9 without the split / 12.4 in halves against 10.8 at 2 per SM
+    timeout 90 python3 benchmarks/tune_tiles.py q4_0 q8_0 --configs rt 128/4/2/128ps 128/4/2/128p --shapes 64x8192 \
+      4x65536 --cuda-graphs 2>&1 | tee "$out/valueblocks.txt" | grep "^|"
     ;;
   occupancy)
     # more programs per SM than any rule takes (s50, static, decode-rows + value-split tree, sass_count.py --tiles at
