@@ -335,17 +335,17 @@ case "$step" in
       --cuda-graphs 2>&1 | tee -a "$out/kivicaps.txt" | grep "^|"
     ;;
   rowcaps64)
-    # head size 64 on decode-rows.patch (+ value-split.patch, off here): the per token-head formats, q8_0, int8
+    # head size 64 on decode-rows.patch (+ value-split.patch, off here): the per token-head formats, q8_0, q4_0, int8
     # separate, mixed_k8_v4 and nvfp4 compile at 128 registers without spills (s50, static: 4 programs per SM
     # instead of 3, within +-0.5 instructions per position of their rules' tiles; int8 per token-head 6.1 -> 6.0 at
     # 128/4/2/128p). Their hs64 decode is 1.03-1.37x bf16 (forty-first session) (~200 s?)
     variant decode-rows+value-split 'VALUE_SPLIT = "' bf16 fp8_per_token_head int8_per_token_head \
-      int8_asym_per_token_head int8_per_token_head_hadamard_k q8_0 int8_per_token_head_separate mixed_k8_v4 nvfp4 \
-      mxfp8 || exit 1
+      int8_asym_per_token_head int8_per_token_head_hadamard_k q8_0 q4_0 int8_per_token_head_separate mixed_k8_v4 \
+      nvfp4 mxfp8 || exit 1
     cd /tmp/var || exit 1
     export PYTHONPATH=/tmp/site:/tmp/varroot
-    timeout 200 python3 benchmarks/tune_tiles.py bf16 fp8_per_token_head int8_per_token_head int8_asym_per_token_head \
-      int8_per_token_head_hadamard_k q8_0 int8_per_token_head_separate mixed_k8_v4 nvfp4 mxfp8 \
+    timeout 220 python3 benchmarks/tune_tiles.py bf16 fp8_per_token_head int8_per_token_head int8_asym_per_token_head \
+      int8_per_token_head_hadamard_k q8_0 q4_0 int8_per_token_head_separate mixed_k8_v4 nvfp4 mxfp8 \
       --configs rt 128/4/3/128p 128/4/2/128p --shapes 64x8192hs64 --cuda-graphs 2>&1 | tee "$out/rowcaps64.txt" \
       | grep "^|"
     ;;
