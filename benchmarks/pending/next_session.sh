@@ -57,7 +57,8 @@
 # write-load-groups.patch merged; both steps removed) and kivilayout (faster, one GPU stream case wrong: kivicases); s48 got no
 # machine (every start failed); s49 (an H100 for its last minutes, benchmarks/results_2026-12-07_h100_s49.md) ran
 # quantcaps (int8 separate's quantized domain at 128/4/2/128 merged as a rule; the step removed) and valuesplit
-# without its tile tests (it stays, after decoderows).
+# without its tile tests (it stays, after decoderows); s50 got no machine (every start failed) and added drvs,
+# kivicaps, drvstests, rowcaps2, rowcaps64 and occupancy from static scans (benchmarks/RESULTS.md, "fiftieth session").
 #
 # Steps in priority order; each prints how long it took.
 set -uo pipefail
