@@ -13,15 +13,13 @@
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
 #   bash benchmarks/pending/next_session.sh loadgroups8 # the writes under 70% at 8 / 16 tokens per program against the rule's 4 (~150 s?)
 #   bash benchmarks/pending/next_session.sh decoderows # decode-rows.patch (two static studies in one): every non-KIVI format's decode, both trees timed (~330 s?)
-#   bash benchmarks/pending/next_session.sh decoderowstests # its GPU tests (~240 s?)
 #   bash benchmarks/pending/next_session.sh rowcaps    # decode-rows.patch's freed registers: more programs per SM for the 8-bit formats (~330 s?)
 #   bash benchmarks/pending/next_session.sh rowcaps2   # int4 / fp8 per token-head at 128 registers on decode-rows + value-split (~150 s?)
-#   bash benchmarks/pending/next_session.sh valuesplit # value-split.patch (on decode-rows.patch): half the value staging, 4 programs per SM (~300 s?)
-#   bash benchmarks/pending/next_session.sh drvs       # decoderows at 64 x 8192 and valuesplit's timing in one call, one tree (~300 s?)
+#   bash benchmarks/pending/next_session.sh drvs       # decoderows at 64 x 8192 and value-split.patch's timings in one call, one tree (~300 s?)
 #   bash benchmarks/pending/next_session.sh occupancy  # 5 / 6 programs per SM at 64-position steps, 96 / 80 registers (~200 s?)
 #   bash benchmarks/pending/next_session.sh kivicaps   # kivi_4bit at 168 registers: 3 programs per SM instead of 2, statically (~150 s?)
 #   bash benchmarks/pending/next_session.sh rowcaps64  # head size 64 at 128 registers on decode-rows.patch: 4 programs per SM (~200 s?)
-#   bash benchmarks/pending/next_session.sh drvstests  # decoderowstests and valuesplit's tests in one call (~400 s?)
+#   bash benchmarks/pending/next_session.sh drvstests  # both patches' GPU tests in one call (~400 s?)
 #   bash benchmarks/pending/next_session.sh kivicases  # stream checks of main and both KIVI flush-layout patches: where the full one miscompiles (~450 s?)
 #   bash benchmarks/pending/next_session.sh kivilayout # write-kivi-layout-prefill.patch timed against main, then KIVI's GPU tests (~300 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100; stale since: rebase first)
@@ -57,14 +55,15 @@
 # write-load-groups.patch merged; both steps removed) and kivilayout (faster, one GPU stream case wrong: kivicases); s48 got no
 # machine (every start failed); s49 (an H100 for its last minutes, benchmarks/results_2026-12-07_h100_s49.md) ran
 # quantcaps (int8 separate's quantized domain at 128/4/2/128 merged as a rule; the step removed) and valuesplit
-# without its tile tests (it stays, after decoderows); s50 got no machine (every start failed) and added drvs,
-# kivicaps, drvstests, rowcaps2, rowcaps64 and occupancy from static scans (benchmarks/RESULTS.md, "fiftieth session").
+# without its tile tests; s50 got no machine (every start failed) and added drvs, kivicaps, drvstests, rowcaps2,
+# rowcaps64 and occupancy from static scans (drvs / drvstests replace valuesplit and decoderowstests;
+# benchmarks/RESULTS.md, "fiftieth session").
 #
 # Steps in priority order; each prints how long it took.
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, rowcaps2, valuesplit, drvs, occupancy, kivicaps, rowcaps64, drvstests, kivicases, kivilayout, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, rowcaps, rowcaps2, drvs, occupancy, kivicaps, rowcaps64, drvstests, kivicases, kivilayout, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -200,7 +199,7 @@ case "$step" in
     # one FOLD_ROWS mechanism, ROW_FOLD = "key" | "blocks" | "live" per format; every format's static count equal
     # to its own patch's). One step for both: every non-KIVI format timed in each tree (the runtime changes too),
     # shipped, variant (also q8_0 at 168 registers: 3 programs per SM, 11.1 instructions per position statically);
-    # the variant's GPU tests are the step decoderowstests. The two halves, to time apart if it fails, are the
+    # the variant's GPU tests are in the step drvstests. The two halves, to time apart if it fails, are the
     # patches block-rows.patch (q8_0 / q4_0) and fold-rows-all.patch (the others) in git history at 857ae02
     DR_FORMATS="bf16 fp8_e4m3 int8_per_token_head int8_per_token_head_separate fp8_per_token_head \
       int8_asym_per_token_head int8_per_token_head_hadamard_k int4_per_token_head mixed_k8_v4 mxfp8 mxfp4 nvfp4 \
@@ -213,14 +212,6 @@ case "$step" in
       --configs rt --shapes $DR_SHAPES --cuda-graphs 2>&1 | tee "$out/decoderows_variant.txt" | grep "^|")
     (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 40 python3 benchmarks/tune_tiles.py q8_0 \
       --configs 128/4/2/168 --shapes $DR_SHAPES --cuda-graphs 2>&1 | tee "$out/decoderows_q8cap.txt" | grep "^|")
-    ;;
-  decoderowstests)
-    # decode-rows.patch's GPU tests (split from decoderows, s48, so that each call fits a short device budget)
-    variant decode-rows 'ROW_FOLD = "' bf16 fp8_e4m3 int8_per_token_head int8_per_token_head_separate \
-      fp8_per_token_head int8_asym_per_token_head int8_per_token_head_hadamard_k int4_per_token_head mixed_k8_v4 \
-      mxfp8 mxfp4 nvfp4 q8_0 q4_0 || exit 1
-    variant_tests decoderows tests/test_stacked_blocks.py tests/test_conformance.py tests/test_tiles.py \
-      tests/test_attention_plan.py tests/test_native_decode.py
     ;;
   rowcaps)
     # decode-rows.patch's fewer live rows leave registers free (s48, static: `sass_count.py --tiles` on the patched
@@ -260,24 +251,8 @@ case "$step" in
       --configs rt 128/4/2/128 128/4/2/128s --shapes 64x8192 4x65536 256x1024 --cuda-graphs 2>&1 \
       | tee "$out/rowcaps2.txt" | grep "^|"
     ;;
-  valuesplit)
-    # value-split.patch (s49, on top of decode-rows.patch): decode's P x V dot as two dots of half the value columns
-    # each (V_SPLIT, value_dot), so that the compiler's staging buffer of converted values takes 16 KiB instead of
-    # 32 at 128 positions of head size 128. Static (sm_90, 64 x 8192, 128/4/2/128p -> the same with V_SPLIT, "s"):
-    # fp8 72 -> 56 KiB, 3 -> 4 programs per SM, 5.1 -> 5.6 instructions per position; mixed_k8_v4 65 -> 49 KiB, 3 ->
-    # 4, 8.0 -> 8.1; mxfp4 57 -> 41 KiB, 3 -> 4, 11.5 -> 11.4; nvfp4 58 -> 42 KiB, 3 -> 4, 12.0 -> 11.8 (their
-    # runtime tiles: fp8 2 per SM, the others 3). Off by default: tune_tiles.py's "s" configs turn it on. On the
-    # variant (decode-rows.patch + value-split.patch), against its runtime tiles; then its GPU tests (bit for bit
-    # against the unsplit kernel, test_value_split.py, and the tile tests)
-    variant decode-rows+value-split 'VALUE_SPLIT = "' fp8_e4m3 mixed_k8_v4 mxfp4 nvfp4 int8_per_token_head_separate \
-      mxfp8 int8_asym_per_token_head || exit 1
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 200 python3 benchmarks/tune_tiles.py fp8_e4m3 \
-      mixed_k8_v4 mxfp4 nvfp4 --configs rt 128/4/2/128p 128/4/2/128ps --shapes 64x8192 4x65536 --cuda-graphs 2>&1 \
-      | tee "$out/valuesplit.txt" | grep "^|")
-    [ -n "${VS_NOTESTS:-}" ] || variant_tests valuesplit tests/test_value_split.py tests/test_tiles.py  # (VS_NOTESTS=1: timing only)
-    ;;
   drvs)
-    # decoderows and valuesplit's timings in one call, on one tree (decode-rows.patch + value-split.patch: the split is
+    # decoderows' (at one shape) and value-split.patch's timings in one call, on one tree (decode-rows.patch + value-split.patch: the split is
     # off unless a config ends in "s", so "rt" times decode-rows.patch alone), at 64 x 8192 (then 4 x 65536 for the
     # split's formats): shipped, variant, q8_0 at 168 registers, the split against 128/4/2/128p (~300 s?)
     DR_FORMATS="bf16 fp8_e4m3 int8_per_token_head int8_per_token_head_separate fp8_per_token_head \
@@ -351,7 +326,8 @@ case "$step" in
       | grep "^|"
     ;;
   drvstests)
-    # the GPU tests of decode-rows.patch + value-split.patch together (decoderowstests' and valuesplit's lists)
+    # the GPU tests of decode-rows.patch + value-split.patch together (the split's tests and the decode tests the
+    # row fold changes)
     variant decode-rows+value-split 'VALUE_SPLIT = "' bf16 fp8_e4m3 int8_per_token_head \
       int8_per_token_head_separate fp8_per_token_head int8_asym_per_token_head int8_per_token_head_hadamard_k \
       int4_per_token_head mixed_k8_v4 mxfp8 mxfp4 nvfp4 q8_0 q4_0 || exit 1
@@ -434,7 +410,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, decoderowstests, rowcaps, rowcaps2, valuesplit, drvs, occupancy, kivicaps, rowcaps64, drvstests, kivicases, kivilayout, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, rowcaps, rowcaps2, drvs, occupancy, kivicaps, rowcaps64, drvstests, kivicases, kivilayout, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
