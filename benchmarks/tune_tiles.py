@@ -10,8 +10,9 @@ step / warps / pipeline stages / register cap), per format and shape. On a GPU:
     python benchmarks/tune_tiles.py q8_0 --dot-precision fast             # another dot precision (default auto)
     python benchmarks/tune_tiles.py mxfp8 --configs 128/8/2 --prefill-rows 128 --shapes 4x8192q2048  # 128 rows
 
-A config is BLOCK_N/num_warps/num_stages[/maxnreg][p][c|n] (p: the next step's block ids loaded one step ahead; c / n:
-the value codes converted in their load's layout or not, V_CONVERT_FIRST, by default the runtime's rule); a
+A config is BLOCK_N/num_warps/num_stages[/maxnreg][p][c|n][s] (p: the next step's block ids loaded one step ahead; c /
+n: the value codes converted in their load's layout or not, V_CONVERT_FIRST, by default the runtime's rule; s: the
+value dot in two halves of the columns, V_SPLIT, where the format's VALUE_SPLIT allows it); a
 register cap below the compiler's choice (255 for most generated kernels) lets more programs share an SM, at the
 price of spills (`python benchmarks/sass_count.py` counts
 both without a GPU). --programs-per-sm sets the split-KV target. The choice the runtime makes is
@@ -35,10 +36,11 @@ DEFAULT_CONFIGS = ["64/4/3", "128/4/3", "128/8/3", "64/4/4", "128/4/2", "32/4/4"
 def parse(config: str) -> dict:
     """A config's tiles: BLOCK_N/num_warps/num_stages[/maxnreg] and letters after the numbers: "p" block ids one
     step ahead (PREFETCH_BLOCKS), "c" / "n" the values converted in their load's layout or not (V_CONVERT_FIRST,
-    "convert_first" in the dict; without either the runtime's rule decides)."""
-    m = re.fullmatch(r"([\d/]+)([pcn]*)", config)
+    "convert_first" in the dict; without either the runtime's rule decides), "s" / "q" the value dot split in two /
+    four (V_SPLIT, "value_split")."""
+    m = re.fullmatch(r"([\d/]+)([pcnsq]*)", config)
     if m is None:
-        raise ValueError(f"config {config!r}: BLOCK_N/num_warps/num_stages[/maxnreg] and letters p, c or n")
+        raise ValueError(f"config {config!r}: BLOCK_N/num_warps/num_stages[/maxnreg] and letters p, c, n, s or q")
     parts = [int(x) for x in m[1].split("/") if x]
     if len(parts) not in (3, 4):
         raise ValueError(f"config {config!r}: BLOCK_N/num_warps/num_stages[/maxnreg], 3 or 4 numbers")
@@ -51,6 +53,10 @@ def parse(config: str) -> dict:
         raise ValueError(f"config {config!r}: 'c' and 'n' exclude each other")
     if "c" in m[2] or "n" in m[2]:
         c["convert_first"] = "c" in m[2]
+    if "s" in m[2]:
+        c["value_split"] = 2
+    if "q" in m[2]:
+        c["value_split"] = 4
     return c
 
 

@@ -528,6 +528,32 @@ def _tidy(source: str) -> str:
     return source.strip() + "\n"
 
 
+def _row_fold(k_ctx, v_ctx) -> str:
+    """The kernel's kind of FOLD_ROWS (decode's paged steps on the query rows a launch fills): "key" (keys scaled
+    per channel and token group with tensor-core dots: KEY_FOLD), "blocks" (one dot per block on both sides:
+    BLOCK_DOTS), "live" (one dot per side, no blocks on either), "" (neither: every row)."""
+    if k_ctx.tok == "channel" and bool(k_ctx.dot):
+        return "key"
+    if k_ctx.block_dots and v_ctx.block_dots:
+        return "blocks"
+    if not (k_ctx.block_dots or v_ctx.block_dots):
+        return "live"
+    return ""
+
+
+def _value_split(v_ctx, streaming: bool, row_fold: str) -> str:
+    """How decode's P x V dot may split the value tile's columns into two dots (the kernel's V_SPLIT, value_dot):
+    "halves" (codes narrower than a byte: their decode keeps a byte's two codes, adjacent columns, apart), "pairs"
+    (the column pairs a 32-bit register of 16-bit values holds stay together), or "" where a value step may take
+    another dot (minima, KIVI's groups and ring). Value blocks (block dots) split where their paged steps stack
+    every block in one dot (row_fold "blocks": stacked_pv) and carry no minima."""
+    stacked_blocks = v_ctx.block_dots and row_fold == "blocks"
+    if (streaming or v_ctx.bits >= 16 or (v_ctx.block_dots and not stacked_blocks) or v_ctx.zp == "float"
+            or v_ctx.tok == "channel"):
+        return ""
+    return "halves" if v_ctx.bits < 8 else "pairs"
+
+
 def render_files(spec: FormatSpec) -> dict[str, str]:
     """File name -> text of the generated package of ``spec``."""
     check_supported(spec)
@@ -566,6 +592,13 @@ def render_files(spec: FormatSpec) -> dict[str, str]:
             # keys scaled per channel and token group with tensor-core dots: decode may fold the scales into the
             # query (the kernel's KEY_FOLD, group_scores)
             key_fold=k_ctx.tok == "channel" and bool(k_ctx.dot),
+            # decode's paged steps may carry only the query rows a launch fills (the kernel's FOLD_ROWS), by kind:
+            # "key" with the key fold (KIVI: group_scores, stacked_pv), "blocks" where both sides take one dot per
+            # block (BLOCK_DOTS, q8_0 / q4_0: their blocks' rows stack, stacked_scores / stacked_pv), "live" for one
+            # dot per side without blocks (the dots on every row, the steps' state on FOLD_ROWS: live_rows); "" none
+            row_fold=_row_fold(k_ctx, v_ctx),
+            # decode's value dot in two dots of half the columns each (the kernel's V_SPLIT), by how the columns part
+            value_split=_value_split(v_ctx, spec.streaming, _row_fold(k_ctx, v_ctx)),
         ),
     }
     out = {name: _tidy(text) for name, text in files.items()}

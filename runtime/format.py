@@ -17,9 +17,9 @@ from .dequantize import DequantizedLaunch, auto_dense, dense_dtype
 from .kernels import DOT_PRECISIONS, KernelSet, write_pads
 
 try:
-    from ..codegen.spec import GLOBAL_SCALE_RANGE, FormatSpec, Granularity, ScaleDType
+    from ..codegen.spec import ELEMENTS, GLOBAL_SCALE_RANGE, FormatSpec, Granularity, ScaleDType
 except ImportError:  # running from a source checkout with the repo root on sys.path
-    from codegen.spec import GLOBAL_SCALE_RANGE, FormatSpec, Granularity, ScaleDType
+    from codegen.spec import ELEMENTS, GLOBAL_SCALE_RANGE, FormatSpec, Granularity, ScaleDType
 
 STORAGE_TORCH_DTYPES = {
     "uint8": torch.uint8,
@@ -84,7 +84,8 @@ class Format:
         dynamic = any(side.scale is not None and not side.scale.granularity.is_static for side in (spec.key, spec.value))
         self._kernels = KernelSet(package, block_scaled=bool(blocks),
                                   pow2_blocks=any(sc.dtype == ScaleDType.e8m0 for sc in blocks), scale_rows=scale_rows,
-                                  position_scales=dynamic)
+                                  position_scales=dynamic,
+                                  float_codes=any(ELEMENTS[side.element].kind == "fp" for side in (spec.key, spec.value)))
         self._consts: dict = {}
         # the write kernel's constexprs: the shared ones and its padding's (write_pads), by (block size, heads, head
         # size)

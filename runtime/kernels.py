@@ -61,7 +61,8 @@ def _choose_mode() -> None:
 #          inline-scale cells of 132 bytes a side.
 #   e8m0   block scales are powers of two (MX formats): the codes' ratios cost less arithmetic than nvfp4's e4m3
 #          scales, and more copies in flight pay where nvfp4 stays issue-bound;
-#   block dots  the call takes one dot per scale block (BLOCK_DOTS: q8_0 and q4_0 in decode, 249-254 registers);
+#   block dots  the call takes one dot per scale block (BLOCK_DOTS: q8_0 and q4_0 in decode; since block-rows, on the
+#          FOLD_ROWS rows a decode fills: q8_0 255 registers, q4_0 143 at head size 128, GROUP 4);
 #   scale words  no block-scale row is loaded byte-wise (scale_rows_in_words; rules that leave it out admit both);
 #   position scales  some side's scales are computed on write (per token-head, per block, per channel group), not
 #          static per tensor / head: fp8 per tensor and int8 separate differ only there (128-row prefill: 0.91x
@@ -157,7 +158,9 @@ def _choose_mode() -> None:
 # 2723 -> 3122) and int8 asym was level (3089 -> 3080): 64 rows there.
 # First matching rule wins (None matches anything). BLOCK_N: KV positions per step; maxnreg: a register cap (the
 # compiler otherwise takes 255 registers, two programs per SM); programs_per_sm: the split-KV target; convert_first
-# (optional): the rule's own V_CONVERT_FIRST, in place of convert_values_first's conditions. The tuned rules
+# (optional): the rule's own V_CONVERT_FIRST, in place of convert_values_first's conditions; value_split (optional,
+# decode): the P x V dot in 2 or 4 dots (V_SPLIT); live_fold (optional, default True): False keeps every query row in
+# a "live" kernel's paged steps (live_fold_rows). The tuned rules
 # were measured on the H200 with benchmarks/tune_tiles.py in decode at 64 x 8192 and 4 x 65536 with bf16 queries
 # (benchmarks/RESULTS.md, 2026-11-30; the format named was measured, the others follow its rule); the last two keep
 # the configuration used before that measurement, also for the prefills not named. The interpreter takes 128
@@ -168,7 +171,21 @@ def _choose_mode() -> None:
 # registers without spills, 37 KiB of shared memory: 4 programs per SM instead of 3, 462 -> 423 us at 64 x 8192 (79%
 # -> 87% of copy bandwidth; 422 again), 237 -> 224 at 4 x 65536, 292 -> 258 at 256 x 1024. The inline-scale cells'
 # quantized domain was not faster so (int8 per token-head 508 -> 522 us at 64 x 8192; the Hadamard format 273 -> 290
-# at 4 x 65536) and keeps its rule: the rule's last field (int8 dots) is its own.
+# at 4 x 65536) and keeps its rule: the rule's int8-dots field is its own.
+# Fifty-first session (H100, benchmarks/results_2026-12-07_h100_s51.md; `python benchmarks/tune_tiles.py FORMATS
+# --configs rt CONFIG --shapes 64x8192 4x65536 256x1024 --cuda-graphs`), with decode's paged steps on the rows the
+# launch fills (fold_rows' stacked blocks for q8_0 / q4_0, live_fold_rows' 8 of 16 for the formats of one dot per
+# side) and the value dot in halves where a rule says value_split: at head size 128 q4_0 and nvfp4 (nvfp4_separate
+# following, untimed) at 2 stages, block ids ahead, 128 registers, the value dot in halves (q4_0 574 -> 457 / 300 ->
+# 240 / 328 -> 269 us; nvfp4 440 -> 405 / 221 -> 223 / 251 -> 232); mxfp4 the same (404 -> 398 / 209 -> 206 / 223
+# -> 215, against its 3-stage rule); q8_0 capped at 168 (573 -> 539 / 296 -> 259 / 329 -> 299); kivi_4bit at 128
+# registers (main's kernel: 1227 -> 1067 / 622 -> 531 / 810 -> 790; kivi_2bit mixed, kept); the rotated-key format
+# with bf16 / fp16 queries at 168 (524 -> 526 / 267 -> 251 / 353 -> 310). fp8 per token-head ran slower on 8 rows
+# (499 -> 539 / 257 -> 273 / 292 -> 304 us) and keeps every row (live_fold=False; the key's last field: low-bit float
+# codes). At head size 64 (64 x 8192 only, 128/4/2/128p against the rules' tiles): int8 separate 270 -> 248 and
+# mxfp8 329 -> 296 at 2 stages, 128 registers; q4_0 287 -> 260 at 3 stages, 128 registers. Not faster and not taken:
+# quarters for int8 separate (412 -> 461 us) and mxfp8 (463 -> 453, within noise), 64-position steps at 5 or 6
+# programs per SM (benchmarks/pending/README.md's occupancy), int8 per token-head / int8 asym at 128 registers.
 DECODE_ROWS = 16
 # Prefill programs of more query rows than this run the whole steps every row sees in a loop of their own, without
 # the causal / window mask (the kernel's MASK_FREE_STEPS); decode (one new token per sequence, whatever the rows:
@@ -182,20 +199,22 @@ MASK_FREE_ROWS = DECODE_ROWS
 # fp32; "ieee" exact fp32 dots; "quantized" int8 dots on int8 codes; "fast" one 16-bit term per operand
 DOT_PRECISIONS = ("auto", "ieee", "quantized", "fast")
 ATTENTION_TILES = (
-    # bits, terms, block, split, rows, head, wide, e8m0, block dots[, scale words[, position scales[, int8 dots]]]
-    # -> tiles
+    # bits, terms, block, split, rows, head, wide, e8m0, block dots[, scale words[, position scales[, int8 dots[,
+    # float codes]]]] -> tiles
     ((8, 1, False, False, 16, 128, True, None, None, None, None, True), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4)),  # int8 separate's quantized domain
     ((8, 1, False, False, 16, 128, True, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # fp8, int8 separate
     ((16, 1, None, False, 16, 64, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # bf16, hs 64
+    ((8, 1, False, False, 16, 64, True, None, None, None, True, False), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4, prefetch_blocks=True)),  # int8 separate, hs 64
     ((8, 1, False, False, 16, 64, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # fp8, int8 separate, int8 / fp8 per token-head, hs 64
     ((4, 1, True, False, 16, 64, None, True, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4)),  # mxfp4, hs 64
     ((4, 1, True, False, 16, 64, None, None, False), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # nvfp4 (not q4_0's block dots), hs 64
     ((4, 1, False, (1, 2, 3), 16, 64, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4)),  # int4 per token-head, hs 64
     ((8, 1, False, 1, 16, 64, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # rotated keys (Hadamard, bf16 / fp16 queries), hs 64
+    ((4, 1, True, False, 16, 64, None, False, True), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=4, prefetch_blocks=True)),  # q4_0 (block dots), hs 64
     (((4, 8), 1, True, False, 16, 64, None, False, True), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # q4_0, q8_0 (block dots), hs 64
     ((2, 2, True, False, 16, 64, None, None, True), dict(BLOCK_N=64, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4)),  # kivi_2bit, hs 64
     ((4, 2, True, False, 16, 64, None, None, True), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # kivi_4bit, hs 64
-    ((8, 1, True, False, 16, 64, None, True, None, True), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # mxfp8, hs 64, scale rows as words
+    ((8, 1, True, False, 16, 64, None, True, None, True), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4, prefetch_blocks=True)),  # mxfp8, hs 64, scale rows as words
     ((16, 1, None, False, 16, 256, None, None, None), dict(BLOCK_N=32, num_warps=4, num_stages=3, programs_per_sm=4, prefetch_blocks=True)),  # bf16, hs 256
     ((8, 1, False, False, 16, 256, True, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=4, prefetch_blocks=True, convert_first=True)),  # fp8, int8 separate, hs 256
     ((8, 1, False, False, 16, 256, False, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=2, programs_per_sm=4)),  # int8 / fp8 per token-head, hs 256
@@ -220,14 +239,19 @@ ATTENTION_TILES = (
     ((16, 1, None, False, 128, 256, None, None, None), dict(BLOCK_N=64, num_warps=8, num_stages=2, programs_per_sm=4)),  # bf16, prefill of 128 rows, hs 256
     ((4, 1, True, False, 128, 256, None, None, False), dict(BLOCK_N=128, num_warps=8, num_stages=2, programs_per_sm=4)),  # nvfp4, mxfp4, prefill of 128 rows, hs 256
     ((16, 1, None, False, 16, None, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)),  # bf16
+    ((8, 1, False, False, 16, None, False, None, False, None, True, None, True), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8, live_fold=False)),  # fp8 per token-head: every row
     ((8, 1, False, False, 16, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # fp8
+    ((8, 1, True, False, 16, 128, None, False, True), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=4)),  # q8_0 (block dots), hs 128
     ((8, 1, True, None, 16, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # mxfp8
     ((8, 2, True, None, 16, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # q8_0
-    ((4, 1, True, False, 16, 128, None, True, None), dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # mxfp4, hs 128
+    ((4, 1, True, False, 16, 128, None, True, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4, prefetch_blocks=True, value_split=2)),  # mxfp4, hs 128
+    ((4, 1, True, False, 16, 128, None, False, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4, prefetch_blocks=True, value_split=2)),  # nvfp4, q4_0 (block dots), hs 128
     ((4, 1, True, False, 16, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # nvfp4, mxfp4
     ((4, 1, False, (1, 2, 3), 16, 128, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # int4 per token-head, hs 128
     ((4, 1, False, (1, 2, 3), 16, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # int4 per token-head
+    ((4, 2, True, False, 16, 128, None, None, True), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=4)),  # kivi_4bit, hs 128
     ((None, 2, True, False, 16, None, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=8)),  # KIVI (q4_0 before per-block dots)
+    ((8, 1, False, 1, 16, 128, False, False, False), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=4)),  # rotated keys (Hadamard, bf16 / fp16 queries), hs 128
     ((8, None, None, None, None, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # other 8-bit
     ((None, None, None, None, None, None, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=4)),  # the rest
 )
@@ -305,6 +329,16 @@ TILE_OVERRIDE: dict | None = None
 # take it.
 CONVERT_FIRST_OVERRIDE: bool | None = None
 CONVERT_FIRST_MAX_HEAD = 128
+# V_SPLIT (formats whose generated VALUE_SPLIT is set, decode only): the P x V dot as two dots of half the value
+# columns each, so that the staging buffer of converted values above takes half the shared memory (16 KiB at 128
+# positions of head size 128; s49, static, sm_90 with decode-rows.patch: at 128/4/2/128p fp8 72 -> 56 KiB, 4
+# programs per SM instead of 3, 5.1 -> 5.6 instructions per position; mixed_k8_v4 65 -> 49 KiB, 8.0 -> 8.1;
+# mxfp4 / nvfp4 57 / 58 -> 41 / 42 KiB, 11.4 / 11.8). In four dots of a quarter each (value_split 4), 8 KiB (s50,
+# static, the same tiles: int8 separate 57 -> 49 KiB, 3 -> 4 programs per SM, 7.9 -> 8.3 instructions per position;
+# mxfp8 57 -> 49, 3 -> 4, 11.8 -> 12.1; their two halves still left 57 KiB, 1 KiB over 4 programs' share). Off unless
+# a tile rule's value_split entry (True or 2: two dots; 4) or VALUE_SPLIT_OVERRIDE (tune_tiles.py's "s" / "q"
+# configs) asks for it.
+VALUE_SPLIT_OVERRIDE: bool | int | None = None
 # reshape_and_cache, compiled: tokens per program and warps (the interpreter takes 64 tokens per program), by the
 # widest stored code in bits and whether block scales are e8m0 (powers of two: the write multiplies by their exact
 # reciprocal); first matching rule wins. One warp holds each head's row, so per token-head reductions stay in the
@@ -364,43 +398,77 @@ def write_tiles(code_bits: dict, pow2_blocks: bool) -> dict:
 
 def attention_tiles(code_bits: dict, dots: dict, block_scaled: bool, block_m: int = DECODE_ROWS,
                     head_pad: int = 128, wide: bool = False, pow2_blocks: bool = False,
-                    scale_words: bool = True, position_scales: bool = False) -> dict:
+                    scale_words: bool = True, position_scales: bool = False, float_codes: bool = False) -> dict:
     """The launch configuration of a format's attention kernel for one call's dot constexprs ``dots`` and query rows
     per program ``block_m`` and padded head size ``head_pad``; ``wide``: every side's code rows start at multiples of
     16 bytes (``wide_rows``); ``pow2_blocks``: some side's block scales are e8m0. A new dict: BLOCK_N, num_warps,
     num_stages, optional maxnreg, prefetch_blocks and convert_first, programs_per_sm; ``scale_words``: no block-scale
     row is loaded byte-wise (``scale_rows_in_words``); ``position_scales``: some side's scales are computed on write
-    (per token-head, per block, per channel group), not static per tensor or head."""
+    (per token-head, per block, per channel group), not static per tensor or head; ``float_codes``: some side's codes
+    are low-bit floats (fp8, fp4), not integers."""
     if interpreting():
         return dict(INTERPRETER_TILES, programs_per_sm=4)
     if TILE_OVERRIDE is not None:
         return dict({"programs_per_sm": 4}, **TILE_OVERRIDE)
     rule, tiles = tile_rule(attention_key(code_bits, dots, block_scaled, block_m, head_pad, wide, pow2_blocks,
-                                          scale_words, position_scales))
+                                          scale_words, position_scales, float_codes))
     tiles = dict(tiles)
     if block_m >= WGMMA_ROWS and head_pad * min(code_bits.values()) // 8 < NARROW_ROW_BYTES:
         tiles["BLOCK_N"] = min(tiles["BLOCK_N"], NARROW_ROW_BLOCK_N)
     return tiles
 
 
-def fold_rows(dots: dict, block_m: int, group: int, query_tokens: int, key_groups: int, value_blocks: int) -> int:
-    """The kernel's FOLD_ROWS: the query rows that the paged steps of a key-folding decode (KEY_FOLD with the values'
-    BLOCK_DOTS) carry, the first of the tile's ``block_m``: every row ``query_tokens`` query tokens of ``group``
-    heads can fill (decode: ``group``), as a power of two, and at least what fills a tensor-core dot's 16 rows with
-    the key fold's two terms of ``key_groups`` token groups (group_scores) and with the values' ``value_blocks``
-    blocks stacked (stacked_pv). The tile's other rows hold no query (row_mask). ``block_m`` (every row) otherwise.
+def fold_rows(dots: dict, block_m: int, group: int, query_tokens: int, key_groups: int, value_blocks: int,
+              key_blocks: int = 0) -> int:
+    """The kernel's FOLD_ROWS: the query rows that the paged steps of a decode with stacked blocks carry, the first of
+    the tile's ``block_m``: every row ``query_tokens`` query tokens of ``group`` heads can fill (decode: ``group``),
+    as a power of two, and at least what fills a tensor-core dot's 16 rows with the values' ``value_blocks`` blocks
+    stacked (stacked_pv) and with the keys' rows: the key fold's two terms of ``key_groups`` token groups
+    (group_scores; KIVI: KEY_FOLD with the values' BLOCK_DOTS), or, where ``key_groups`` is 0, the keys'
+    ``key_blocks`` blocks stacked (stacked_scores; q8_0, q4_0: BLOCK_DOTS on both sides). The tile's other rows hold
+    no query (row_mask). ``block_m`` (every row) otherwise.
     Static counts (benchmarks/sass_count.py, sm_90, decode at 64 x 8192, GROUP 4: 4 rows of 16): kivi_2bit 27.1 ->
     15.7 instructions per position (247 -> 168 registers, 2 -> 3 programs per SM), kivi_4bit 27.0 -> 15.1 (250 ->
     179 registers, 2 programs per SM). H100 (forty-seventh session, tune_tiles.py with CUDA graphs): kivi_2bit
     1380-1411 -> 1110 us at 64 x 8192, 695 -> 521 at 4 x 65536, 938 -> 853 at 256 x 1024, 902 -> 722 at head size
-    256; kivi_4bit 1388-1408 -> 1227, 709 -> 614, 903 -> 809, 885 -> 718; head size 64 level."""
-    if not (dots.get("KEY_FOLD") and dots.get("BLOCK_DOTS")):
+    256; kivi_4bit 1388-1408 -> 1227, 709 -> 614, 903 -> 809, 885 -> 718; head size 64 level. q8_0 / q4_0
+    (stacked_scores / stacked_pv, static only so far): 15.9 -> 10.8 and 13.5 -> 9.6 instructions per position
+    (254 -> 255 and 237 -> 143 registers, 2 -> 2 and 2 -> 3 programs per SM); head size 256 33.9 -> 22.7 and
+    27.3 -> 17.9 (spills 0.4 / 2.1 -> 0 / 0.4), head size 64 9.4 -> 7.0 and 8.1 -> 6.2."""
+    if not dots.get("BLOCK_DOTS") or not (dots.get("KEY_FOLD") if key_groups else key_blocks):
         return block_m
-    return min(block_m, max(_next_pow2(group * query_tokens), 16 // (2 * key_groups), 16 // value_blocks))
+    keys = 16 // (2 * key_groups) if key_groups else 16 // key_blocks
+    return min(block_m, max(_next_pow2(group * query_tokens), keys, 16 // value_blocks))
+
+
+# kernels of one dot per side (ROW_FOLD "live": no blocks or key fold): the paged steps carry BLOCK_M / 2 of 16 rows
+# where the launch's queries fill no more (live_fold_rows), unless the tile rule says live_fold=False; False here:
+# every row for every kernel (experiments switch it off)
+LIVE_FOLD = True
+
+
+def live_fold_rows(block_m: int, group: int, query_tokens: int, live_fold: bool = True) -> int:
+    """The FOLD_ROWS of a kernel of one dot per side (ROW_FOLD "live": no blocks or key fold): the paged steps carry
+    the tile's first 8 rows alone (live_rows) where the tile has 16 and ``query_tokens`` query tokens of ``group``
+    heads fill no more than 8; ``block_m`` (every row) otherwise. 8 of 16: the rows of one register of a 16-row
+    tensor-core dot's result (the other register holds rows 8 to 15), so taking them selects registers and
+    repeating them for the value dot copies registers, no lanes; 4 rows cost shuffles across lanes and carry no
+    fewer registers. Static counts (benchmarks/sass_count.py, sm_90, decode at 64 x 8192, GROUP 4) in instructions
+    per position: int4_per_token_head 10.9 -> 9.5, mixed_k8_v4 9.2 -> 8.0, int8_asym_per_token_head 11.8 -> 10.1,
+    int8_per_token_head_hadamard_k 10.5 -> 9.1, int8_per_token_head 11.0 -> 9.5, fp8_per_token_head 9.4 -> 8.2,
+    nvfp4 12.9 -> 12.1, mxfp4 12.9 -> 11.6, mxfp8 12.2 -> 11.0. H100, fifty-first session (tune_tiles.py with CUDA
+    graphs, each format on its rule's tiles; benchmarks/results_2026-12-07_h100_s51.md), with the q8_0 / q4_0 block
+    rows of fold_rows, at 64 x 8192: int8 per token-head 517 -> 487 us, int8 asym 535 -> 496, Hadamard 559 -> 522,
+    int4 per token-head 632 -> 608, mixed_k8_v4 646 -> 627, mxfp8 477 -> 459, mxfp4 419 -> 404, nvfp4 454 -> 434,
+    fp8 and bf16 level; fp8 per token-head alone slower (499 -> 539, 257 -> 273 at 4 x 65536, 292 -> 304 at 256 x
+    1024): its rule keeps every row (``live_fold`` False)."""
+    if not (LIVE_FOLD and live_fold) or block_m != 16 or group * query_tokens > block_m // 2:
+        return block_m
+    return block_m // 2
 
 
 def attention_key(code_bits: dict, dots: dict, block_scaled: bool, block_m: int, head_pad: int, wide: bool,
-                  pow2_blocks: bool, scale_words: bool, position_scales: bool) -> tuple:
+                  pow2_blocks: bool, scale_words: bool, position_scales: bool, float_codes: bool = False) -> tuple:
     """The fields ATTENTION_TILES' rules match, for attention_tiles' arguments."""
     bits = max(code_bits.values())
     terms, split = 0, 0
@@ -413,7 +481,7 @@ def attention_key(code_bits: dict, dots: dict, block_scaled: bool, block_m: int,
             split |= (dots[f"{x}_TERMS"] > 1) << (x == "P")  # bit 0 the query's, bit 1 the probabilities'
     int8_dots = 3 in (dots["DOT_K"], dots["DOT_V"])  # the quantized domain
     return (bits, terms, block_scaled, split, DECODE_ROWS if block_m <= DECODE_ROWS else block_m, head_pad, wide,
-            pow2_blocks, bool(dots.get("BLOCK_DOTS")), scale_words, position_scales, int8_dots)
+            pow2_blocks, bool(dots.get("BLOCK_DOTS")), scale_words, position_scales, int8_dots, float_codes)
 
 
 _TILE_RULE_MEMO: dict = {}  # key -> (rule, tiles), for the table _TILE_RULE_MEMO_OF
@@ -437,14 +505,14 @@ def tile_rule(key: tuple) -> tuple:
 
 
 def rows_ruled(code_bits: dict, dots: dict, block_scaled: bool, block_m: int, head_pad: int, wide: bool,
-               pow2_blocks: bool, scale_words: bool, position_scales: bool) -> bool:
+               pow2_blocks: bool, scale_words: bool, position_scales: bool, float_codes: bool = False) -> bool:
     """Whether the tile rule of a program of ``block_m`` query rows names that many rows itself (a rule of its own,
     not one that admits any rows): how prefill programs of RULED_PREFILL_ROWS rows are chosen. Never in the
     interpreter or under TILE_OVERRIDE (experiments choose the rows by PREFILL_ROWS)."""
     if interpreting() or TILE_OVERRIDE is not None:
         return False
     rule, _ = tile_rule(attention_key(code_bits, dots, block_scaled, block_m, head_pad, wide, pow2_blocks,
-                                      scale_words, position_scales))
+                                      scale_words, position_scales, float_codes))
     return len(rule) > 4 and rule[4] == block_m
 
 
@@ -563,9 +631,10 @@ class KernelSet:
     """The kernels module of one generated package, imported on first use."""
 
     def __init__(self, package: types.ModuleType, block_scaled: bool = False, pow2_blocks: bool = False,
-                 scale_rows: dict | None = None, position_scales: bool = False):
+                 scale_rows: dict | None = None, position_scales: bool = False, float_codes: bool = False):
         self.package = package
         self.position_scales = position_scales  # a side's scales are computed on write: enters the tile choice
+        self.float_codes = float_codes  # a side's codes are low-bit floats (fp8, fp4): enters the tile choice
         self.block_scaled = block_scaled  # a side's scale covers blocks of elements: enters the tile choice
         self.pow2_blocks = pow2_blocks  # ... in e8m0: enters the write's and attention's tile choices
         # block-scaled sides: {"K" / "V": (elements per scale, bytes per scale)}, for scale_rows_in_words
@@ -712,7 +781,7 @@ class KernelSet:
         tile_dots = dots if dot_precision != "fast" else self._call_dots(query.dtype, "auto", rotated_keys,
                                                                          head_pad, block_m, query.device)
         tiles = attention_tiles(self.module.CODE_BITS, tile_dots, self.block_scaled, block_m, head_pad, wide,
-                                self.pow2_blocks, scale_words, self.position_scales)
+                                self.pow2_blocks, scale_words, self.position_scales, self.float_codes)
         if tile_dots.get("BLOCK_DOTS") and not dots.get("BLOCK_DOTS"):  # fast's ratios where auto takes block dots
             tiles.update(fast_ratio_tiles(self.module.CODE_BITS, self.module.BLOCK_DOTS))
         block_n = tiles.pop("BLOCK_N")
@@ -721,13 +790,26 @@ class KernelSet:
             block_n = max(block_n, group_n)
         programs_per_sm = tiles.pop("programs_per_sm")
         prefetch_blocks = int(tiles.pop("prefetch_blocks", False))
+        live_fold = tiles.pop("live_fold", True)
         convert_first = int(convert_values_first(self.module.CODE_BITS, dots, block_m, head_pad,
                                                  wide_rows(consts, "V"), tiles.pop("convert_first", None)))
+        value_split = tiles.pop("value_split", False)
+        if VALUE_SPLIT_OVERRIDE is not None:
+            value_split = VALUE_SPLIT_OVERRIDE
+        value_split = 2 if value_split is True else int(value_split)  # the number of dots (True: two)
+        if not (getattr(self.module, "VALUE_SPLIT", "") and block_m <= DECODE_ROWS):
+            value_split = 0
         num_q_tiles = triton_cdiv(max_query_len, block_q)
-        if getattr(self.module, "KEY_FOLD", False):
-            dots = dict(dots, FOLD_ROWS=fold_rows(dots, block_m, group, min(block_q, max_query_len),
-                                                  block_n // self.module.BLOCK_N_GROUP,
-                                                  head_pad // self.scale_rows.get("V", (head_pad, 0))[0]))
+        row_fold = getattr(self.module, "ROW_FOLD", "")  # the kernel's kind of FOLD_ROWS ("": none)
+        if row_fold == "live":  # one dot per side: the dots on every row, the paged steps' state on FOLD_ROWS
+            dots = dict(dots, FOLD_ROWS=live_fold_rows(block_m, group, min(block_q, max_query_len), live_fold))
+        elif row_fold:  # "key" (KIVI's key fold) or "blocks" (q8_0, q4_0): the steps' dots stack on FOLD_ROWS
+            key_fold = row_fold == "key"
+            dots = dict(dots, FOLD_ROWS=fold_rows(
+                dots, block_m, group, min(block_q, max_query_len),
+                block_n // self.module.BLOCK_N_GROUP if key_fold else 0,
+                head_pad // self.scale_rows.get("V", (head_pad, 0))[0],
+                0 if key_fold else head_pad // self.scale_rows.get("K", (head_pad, 0))[0]))
         num_seqs = seq_lens.shape[0]
         # an upper bound of the KV length without reading seq_lens back: what the block table can address
         max_kv = block_table.shape[1] * consts["BLOCK_SIZE"] if max_seq_len is None else max_seq_len
@@ -742,7 +824,7 @@ class KernelSet:
             block_table_ptr=block_table, seq_lens_ptr=seq_lens, query_start_loc_ptr=query_start_loc,
             qk_scale=qk_scale * LOG2E, window=window, num_q_tiles=num_q_tiles, stride_bt=block_table.stride(0),
             GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, OFFSETS_64=offsets_64,
-            PREFETCH_BLOCKS=prefetch_blocks, V_CONVERT_FIRST=convert_first,
+            PREFETCH_BLOCKS=prefetch_blocks, V_CONVERT_FIRST=convert_first, V_SPLIT=value_split,
             MASK_FREE_STEPS=int(block_m > MASK_FREE_ROWS and max_query_len > 1), **dots, **consts, **(extra or {}),
             **tiles,
         )
@@ -769,7 +851,8 @@ class KernelSet:
             dots = self._call_dots(query_dtype, "auto" if dot_precision == "fast" else dot_precision, rotated_keys,
                                    head_pad, more_rows, device)
             if rows_ruled(self.module.CODE_BITS, dots, self.block_scaled, more_rows, head_pad, wide_rows(consts),
-                          self.pow2_blocks, scale_rows_in_words(consts, self.scale_rows), self.position_scales):
+                          self.pow2_blocks, scale_rows_in_words(consts, self.scale_rows), self.position_scales,
+                          self.float_codes):
                 return more_rows
         return block_m
 

@@ -50,12 +50,13 @@ def test_register_caps_only_where_measured(compiled, head_pad):
         where = f"{name} {precision} {dtype} head {head_pad}"
         # two-term queries keep the compiler's registers but for int4 per token-head's class (4-bit codes, rotated
         # query in two terms, no block scales), measured faster capped (twenty-fourth session; 0.1 spills a position),
-        # and at head size 64 the rotated-key format's query alone in two terms (bf16 / fp16 queries, probabilities
-        # in one: twenty-fifth session, run 5); fp32 queries (probabilities in two terms too) were never timed capped
+        # and the rotated-key format's query alone in two terms (bf16 / fp16 queries, probabilities in one) at head
+        # size 64 (twenty-fifth session, run 5) and, since its decode carries 8 rows (live_fold_rows), at 128
+        # (fifty-first session, H100); fp32 queries (probabilities in two terms too) were never timed capped
         int4_class = max(ks.module.CODE_BITS.values()) == 4 and not ks.block_scaled
-        rotated_64 = (head_pad == 64 and max(ks.module.CODE_BITS.values()) == 8 and not ks.block_scaled
-                      and dots["Q_TERMS"] == 2 and dots["P_TERMS"] == 1)
-        if exact_only or (two_term_query and not (int4_class or rotated_64)):
+        rotated = (head_pad in (64, 128) and max(ks.module.CODE_BITS.values()) == 8 and not ks.block_scaled
+                   and dots["Q_TERMS"] == 2 and dots["P_TERMS"] == 1)
+        if exact_only or (two_term_query and not (int4_class or rotated)):
             assert "maxnreg" not in tiles, where
         assert tiles["BLOCK_N"] in (64, 128) and tiles["programs_per_sm"] in (4, 8), where
 
@@ -67,25 +68,30 @@ def test_measured_choices(compiled):
         ks = fmt._kernels
         dots = ks.dot_modes(dtype, precision, fmt.spec.key.rotation is not None, 128, None)
         return K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled, wide=wide(name),
-                                 pow2_blocks=ks.pow2_blocks)
+                                 pow2_blocks=ks.pow2_blocks, position_scales=ks.position_scales,
+                                 float_codes=ks.float_codes)
 
     assert tiles("bf16") == dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)
     # twenty-second session: 16-byte code rows take block ids one step ahead and a third stage
     for name in ("fp8_e4m3", "fp8_e5m2", "fp8_e4m3_per_head", "int8_per_token_head_separate"):
         assert tiles(name) == dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4,
                                    prefetch_blocks=True), name
-    # vLLM's inline-scale cells (132 bytes a side) ran 1.4-1.5x slower that way and keep two stages
-    for name in ("int8_per_token_head", "fp8_per_token_head"):
-        assert tiles(name) == dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8), name
+    # vLLM's inline-scale cells (132 bytes a side) ran 1.4-1.5x slower that way and keep two stages; fp8 per
+    # token-head's decode on every row (fifty-first session, H100: 8 of 16 rows 4-8% slower for it alone)
+    two = dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)
+    assert tiles("int8_per_token_head") == two
+    assert tiles("fp8_per_token_head") == dict(two, live_fold=False)
     assert tiles("mxfp8") == dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)
     # sixth session's sweeps (benchmarks/RESULTS.md): the block-scaled classes and int4 take 128 positions per step
-    for name in ("q8_0", "nvfp4", "nvfp4_separate"):
-        assert tiles(name) == dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8), name
-    # twenty-fourth session (values converted first): at head size 128 mxfp4 gained 7% at the three decode shapes
-    # with 3 stages, block ids one step ahead and 168 registers, where nvfp4 lost 6% and mxfp8 1-3%; int4 per
-    # token-head 5-9% with the cap. Head size 256 (not measured, the values not converted first) keeps the old tiles
-    assert tiles("mxfp4") == dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4,
-                                  prefetch_blocks=True)
+    assert tiles("q8_0") == dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)
+    # fifty-first session (H100; decode on 8 rows, the value dot in two halves): nvfp4 and mxfp4 at 2 stages, block
+    # ids ahead and 128 registers, 4 programs per SM (nvfp4 440 -> 405 us at 64 x 8192, 251 -> 232 at 256 x 1024;
+    # mxfp4 404 -> 398, 223 -> 215; both level at 4 x 65536). Before, mxfp4 took 3 stages and 168 registers
+    # (twenty-fourth session: 7% faster then), nvfp4 the 8-bit block class's tiles
+    split = dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4, prefetch_blocks=True,
+                 value_split=2)
+    for name in ("nvfp4", "nvfp4_separate", "mxfp4"):
+        assert tiles(name) == split, name
     assert tiles("int4_per_token_head") == dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168,
                                                 programs_per_sm=4, prefetch_blocks=True)
     # KIVI, and q4_0 where it keeps two terms (decode without per-block dots: GQA groups above 16, or the exact
@@ -98,8 +104,9 @@ def test_measured_choices(compiled):
         fmt = kvgen.load(name)
         ks = fmt._kernels
         dots = ks.dot_modes(torch.bfloat16, "auto", fmt.spec.key.rotation is not None, head_pad, None)
-        return K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled,
-                                 head_pad=head_pad, wide=wide(name, head_pad), pow2_blocks=ks.pow2_blocks)
+        return K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled, head_pad=head_pad,
+                                 wide=wide(name, head_pad), pow2_blocks=ks.pow2_blocks,
+                                 position_scales=ks.position_scales, float_codes=ks.float_codes)
 
     for name in ("bf16", "fp16"):
         assert tiles_at(name, 64) == dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)
@@ -109,13 +116,18 @@ def test_measured_choices(compiled):
     # faster), mxfp4 and int4 per token-head 2 stages and 128 registers (15-16%), mxfp8 kept its tiles (until the
     # scale words below)
     three = dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)
-    for name in ("int8_per_token_head", "fp8_per_token_head", "int8_per_token_head_separate", "fp8_e4m3", "nvfp4"):
+    for name in ("int8_per_token_head", "fp8_per_token_head", "fp8_e4m3", "nvfp4"):
         assert tiles_at(name, 64) == three, name
+    # fifty-first session (H100, decode at 64 x 8192 on 8 rows): int8 separate 270 -> 248 us and mxfp8 329 -> 296 at
+    # 2 stages and 128 registers, 4 programs per SM
+    capped = dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4, prefetch_blocks=True)
+    assert tiles_at("int8_per_token_head_separate", 64) == capped
     for name in ("mxfp4", "int4_per_token_head"):
         assert tiles_at(name, 64) == dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4), name
-    # twenty-sixth session, run 1: with its scale rows read as words mxfp8 takes the 3-stage tiles at head size 64;
-    # where the layout keeps them byte-wise (an odd number of KV heads) those tiles ran slower (357 against 308 us)
-    assert tiles_at("mxfp8", 64) == three
+    # twenty-sixth session, run 1: with its scale rows read as words mxfp8 took the 3-stage tiles at head size 64
+    # (its own rule since); where the layout keeps them byte-wise (an odd number of KV heads) those tiles ran slower
+    # (357 against 308 us)
+    assert tiles_at("mxfp8", 64) == capped
     fmt = kvgen.load("mxfp8")
     dots = fmt._kernels.dot_modes(torch.bfloat16, "auto", False, 64, None)
     assert K.attention_tiles(fmt._kernels.module.CODE_BITS, dots, True, head_pad=64, wide=True, pow2_blocks=True,
@@ -134,8 +146,23 @@ def test_measured_choices(compiled):
     for name in ("q4_0", "q8_0"):
         dots, got = decode_tiles(name, 64)
         assert dots["BLOCK_DOTS"], name
-        assert got == three, name
-        assert "maxnreg" not in decode_tiles(name, 128)[1], name
+        # fifty-first session (H100): q4_0 at 128 registers, 287 -> 260 us at 64 x 8192
+        assert got == (dict(three, maxnreg=128) if name == "q4_0" else three), name
+    # fifty-first session (H100; the blocks' dots stacked on the rows decode fills): at head size 128 q8_0 capped at
+    # 168 registers (573 -> 539 us at 64 x 8192, 296 -> 259 at 4 x 65536, 329 -> 299 at 256 x 1024), q4_0 nvfp4's
+    # tiles with the value dot in halves (574 -> 457, 300 -> 240, 328 -> 269)
+    assert decode_tiles("q8_0", 128)[1] == dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168,
+                                                programs_per_sm=4)
+    assert decode_tiles("q4_0", 128)[1] == split
+    # KIVI's decode (key fold, the values' block dots): kivi_4bit at 128 registers at head size 128 (1227 -> 1067 us
+    # at 64 x 8192, 622 -> 531 at 4 x 65536, 810 -> 790 at 256 x 1024); kivi_2bit compiles to 168 (mixed capped)
+    dots, got = decode_tiles("kivi_4bit", 128)
+    assert dots["KEY_FOLD"] and got == dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=4)
+    assert decode_tiles("kivi_2bit", 128)[1] == dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=8)
+    # the rotated-key format at head size 128 (fifty-first session: 267 -> 251 us at 4 x 65536, 353 -> 310 at 256 x
+    # 1024, level at 64 x 8192) under the cap its second query term spilled under before decode carried 8 rows
+    assert tiles("int8_per_token_head_hadamard_k") == dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168,
+                                                           programs_per_sm=4)
     # head size 256 (twenty-sixth session, runs 3-4: the head-128 rules spilled there; twenty-seventh, run 2: the
     # values converted first at 64 positions per step, 168 registers but for mxfp8, 128 for int4 per token-head)
     assert tiles_at("bf16", 256) == dict(BLOCK_N=32, num_warps=4, num_stages=3, programs_per_sm=4,
@@ -147,13 +174,15 @@ def test_measured_choices(compiled):
     assert tiles_at("int4_per_token_head", 256) == dict(first, BLOCK_N=128)
     for name in ("int8_per_token_head", "fp8_per_token_head"):
         assert tiles_at(name, 256) == dict(BLOCK_N=64, num_warps=4, num_stages=2, programs_per_sm=4), name
-    # measured before the table (run 1): the rotated-key format and exact dots keep the earlier choice
-    assert tiles("int8_per_token_head_hadamard_k") == dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)
+    # measured before the table (run 1): the rotated-key format with fp32 queries (a second probability term) and
+    # exact dots keep the earlier choice
+    assert tiles("int8_per_token_head_hadamard_k", torch.float32) == dict(BLOCK_N=128, num_warps=4, num_stages=2,
+                                                                          programs_per_sm=4)
     # KIVI at head size 64 (twenty-fifth session, run 6: 1.5x faster with 2 stages; no key fold there)
     for name, tiles64 in (("kivi_2bit", dict(BLOCK_N=64, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4)),
                           ("kivi_4bit", dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4))):
-        for head_pad, want in ((64, tiles64), (128, tiles(name))):
-            assert decode_tiles(name, head_pad)[1] == want, (name, head_pad)
+        assert decode_tiles(name, 64)[1] == tiles64, name
+    assert decode_tiles("kivi_2bit", 128)[1] == tiles("kivi_2bit")
     # ... whose steps hold whole token groups of 32 (the runtime takes at least BLOCK_N_GROUP positions per step)
     assert kvgen.load("kivi_4bit")._kernels.module.BLOCK_N_GROUP == 32
     assert tiles("int8_per_token_head", precision="ieee") == dict(BLOCK_N=128, num_warps=4, num_stages=2,
@@ -596,9 +625,9 @@ def test_block_dots_in_decode_only(name, monkeypatch):
     dots = {k: decode[k] for k in ("DOT_K", "DOT_V", "Q_TERMS", "K_TERMS", "P_TERMS", "V_TERMS", "BLOCK_DOTS")}
     monkeypatch.setattr(K, "interpreting", lambda: False)  # the tiles a GPU would take for these dots
     tiles = K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled, head_pad=128, pow2_blocks=ks.pow2_blocks)
-    # one term: the classes measured for mxfp8 (8-bit) and nvfp4 (4-bit); not q4_0's two-term class (64/4/3), and
-    # not the 3-stage tiles (q4_0 lost 7-10% with them at head size 128)
-    assert tiles == dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8), tiles
+    # one term: 128 positions and 2 stages (q4_0 lost 7-10% with 3 at head size 128), not q4_0's two-term class
+    # (64/4/3); since the fifty-first session capped (q8_0 168 registers, q4_0 128 with the value dot in halves)
+    assert tiles["BLOCK_N"] == 128 and tiles["num_stages"] == 2 and tiles["maxnreg"] == 168 - 40 * (name == "q4_0")
     # head size 64: the block dots' own rule (twenty-fifth session, run 5: 3 stages faster there), which prefill's
     # two-term class does not take
     tiles = K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled, head_pad=64, pow2_blocks=ks.pow2_blocks)

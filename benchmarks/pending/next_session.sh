@@ -3,6 +3,8 @@
 # that a machine taken back mid-session loses one step only. From the repository root on the lent H200, after
 # `source benchmarks/device_env.sh`; outputs go to $OUT (the device tool's folder), each step's also to stdout.
 #
+#   bash benchmarks/pending/next_session.sh merged51   # the fifty-first session's merge: its GPU tests (~250 s?)
+#   bash benchmarks/pending/next_session.sh merged51time # its rules against the tiles they replaced (~250 s?)
 #   bash benchmarks/pending/next_session.sh verify     # the s32 / s33 merges timed on the H200 (~400 s?)
 #   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~450 s)
 #   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~350 s?)
@@ -11,15 +13,6 @@
 #   bash benchmarks/pending/next_session.sh crossover2 # head sizes 64 / 256 near the counts, nvfp4's (~400 s?)
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs (H200: s43's H100 had no slowdown), KIVI's flush profile
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
-#   bash benchmarks/pending/next_session.sh loadgroups8 # the writes under 70% at 8 / 16 tokens per program against the rule's 4 (~150 s?)
-#   bash benchmarks/pending/next_session.sh decoderows # decode-rows.patch (two static studies in one): every non-KIVI format's decode, both trees timed (~330 s?)
-#   bash benchmarks/pending/next_session.sh rowcaps    # decode-rows.patch's freed registers: more programs per SM for the 8-bit formats (~330 s?)
-#   bash benchmarks/pending/next_session.sh rowcaps2   # int4 / fp8 per token-head at 128 registers on decode-rows + value-split (~150 s?)
-#   bash benchmarks/pending/next_session.sh drvs       # decoderows at 64 x 8192 and value-split.patch's timings in one call, one tree (~300 s?)
-#   bash benchmarks/pending/next_session.sh occupancy  # 5 / 6 programs per SM at 64-position steps, 96 / 80 registers (~200 s?)
-#   bash benchmarks/pending/next_session.sh kivicaps   # kivi_4bit at 168 registers: 3 programs per SM instead of 2, statically (~150 s?)
-#   bash benchmarks/pending/next_session.sh rowcaps64  # head size 64 at 128 registers on decode-rows.patch: 4 programs per SM (~200 s?)
-#   bash benchmarks/pending/next_session.sh drvstests  # both patches' GPU tests in one call (~400 s?)
 #   bash benchmarks/pending/next_session.sh kivicases  # stream checks of main and both KIVI flush-layout patches: where the full one miscompiles (~450 s?)
 #   bash benchmarks/pending/next_session.sh kivilayout # write-kivi-layout-prefill.patch timed against main, then KIVI's GPU tests (~300 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100; stale since: rebase first)
@@ -57,13 +50,16 @@
 # quantcaps (int8 separate's quantized domain at 128/4/2/128 merged as a rule; the step removed) and valuesplit
 # without its tile tests; s50 got no machine (every start failed) and added drvs, kivicaps, drvstests, rowcaps2,
 # rowcaps64 and occupancy from static scans (drvs / drvstests replace valuesplit and decoderowstests;
-# benchmarks/RESULTS.md, "fiftieth session").
+# benchmarks/RESULTS.md, "fiftieth session"); s51 (H100, benchmarks/results_2026-12-07_h100_s51.md) ran drvs,
+# drvstests, kivicaps, rowcaps, rowcaps2, rowcaps64, occupancy and loadgroups8 (decode-rows.patch and
+# value-split.patch merged with the rules they measured; those steps and decoderows removed; merged51 /
+# merged51time check the merge).
 #
 # Steps in priority order; each prints how long it took.
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, rowcaps, rowcaps2, drvs, occupancy, kivicaps, rowcaps64, drvstests, kivicases, kivilayout, writeab or rcpfault"}
+step=${1:?"a step: merged51, merged51time, verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, kivilayout, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -183,157 +179,30 @@ case "$step" in
     timeout 100 python3 benchmarks/time_writes.py nvfp4 nvfp4_separate mxfp4 q4_0 int8_asym_per_token_head \
       int8_per_token_head_hadamard_k --tokens 32768 256 --rounds 2 2>&1 | tee "$out/writeprof_times.txt" | grep "^|"
     ;;
-  loadgroups8)
-    # 8 tokens per program against the rule's 4 (WRITE_TILES), for the writes under 70% of copy bandwidth: static
-    # warp instructions per token-head (sass_count.py --write with kernels.WRITE_OVERRIDE, s48) drop at 8 tokens for
-    # every write since load_rows / load_groups (int4 per token-head 460 -> 403, the Hadamard format 212 -> 163,
-    # int8 asym 322 -> 307, q4_0 168 -> 135, nvfp4 228 -> 209) with 17-21 programs per SM instead of 25-32; the
-    # twelfth session timed 8 tokens slower for all but mxfp4, before those loads. tune_writes.py's
-    # BLOCK_T/warps[/maxnreg] (16/1: int4 per token-head 377.5, Hadamard 140, 9-10 programs per SM)
-    timeout 200 python3 benchmarks/tune_writes.py int4_per_token_head int8_per_token_head_hadamard_k \
-      int8_asym_per_token_head q4_0 nvfp4 --configs 4/1 8/1 8/1/80 16/1 --tokens 32768 256 2>&1 \
-      | tee "$out/loadgroups8.txt" | grep "^|"
+  merged51)
+    # the fifty-first session's merge (decode-rows.patch + value-split.patch and the tile rules they were measured
+    # faster with) on the GPU: the tile rules' launches, the row folds, the split and the decode conformance (~250 s?)
+    timeout 420 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_tiles.py tests/test_stacked_blocks.py \
+      tests/test_value_split.py tests/test_conformance.py tests/test_native_decode.py tests/test_attention_plan.py \
+      2>&1 | tee "$out/merged51_tests.txt" | tail -3
     ;;
-  decoderows)
-    # decode-rows.patch (forty-seventh session): block-rows.patch and fold-rows-all.patch in one (a subagent's merge:
-    # one FOLD_ROWS mechanism, ROW_FOLD = "key" | "blocks" | "live" per format; every format's static count equal
-    # to its own patch's). One step for both: every non-KIVI format timed in each tree (the runtime changes too),
-    # shipped, variant (also q8_0 at 168 registers: 3 programs per SM, 11.1 instructions per position statically);
-    # the variant's GPU tests are in the step drvstests. The two halves, to time apart if it fails, are the
-    # patches block-rows.patch (q8_0 / q4_0) and fold-rows-all.patch (the others) in git history at 857ae02
-    DR_FORMATS="bf16 fp8_e4m3 int8_per_token_head int8_per_token_head_separate fp8_per_token_head \
-      int8_asym_per_token_head int8_per_token_head_hadamard_k int4_per_token_head mixed_k8_v4 mxfp8 mxfp4 nvfp4 \
-      q8_0 q4_0"
-    DR_SHAPES=${DR_SHAPES:-64x8192 4x65536}  # (DR_SHAPES=64x8192: half the time, for a short budget)
-    variant decode-rows 'ROW_FOLD = "' $DR_FORMATS || exit 1
-    timeout 150 python3 benchmarks/tune_tiles.py $DR_FORMATS --configs rt --shapes $DR_SHAPES --cuda-graphs \
-      2>&1 | tee "$out/decoderows_shipped.txt" | grep "^|"
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 150 python3 benchmarks/tune_tiles.py $DR_FORMATS \
-      --configs rt --shapes $DR_SHAPES --cuda-graphs 2>&1 | tee "$out/decoderows_variant.txt" | grep "^|")
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 40 python3 benchmarks/tune_tiles.py q8_0 \
-      --configs 128/4/2/168 --shapes $DR_SHAPES --cuda-graphs 2>&1 | tee "$out/decoderows_q8cap.txt" | grep "^|")
-    ;;
-  rowcaps)
-    # decode-rows.patch's fewer live rows leave registers free (s48, static: `sass_count.py --tiles` on the patched
-    # tree): int8 / int8 asym per token-head compile at a 128-register cap without spills (4 programs per SM instead
-    # of 3; PERF_NOTES: 3 -> 4 blocks per SM took an int8 kernel 431 -> 302 us), the Hadamard format at 168 (3
-    # instead of 2; 255 before), fp8 / int8 separate at 2 stages and 128 registers (3 instead of 2; 128/4/3/168p is
-    # their runtime tiles, a control). On the
-    # variant, against its runtime tiles (rt), at the three head-128 decode shapes
-    DR_FORMATS="int8_per_token_head int8_asym_per_token_head int8_per_token_head_hadamard_k fp8_e4m3 \
-      int8_per_token_head_separate mxfp4 mxfp8 nvfp4"
-    variant decode-rows 'ROW_FOLD = "' $DR_FORMATS || exit 1
-    cd /tmp/var || exit 1
-    export PYTHONPATH=/tmp/site:/tmp/varroot
-    timeout 150 python3 benchmarks/tune_tiles.py int8_per_token_head int8_asym_per_token_head \
-      --configs rt 128/4/2/128 128/4/2/128p --shapes 64x8192 4x65536 256x1024 --cuda-graphs 2>&1 \
-      | tee "$out/rowcaps_int8.txt" | grep "^|"
-    timeout 90 python3 benchmarks/tune_tiles.py int8_per_token_head_hadamard_k \
-      --configs rt 128/4/2/168 128/4/2/168p --shapes 64x8192 4x65536 256x1024 --cuda-graphs 2>&1 \
-      | tee "$out/rowcaps_hadamard.txt" | grep "^|"
-    timeout 120 python3 benchmarks/tune_tiles.py fp8_e4m3 int8_per_token_head_separate \
-      --configs rt 128/4/2/128p 128/4/3/168p --shapes 64x8192 4x65536 256x1024 --cuda-graphs 2>&1 \
-      | tee "$out/rowcaps_fp8.txt" | grep "^|"
-    # and 4 programs per SM at 64 positions a step for the block-scaled formats (static: mxfp4 11.6 -> 11.9
-    # instructions per position, mxfp8 11.0 -> 12.0, nvfp4 12.1 -> 13.5, no spills)
-    timeout 90 python3 benchmarks/tune_tiles.py mxfp4 mxfp8 nvfp4 --configs rt 64/4/3/128p --shapes 64x8192 4x65536 \
-      --cuda-graphs 2>&1 | tee "$out/rowcaps_mx.txt" | grep "^|"
-    ;;
-  rowcaps2)
-    # what the fiftieth session's static scan of the decode-rows + value-split tree added to rowcaps (sass_count.py
-    # --tiles, 64 x 8192): int4 per token-head at 128 registers, 4 programs per SM (53 KiB, 10.3 instructions per
-    # position against 9.5, 0.3 spilled loads and stores); fp8 per token-head at 128 with the value dot split (4 per
-    # SM, 8.5 against 8.2, no spills; without the split 0.4 spilled) (~150 s?)
-    variant decode-rows+value-split 'VALUE_SPLIT = "' int4_per_token_head fp8_per_token_head || exit 1
-    cd /tmp/var || exit 1
-    export PYTHONPATH=/tmp/site:/tmp/varroot
-    timeout 140 python3 benchmarks/tune_tiles.py int4_per_token_head fp8_per_token_head \
-      --configs rt 128/4/2/128 128/4/2/128s --shapes 64x8192 4x65536 256x1024 --cuda-graphs 2>&1 \
-      | tee "$out/rowcaps2.txt" | grep "^|"
-    ;;
-  drvs)
-    # decoderows' (at one shape) and value-split.patch's timings in one call, on one tree (decode-rows.patch + value-split.patch: the split is
-    # off unless a config ends in "s", so "rt" times decode-rows.patch alone), at 64 x 8192 (then 4 x 65536 for the
-    # split's formats): shipped, variant, q8_0 at 168 registers, the split against 128/4/2/128p (~300 s?)
-    DR_FORMATS="bf16 fp8_e4m3 int8_per_token_head int8_per_token_head_separate fp8_per_token_head \
-      int8_asym_per_token_head int8_per_token_head_hadamard_k int4_per_token_head mixed_k8_v4 mxfp8 mxfp4 nvfp4 \
-      q8_0 q4_0"
-    variant decode-rows+value-split 'VALUE_SPLIT = "' $DR_FORMATS || exit 1
-    timeout 100 python3 benchmarks/tune_tiles.py $DR_FORMATS --configs rt --shapes 64x8192 --cuda-graphs \
-      2>&1 | tee "$out/decoderows_shipped.txt" | grep "^|"
-    cd /tmp/var || exit 1
-    export PYTHONPATH=/tmp/site:/tmp/varroot
-    timeout 100 python3 benchmarks/tune_tiles.py $DR_FORMATS --configs rt --shapes 64x8192 --cuda-graphs 2>&1 \
-      | tee "$out/decoderows_variant.txt" | grep "^|"
-    timeout 30 python3 benchmarks/tune_tiles.py q8_0 --configs 128/4/2/168 --shapes 64x8192 --cuda-graphs 2>&1 \
-      | tee "$out/decoderows_q8cap.txt" | grep "^|"
-    timeout 150 python3 benchmarks/tune_tiles.py fp8_e4m3 mixed_k8_v4 mxfp4 nvfp4 --configs rt 128/4/2/128p \
-      128/4/2/128ps --shapes 64x8192 4x65536 --cuda-graphs 2>&1 | tee "$out/valuesplit.txt" | grep "^|"
-    # the value dot in four quarters ("q", s50): int8 separate and mxfp8 57 -> 49 KiB, 4 programs per SM (halves left
-    # them 1 KiB over); auto's int8 separate, not its quantized domain's rule
-    timeout 100 python3 benchmarks/tune_tiles.py int8_per_token_head_separate mxfp8 --configs rt 128/4/2/128ps \
-      128/4/2/128pq --shapes 64x8192 4x65536 --cuda-graphs 2>&1 | tee "$out/valuequarters.txt" | grep "^|"
-    # and mxfp4 / nvfp4 at 3 stages in quarters: 50 / 52 KiB, 4 programs per SM (their rule: 3 stages, 168
-    # registers, 3 per SM; halves at 3 stages 58 / 60 KiB, 3)
-    timeout 60 python3 benchmarks/tune_tiles.py mxfp4 nvfp4 --configs 128/4/3/128pq --shapes 64x8192 4x65536 \
-      --cuda-graphs 2>&1 | tee -a "$out/valuequarters.txt" | grep "^|"
-    # q4_0 / q8_0's stacked value blocks split too (s50): q4_0 at 128/4/2/128ps 58 -> 42 KiB, 4 programs per SM, 9.7
-    # instructions per position against its tiles' 9.6 at 3; q8_0 (register-bound) at 128 registers 4 per SM, 0.4
-    # spilled, 11.9 without the split / 12.4 in halves against 10.8 at 2 per SM
-    timeout 90 python3 benchmarks/tune_tiles.py q4_0 q8_0 --configs rt 128/4/2/128ps 128/4/2/128p --shapes 64x8192 \
-      4x65536 --cuda-graphs 2>&1 | tee "$out/valueblocks.txt" | grep "^|"
-    ;;
-  occupancy)
-    # more programs per SM than any rule takes (s50, static, decode-rows + value-split tree, sass_count.py --tiles at
-    # 64 x 8192): 64-position steps with the value dot in halves under 96 / 80 registers fit 5 / 6 programs of 4 warps
-    # per SM (decode waits on latency at 3: benchmarks/RESULTS.md, forty-sixth session), for more instructions per
-    # position: mxfp4 11.4 -> 11.9 (64/4/3/96ps, 5 per SM, no spills) / 12.2 (64/4/3/80ps, 6, 0.2 spilled); nvfp4 12.0
-    # -> 13.4 / 13.9; fp8 5.1 -> 7.4 (64/4/2/96ps, 5) / 7.8 (64/4/2/80ps, 6, 0.3); int8 separate 7.3 -> 10.8 / 11.8;
-    # mxfp8 11.0 -> 12.6 (64/4/2/80ps, 6, 0.4) (~200 s?)
-    variant decode-rows+value-split 'VALUE_SPLIT = "' mxfp4 nvfp4 fp8_e4m3 int8_per_token_head_separate mxfp8 || exit 1
-    cd /tmp/var || exit 1
-    export PYTHONPATH=/tmp/site:/tmp/varroot
-    timeout 120 python3 benchmarks/tune_tiles.py mxfp4 nvfp4 --configs rt 64/4/3/96ps 64/4/3/80ps \
-      --shapes 64x8192 4x65536 --cuda-graphs 2>&1 | tee "$out/occupancy.txt" | grep "^|"
-    timeout 120 python3 benchmarks/tune_tiles.py fp8_e4m3 int8_per_token_head_separate --configs rt 64/4/2/96ps \
-      64/4/2/80ps --shapes 64x8192 4x65536 --cuda-graphs 2>&1 | tee -a "$out/occupancy.txt" | grep "^|"
-    timeout 60 python3 benchmarks/tune_tiles.py mxfp8 --configs rt 64/4/2/80ps --shapes 64x8192 4x65536 \
-      --cuda-graphs 2>&1 | tee -a "$out/occupancy.txt" | grep "^|"
-    ;;
-  kivicaps)
-    # KIVI's decode at head size 128 takes "the rest"'s tiles without a register cap (s50, static, main: sass_count.py):
-    # kivi_4bit compiles to 179 registers, 2 programs per SM; capped at 168, 3 per SM with no spills and 15.3
-    # instructions per position against 15.1; at 128, 4 per SM (0.2-0.3 spilled). kivi_2bit: 168 already (3 per SM)
-    timeout 200 python3 benchmarks/tune_tiles.py kivi_4bit kivi_2bit --configs rt 64/4/3/168 64/4/3/128 \
-      --shapes 64x8192 4x65536 256x1024 --cuda-graphs 2>&1 | tee "$out/kivicaps.txt" | grep "^|"
-    # head size 64: kivi_4bit's rule (128/4/2, no cap) compiles to 224 registers, 2 per SM; at 168, 3 (0.2 spilled)
-    timeout 60 python3 benchmarks/tune_tiles.py kivi_4bit --configs rt 128/4/2/168 --shapes 64x8192hs64 \
-      --cuda-graphs 2>&1 | tee -a "$out/kivicaps.txt" | grep "^|"
-    ;;
-  rowcaps64)
-    # head size 64 on decode-rows.patch (+ value-split.patch, off here): the per token-head formats, q8_0, q4_0, int8
-    # separate, mixed_k8_v4 and nvfp4 compile at 128 registers without spills (s50, static: 4 programs per SM
-    # instead of 3, within +-0.5 instructions per position of their rules' tiles; int8 per token-head 6.1 -> 6.0 at
-    # 128/4/2/128p). Their hs64 decode is 1.03-1.37x bf16 (forty-first session) (~200 s?)
-    variant decode-rows+value-split 'VALUE_SPLIT = "' bf16 fp8_per_token_head int8_per_token_head \
-      int8_asym_per_token_head int8_per_token_head_hadamard_k q8_0 q4_0 int8_per_token_head_separate mixed_k8_v4 \
-      nvfp4 mxfp8 || exit 1
-    cd /tmp/var || exit 1
-    export PYTHONPATH=/tmp/site:/tmp/varroot
-    timeout 220 python3 benchmarks/tune_tiles.py bf16 fp8_per_token_head int8_per_token_head int8_asym_per_token_head \
-      int8_per_token_head_hadamard_k q8_0 q4_0 int8_per_token_head_separate mixed_k8_v4 nvfp4 mxfp8 \
-      --configs rt 128/4/3/128p 128/4/2/128p --shapes 64x8192hs64 --cuda-graphs 2>&1 | tee "$out/rowcaps64.txt" \
-      | grep "^|"
-    ;;
-  drvstests)
-    # the GPU tests of decode-rows.patch + value-split.patch together (the split's tests and the decode tests the
-    # row fold changes)
-    variant decode-rows+value-split 'VALUE_SPLIT = "' bf16 fp8_e4m3 int8_per_token_head \
-      int8_per_token_head_separate fp8_per_token_head int8_asym_per_token_head int8_per_token_head_hadamard_k \
-      int4_per_token_head mixed_k8_v4 mxfp8 mxfp4 nvfp4 q8_0 q4_0 || exit 1
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 400 python3 -m pytest -q -n 16 -p no:cacheprovider \
-      tests/test_stacked_blocks.py tests/test_conformance.py tests/test_tiles.py tests/test_attention_plan.py \
-      tests/test_native_decode.py tests/test_value_split.py 2>&1 | tee "$out/drvs_tests.txt" | tail -3)
+  merged51time)
+    # the merged rules ("rt") against the tiles they replaced, on the merged kernels, at the three decode shapes
+    # (head size 128; then 64 for its three new rules): q4_0 / nvfp4 / q8_0 took 128/4/2 with 8 programs per SM as
+    # the split target, mxfp4 128/4/3/168p, kivi_4bit 64/4/3 (8), the Hadamard format 128/4/2 (4); fp8 per
+    # token-head's rule keeps every row (live_fold=False), which a config cannot say: its 128/4/2/168 (8) column is
+    # the 8 rows (~250 s?)
+    S3="64x8192 4x65536 256x1024"
+    timeout 150 python3 benchmarks/tune_tiles.py q4_0 nvfp4 q8_0 fp8_per_token_head --configs rt 128/4/2 \
+      128/4/2/168 --programs-per-sm 8 --shapes $S3 --cuda-graphs 2>&1 | tee "$out/merged51_a.txt" | grep "^|"
+    timeout 100 python3 benchmarks/tune_tiles.py mxfp4 --configs rt 128/4/3/168p --shapes $S3 --cuda-graphs 2>&1 \
+      | tee "$out/merged51_b.txt" | grep "^|"
+    timeout 100 python3 benchmarks/tune_tiles.py kivi_4bit --configs rt 64/4/3 --programs-per-sm 8 --shapes $S3 \
+      --cuda-graphs 2>&1 | tee "$out/merged51_c.txt" | grep "^|"
+    timeout 100 python3 benchmarks/tune_tiles.py int8_per_token_head_hadamard_k --configs rt 128/4/2 --shapes $S3 \
+      --cuda-graphs 2>&1 | tee "$out/merged51_d.txt" | grep "^|"
+    timeout 100 python3 benchmarks/tune_tiles.py int8_per_token_head_separate mxfp8 q4_0 --configs rt 128/4/3/168p \
+      --shapes 64x8192hs64 4x65536hs64 --cuda-graphs 2>&1 | tee "$out/merged51_e.txt" | grep "^|"
     ;;
   kivicases)
     # write-kivi-layout.patch's compiled flush stored other key bytes than the reference (s47, H100: kivi_4bit, head

@@ -24,6 +24,13 @@ BLOCK_DOTS = {"k": False, "v": False}
 RATIO_PAIRS = {"k": False, "v": False}
 # keys scaled per channel and token group whose scales can fold into the query in decode (the kernel's KEY_FOLD)
 KEY_FOLD = False
+# the paged steps' FOLD_ROWS (the query rows a decode fills, the runtime's fold_rows / live_fold_rows) by kind: "key"
+# (KEY_FOLD's group_scores, stacked_pv), "blocks" (BLOCK_DOTS on both sides: stacked_scores, stacked_pv), "live"
+# (one dot per side on every row, the loop state on FOLD_ROWS: live_rows), "" (no FOLD_ROWS: every row)
+ROW_FOLD = "live"
+# decode's P x V dot as two dots of half the value columns each (the kernel's V_SPLIT, value_dot), by how the columns
+# part: "halves" (even / odd columns: a byte's two codes), "pairs" (columns 4j, 4j + 1 / 4j + 2, 4j + 3), "" (never)
+VALUE_SPLIT = ""
 
 # ---------------------------------------------------------------------------------------------------------------
 # Codecs. key: fp16, stored as its bits, rounded to nearest even
@@ -205,6 +212,39 @@ def pow2_inv(x):
     return ((254 - tl.minimum(e, 253)) << 23).to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def first_rows(x, R: tl.constexpr):
+    # the first R rows of x [M, C] (R dividing M), exactly (the other rows' places add zeros)
+    M: tl.constexpr = x.shape[0]
+    if R == M:
+        return x
+    return tl.sum(tl.where((tl.arange(0, M // R) == 0)[:, None, None], tl.reshape(x, [M // R, R, x.shape[1]]), 0),
+                  axis=0)
+
+
+@triton.jit
+def first_of(x, R: tl.constexpr):
+    # the first R elements of x [M] (R dividing M), exactly
+    M: tl.constexpr = x.shape[0]
+    if R == M:
+        return x
+    return tl.sum(tl.where((tl.arange(0, M // R) == 0)[:, None], tl.reshape(x, [M // R, R]), 0), axis=0)
+
+
+@triton.jit
+def live_rows(a, b, DOT: tl.constexpr, A_TERMS: tl.constexpr, B_TERMS: tl.constexpr, M: tl.constexpr):
+    # a @ b (mma's) for the R rows of a [R, K] (R dividing M, the tile's rows): the dot takes M rows, a's repeated
+    # (a tensor-core dot's 16 at least; each row's result is that of a dot of its own), and keeps the first R. The
+    # runtime's FOLD_ROWS is BLOCK_M / 2 of 16: the rows one register of the dot's result holds (first_rows then
+    # selects registers, no lanes), the repeat a copy of those registers
+    R: tl.constexpr = a.shape[0]
+    if R == M:
+        return mma(a, b, DOT, A_TERMS, B_TERMS)
+    K: tl.constexpr = a.shape[1]
+    a_all = tl.reshape(tl.broadcast_to(a[None, :, :], [M // R, R, K]), [M, K])
+    return first_rows(mma(a_all, b, DOT, A_TERMS, B_TERMS), R)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # paged_attention: one program per (sequence, tile of BLOCK_Q query tokens, KV head, split). Its BLOCK_M rows are
 # (query token, query head) pairs: row r is query token tile * BLOCK_Q + r // GROUP and query head
@@ -238,7 +278,9 @@ def paged_attention_kernel(
     DOT_K: tl.constexpr, Q_TERMS: tl.constexpr, K_TERMS: tl.constexpr,
     DOT_V: tl.constexpr, P_TERMS: tl.constexpr, V_TERMS: tl.constexpr, NATIVE_CASTS: tl.constexpr,
     OFFSETS_64: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr, V_CONVERT_FIRST: tl.constexpr,
+    V_SPLIT: tl.constexpr,
     MASK_FREE_STEPS: tl.constexpr,
+    FOLD_ROWS: tl.constexpr,
 ):
     seq = tl.program_id(0) // num_q_tiles
     tile = tl.program_id(0) % num_q_tiles
@@ -278,6 +320,18 @@ def paged_attention_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+        if FOLD_ROWS < BLOCK_M:
+            # the paged steps carry only the tile's first FOLD_ROWS rows (the runtime's choice: every row a query of
+            # this launch can fill, GROUP per token in decode, as one register's rows of the dots' 16): the dots
+            # take every row of the tile, their results the FOLD_ROWS (first_rows, live_rows); the rows after them
+            # hold no query (row_mask) and take copies of those rows' state after the paged steps
+            q_pos_all = q_pos
+            row_scale_all = row_scale
+            q_pos = first_of(q_pos, FOLD_ROWS)
+            row_scale = first_of(row_scale, FOLD_ROWS)
+            m_i = tl.full([FOLD_ROWS], float("-inf"), tl.float32)
+            l_i = tl.zeros([FOLD_ROWS], tl.float32)
+            acc = tl.zeros([FOLD_ROWS, HEAD_PAD], tl.float32)
         paged_hi = hi
         # whole tiles first: every position valid, so their loads go without masks; then the partial last tile
         full_hi = lo + (tl.maximum(paged_hi - lo, 0) // BLOCK_N) * BLOCK_N
@@ -313,7 +367,7 @@ def paged_attention_kernel(
                 else:
                     k_tile = k_decode(k_code)
                 k_op = k_tile
-                scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
+                scores = first_rows(mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS), FOLD_ROWS) * row_scale[:, None]
                 visible = (n[None, :] <= q_pos[:, None])
                 visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
                 scores = tl.where(visible, scores, float("-inf"))
@@ -328,7 +382,7 @@ def paged_attention_kernel(
                 else:
                     v_tile = v_decode(v_code)
                 v_op = v_tile
-                pv = mma(p, v_op, DOT_V, P_TERMS, V_TERMS)
+                pv = live_rows(p, v_op, DOT_V, P_TERMS, V_TERMS, BLOCK_M)
                 acc = acc * alpha[:, None] + pv
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 m_i = m_new
@@ -350,7 +404,7 @@ def paged_attention_kernel(
                 else:
                     k_tile = k_decode(k_code)
                 k_op = k_tile
-                scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
+                scores = first_rows(mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS), FOLD_ROWS) * row_scale[:, None]
                 m_new = tl.maximum(m_i, tl.max(scores, axis=1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay at zero
                 p = tl.exp2(scores - m_safe[:, None])
@@ -362,7 +416,7 @@ def paged_attention_kernel(
                 else:
                     v_tile = v_decode(v_code)
                 v_op = v_tile
-                pv = mma(p, v_op, DOT_V, P_TERMS, V_TERMS)
+                pv = live_rows(p, v_op, DOT_V, P_TERMS, V_TERMS, BLOCK_M)
                 acc = acc * alpha[:, None] + pv
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 m_i = m_new
@@ -384,7 +438,7 @@ def paged_attention_kernel(
                 else:
                     k_tile = k_decode(k_code)
                 k_op = k_tile
-                scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
+                scores = first_rows(mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS), FOLD_ROWS) * row_scale[:, None]
                 visible = (n[None, :] <= q_pos[:, None])
                 visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
                 scores = tl.where(visible, scores, float("-inf"))
@@ -399,7 +453,7 @@ def paged_attention_kernel(
                 else:
                     v_tile = v_decode(v_code)
                 v_op = v_tile
-                pv = mma(p, v_op, DOT_V, P_TERMS, V_TERMS)
+                pv = live_rows(p, v_op, DOT_V, P_TERMS, V_TERMS, BLOCK_M)
                 acc = acc * alpha[:, None] + pv
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 m_i = m_new
@@ -422,7 +476,7 @@ def paged_attention_kernel(
                 else:
                     k_tile = k_decode(k_code)
                 k_op = k_tile
-                scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
+                scores = first_rows(mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS), FOLD_ROWS) * row_scale[:, None]
                 visible = (n[None, :] <= q_pos[:, None])
                 visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
                 scores = tl.where(visible, scores, float("-inf"))
@@ -437,7 +491,7 @@ def paged_attention_kernel(
                 else:
                     v_tile = v_decode(v_code)
                 v_op = v_tile
-                pv = mma(p, v_op, DOT_V, P_TERMS, V_TERMS)
+                pv = live_rows(p, v_op, DOT_V, P_TERMS, V_TERMS, BLOCK_M)
                 acc = acc * alpha[:, None] + pv
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 m_i = m_new
@@ -455,7 +509,7 @@ def paged_attention_kernel(
             else:
                 k_tile = k_decode(k_code)
             k_op = k_tile
-            scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
+            scores = first_rows(mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS), FOLD_ROWS) * row_scale[:, None]
             visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
             visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
             scores = tl.where(visible, scores, float("-inf"))
@@ -470,10 +524,17 @@ def paged_attention_kernel(
             else:
                 v_tile = v_decode(v_code)
             v_op = v_tile
-            pv = mma(p, v_op, DOT_V, P_TERMS, V_TERMS)
+            pv = live_rows(p, v_op, DOT_V, P_TERMS, V_TERMS, BLOCK_M)
             acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
+        if FOLD_ROWS < BLOCK_M:  # every row of the tile again: copies of the paged steps' rows
+            q_pos = q_pos_all
+            row_scale = row_scale_all
+            m_i = tl.reshape(tl.broadcast_to(m_i[None, :], [BLOCK_M // FOLD_ROWS, FOLD_ROWS]), [BLOCK_M])
+            l_i = tl.reshape(tl.broadcast_to(l_i[None, :], [BLOCK_M // FOLD_ROWS, FOLD_ROWS]), [BLOCK_M])
+            acc = tl.reshape(tl.broadcast_to(acc[None, :, :], [BLOCK_M // FOLD_ROWS, FOLD_ROWS, HEAD_PAD]),
+                             [BLOCK_M, HEAD_PAD])
         out_mask = row_mask[:, None] & dmask[None, :]
         if NUM_SPLITS == 1:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

@@ -26,6 +26,13 @@ BLOCK_DOTS = {"k": False, "v": False}
 RATIO_PAIRS = {"k": False, "v": False}
 # keys scaled per channel and token group whose scales can fold into the query in decode (the kernel's KEY_FOLD)
 KEY_FOLD = False
+# the paged steps' FOLD_ROWS (the query rows a decode fills, the runtime's fold_rows / live_fold_rows) by kind: "key"
+# (KEY_FOLD's group_scores, stacked_pv), "blocks" (BLOCK_DOTS on both sides: stacked_scores, stacked_pv), "live"
+# (one dot per side on every row, the loop state on FOLD_ROWS: live_rows), "" (no FOLD_ROWS: every row)
+ROW_FOLD = "live"
+# decode's P x V dot as two dots of half the value columns each (the kernel's V_SPLIT, value_dot), by how the columns
+# part: "halves" (even / odd columns: a byte's two codes), "pairs" (columns 4j, 4j + 1 / 4j + 2, 4j + 3), "" (never)
+VALUE_SPLIT = "pairs"
 
 # ---------------------------------------------------------------------------------------------------------------
 # Codecs. key: int8, round half away from zero, clamp to [-128, 127]; scales fp32 per token and head, separate
@@ -402,6 +409,99 @@ def keep_layout(x):
     return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=1)
 
 
+@triton.jit
+def first_rows(x, R: tl.constexpr):
+    # the first R rows of x [M, C] (R dividing M), exactly (the other rows' places add zeros)
+    M: tl.constexpr = x.shape[0]
+    if R == M:
+        return x
+    return tl.sum(tl.where((tl.arange(0, M // R) == 0)[:, None, None], tl.reshape(x, [M // R, R, x.shape[1]]), 0),
+                  axis=0)
+
+
+@triton.jit
+def first_of(x, R: tl.constexpr):
+    # the first R elements of x [M] (R dividing M), exactly
+    M: tl.constexpr = x.shape[0]
+    if R == M:
+        return x
+    return tl.sum(tl.where((tl.arange(0, M // R) == 0)[:, None], tl.reshape(x, [M // R, R]), 0), axis=0)
+
+
+@triton.jit
+def live_rows(a, b, DOT: tl.constexpr, A_TERMS: tl.constexpr, B_TERMS: tl.constexpr, M: tl.constexpr):
+    # a @ b (mma's) for the R rows of a [R, K] (R dividing M, the tile's rows): the dot takes M rows, a's repeated
+    # (a tensor-core dot's 16 at least; each row's result is that of a dot of its own), and keeps the first R. The
+    # runtime's FOLD_ROWS is BLOCK_M / 2 of 16: the rows one register of the dot's result holds (first_rows then
+    # selects registers, no lanes), the repeat a copy of those registers
+    R: tl.constexpr = a.shape[0]
+    if R == M:
+        return mma(a, b, DOT, A_TERMS, B_TERMS)
+    K: tl.constexpr = a.shape[1]
+    a_all = tl.reshape(tl.broadcast_to(a[None, :, :], [M // R, R, K]), [M, K])
+    return first_rows(mma(a_all, b, DOT, A_TERMS, B_TERMS), R)
+
+
+@triton.jit
+def split_columns(b):
+    # [N, H] -> two [N, H / 2]: b's columns 4j, 4j + 1 and 4j + 2, 4j + 3 (pairs that one 32-bit register of
+    # 16-bit values holds); join_columns(r0, r1) puts the columns of two such parts' results back in place
+    N: tl.constexpr = b.shape[0]
+    H: tl.constexpr = b.shape[1]
+    b0, b1 = tl.split(tl.permute(tl.reshape(b, [N, H // 4, 2, 2]), [0, 1, 3, 2]))
+    b0 = tl.reshape(b0, [N, H // 2])
+    b1 = tl.reshape(b1, [N, H // 2])
+    return b0, b1
+
+
+@triton.jit
+def join_columns(r0, r1):
+    R: tl.constexpr = r0.shape[0]
+    H: tl.constexpr = r0.shape[1] * 2
+    return tl.reshape(tl.permute(tl.reshape(tl.join(r0, r1), [R, H // 4, 2, 2]), [0, 1, 3, 2]), [R, H])
+
+
+@triton.jit
+def value_dot(a, b, DOT: tl.constexpr, A_TERMS: tl.constexpr, B_TERMS: tl.constexpr, M: tl.constexpr,
+              SPLIT: tl.constexpr, KEEP: tl.constexpr):
+    # the paged steps' P x V: live_rows(a, b) for a [R, N], b [N, H]. SPLIT (V_SPLIT, tensor-core dots
+    # on converted values): as two dots of H / 2 columns each (split_columns), or four of H / 4 (each half split
+    # again), and the results interleaved back (join_columns). Each output element is the same sum as one dot's. The
+    # dot reads its operand from shared memory, where the compiler stages the converted part (KEEP: V_CONVERT_FIRST's
+    # keep_layout, per part) for each dot in turn, in one buffer of N x H / SPLIT 16-bit values (16 KiB in halves at
+    # 128 positions of head size 128, 8 in quarters, instead of 32) that the next dot reuses. (Parts keep 16 columns
+    # at least, what a tensor-core dot takes: heads under 64 columns take two dots at most, under 32 one.)
+    H: tl.constexpr = b.shape[1]
+    if (H >= 64) & (SPLIT == 4) & (DOT != 0) & (DOT != 3):
+        b0, b1 = split_columns(b)
+        b00, b01 = split_columns(b0)
+        b10, b11 = split_columns(b1)
+        if KEEP:  # (each part converted before its own dot, as in halves)
+            b00 = keep_layout(b00)
+        r00 = live_rows(a, b00, DOT, A_TERMS, B_TERMS, M)
+        if KEEP:
+            b01 = keep_layout(b01)
+        r01 = live_rows(a, b01, DOT, A_TERMS, B_TERMS, M)
+        if KEEP:
+            b10 = keep_layout(b10)
+        r10 = live_rows(a, b10, DOT, A_TERMS, B_TERMS, M)
+        if KEEP:
+            b11 = keep_layout(b11)
+        r11 = live_rows(a, b11, DOT, A_TERMS, B_TERMS, M)
+        return join_columns(join_columns(r00, r01), join_columns(r10, r11))
+    elif (H >= 32) & (SPLIT != 0) & (DOT != 0) & (DOT != 3):
+        b0, b1 = split_columns(b)
+        if KEEP:
+            b0 = keep_layout(b0)
+        r0 = live_rows(a, b0, DOT, A_TERMS, B_TERMS, M)
+        if KEEP:  # (after the first dot: the second half's staging then follows it)
+            b1 = keep_layout(b1)
+        r1 = live_rows(a, b1, DOT, A_TERMS, B_TERMS, M)
+        return join_columns(r0, r1)
+    else:
+        return live_rows(a, b, DOT, A_TERMS, B_TERMS, M)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # paged_attention: one program per (sequence, tile of BLOCK_Q query tokens, KV head, split). Its BLOCK_M rows are
 # (query token, query head) pairs: row r is query token tile * BLOCK_Q + r // GROUP and query head
@@ -435,7 +535,9 @@ def paged_attention_kernel(
     DOT_K: tl.constexpr, Q_TERMS: tl.constexpr, K_TERMS: tl.constexpr,
     DOT_V: tl.constexpr, P_TERMS: tl.constexpr, V_TERMS: tl.constexpr, NATIVE_CASTS: tl.constexpr,
     OFFSETS_64: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr, V_CONVERT_FIRST: tl.constexpr,
+    V_SPLIT: tl.constexpr,
     MASK_FREE_STEPS: tl.constexpr,
+    FOLD_ROWS: tl.constexpr,
 ):
     seq = tl.program_id(0) // num_q_tiles
     tile = tl.program_id(0) % num_q_tiles
@@ -482,6 +584,18 @@ def paged_attention_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+        if FOLD_ROWS < BLOCK_M:
+            # the paged steps carry only the tile's first FOLD_ROWS rows (the runtime's choice: every row a query of
+            # this launch can fill, GROUP per token in decode, as one register's rows of the dots' 16): the dots
+            # take every row of the tile, their results the FOLD_ROWS (first_rows, live_rows); the rows after them
+            # hold no query (row_mask) and take copies of those rows' state after the paged steps
+            q_pos_all = q_pos
+            row_scale_all = row_scale
+            q_pos = first_of(q_pos, FOLD_ROWS)
+            row_scale = first_of(row_scale, FOLD_ROWS)
+            m_i = tl.full([FOLD_ROWS], float("-inf"), tl.float32)
+            l_i = tl.zeros([FOLD_ROWS], tl.float32)
+            acc = tl.zeros([FOLD_ROWS, HEAD_PAD], tl.float32)
         paged_hi = hi
         # whole tiles first: every position valid, so their loads go without masks; then the partial last tile
         full_hi = lo + (tl.maximum(paged_hi - lo, 0) // BLOCK_N) * BLOCK_N
@@ -523,7 +637,7 @@ def paged_attention_kernel(
                 k_scode = load_per_position(k_srow.to(tl.pointer_type(tl.uint32)), None, NATIVE_CASTS)
                 k_op = k_tile
                 k_tok = k_scale_decode(k_scode)
-                scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
+                scores = first_rows(mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS), FOLD_ROWS) * row_scale[:, None]
                 scores = scores * k_tok[None, :]
                 visible = (n[None, :] <= q_pos[:, None])
                 visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
@@ -545,7 +659,7 @@ def paged_attention_kernel(
                 v_scode = load_per_position(v_srow.to(tl.pointer_type(tl.uint32)), None, NATIVE_CASTS)
                 v_op = v_tile
                 v_tok = v_scale_decode(v_scode)
-                if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
+                if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3) & (V_SPLIT == 0):  # the values' conversion stays in their load's layout (V_SPLIT: per part, in value_dot)
                     v_op = keep_layout(v_op)
                 if DOT_V >= 3:
                     # quantized domain: the probabilities times the per-position value scales in int8, per query row
@@ -555,14 +669,14 @@ def paged_attention_kernel(
                     pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
                     # (1 / top stays finite for a normal top; 127 / top need not, so the row is normalised first)
                     p_code = v_as_qdot(v_encode((pw * tl.math.div_rn(1.0, pw_top)[:, None]) * 127.0))
-                    pv = mma(p_code, v_op, DOT_V, 1, 1) * (pw_top * 0.007874015748031496)[:, None]
+                    pv = value_dot(p_code, v_op, DOT_V, 1, 1, BLOCK_M, V_SPLIT, V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3)) * (pw_top * 0.007874015748031496)[:, None]
                 else:
                     # the per-position value factors enter the probabilities, relative to each query row's largest weight
                     # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
                     pw = p * v_tok[None, :]
                     pw_top = tl.max(pw, axis=1)
                     pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
-                    pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
+                    pv = value_dot(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS, BLOCK_M, V_SPLIT, V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3)) * pw_top[:, None]
                 acc = acc * alpha[:, None] + pv
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 m_i = m_new
@@ -590,7 +704,7 @@ def paged_attention_kernel(
                 k_scode = load_per_position(k_srow.to(tl.pointer_type(tl.uint32)), None, NATIVE_CASTS)
                 k_op = k_tile
                 k_tok = k_scale_decode(k_scode)
-                scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
+                scores = first_rows(mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS), FOLD_ROWS) * row_scale[:, None]
                 scores = scores * k_tok[None, :]
                 m_new = tl.maximum(m_i, tl.max(scores, axis=1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay at zero
@@ -609,7 +723,7 @@ def paged_attention_kernel(
                 v_scode = load_per_position(v_srow.to(tl.pointer_type(tl.uint32)), None, NATIVE_CASTS)
                 v_op = v_tile
                 v_tok = v_scale_decode(v_scode)
-                if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
+                if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3) & (V_SPLIT == 0):  # the values' conversion stays in their load's layout (V_SPLIT: per part, in value_dot)
                     v_op = keep_layout(v_op)
                 if DOT_V >= 3:
                     # quantized domain: the probabilities times the per-position value scales in int8, per query row
@@ -619,14 +733,14 @@ def paged_attention_kernel(
                     pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
                     # (1 / top stays finite for a normal top; 127 / top need not, so the row is normalised first)
                     p_code = v_as_qdot(v_encode((pw * tl.math.div_rn(1.0, pw_top)[:, None]) * 127.0))
-                    pv = mma(p_code, v_op, DOT_V, 1, 1) * (pw_top * 0.007874015748031496)[:, None]
+                    pv = value_dot(p_code, v_op, DOT_V, 1, 1, BLOCK_M, V_SPLIT, V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3)) * (pw_top * 0.007874015748031496)[:, None]
                 else:
                     # the per-position value factors enter the probabilities, relative to each query row's largest weight
                     # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
                     pw = p * v_tok[None, :]
                     pw_top = tl.max(pw, axis=1)
                     pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
-                    pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
+                    pv = value_dot(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS, BLOCK_M, V_SPLIT, V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3)) * pw_top[:, None]
                 acc = acc * alpha[:, None] + pv
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 m_i = m_new
@@ -654,7 +768,7 @@ def paged_attention_kernel(
                 k_scode = load_per_position(k_srow.to(tl.pointer_type(tl.uint32)), None, NATIVE_CASTS)
                 k_op = k_tile
                 k_tok = k_scale_decode(k_scode)
-                scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
+                scores = first_rows(mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS), FOLD_ROWS) * row_scale[:, None]
                 scores = scores * k_tok[None, :]
                 visible = (n[None, :] <= q_pos[:, None])
                 visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
@@ -676,7 +790,7 @@ def paged_attention_kernel(
                 v_scode = load_per_position(v_srow.to(tl.pointer_type(tl.uint32)), None, NATIVE_CASTS)
                 v_op = v_tile
                 v_tok = v_scale_decode(v_scode)
-                if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
+                if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3) & (V_SPLIT == 0):  # the values' conversion stays in their load's layout (V_SPLIT: per part, in value_dot)
                     v_op = keep_layout(v_op)
                 if DOT_V >= 3:
                     # quantized domain: the probabilities times the per-position value scales in int8, per query row
@@ -686,14 +800,14 @@ def paged_attention_kernel(
                     pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
                     # (1 / top stays finite for a normal top; 127 / top need not, so the row is normalised first)
                     p_code = v_as_qdot(v_encode((pw * tl.math.div_rn(1.0, pw_top)[:, None]) * 127.0))
-                    pv = mma(p_code, v_op, DOT_V, 1, 1) * (pw_top * 0.007874015748031496)[:, None]
+                    pv = value_dot(p_code, v_op, DOT_V, 1, 1, BLOCK_M, V_SPLIT, V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3)) * (pw_top * 0.007874015748031496)[:, None]
                 else:
                     # the per-position value factors enter the probabilities, relative to each query row's largest weight
                     # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
                     pw = p * v_tok[None, :]
                     pw_top = tl.max(pw, axis=1)
                     pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
-                    pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
+                    pv = value_dot(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS, BLOCK_M, V_SPLIT, V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3)) * pw_top[:, None]
                 acc = acc * alpha[:, None] + pv
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 m_i = m_new
@@ -722,7 +836,7 @@ def paged_attention_kernel(
                 k_scode = load_per_position(k_srow.to(tl.pointer_type(tl.uint32)), None, NATIVE_CASTS)
                 k_op = k_tile
                 k_tok = k_scale_decode(k_scode)
-                scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
+                scores = first_rows(mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS), FOLD_ROWS) * row_scale[:, None]
                 scores = scores * k_tok[None, :]
                 visible = (n[None, :] <= q_pos[:, None])
                 visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
@@ -744,7 +858,7 @@ def paged_attention_kernel(
                 v_scode = load_per_position(v_srow.to(tl.pointer_type(tl.uint32)), None, NATIVE_CASTS)
                 v_op = v_tile
                 v_tok = v_scale_decode(v_scode)
-                if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
+                if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3) & (V_SPLIT == 0):  # the values' conversion stays in their load's layout (V_SPLIT: per part, in value_dot)
                     v_op = keep_layout(v_op)
                 if DOT_V >= 3:
                     # quantized domain: the probabilities times the per-position value scales in int8, per query row
@@ -754,14 +868,14 @@ def paged_attention_kernel(
                     pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
                     # (1 / top stays finite for a normal top; 127 / top need not, so the row is normalised first)
                     p_code = v_as_qdot(v_encode((pw * tl.math.div_rn(1.0, pw_top)[:, None]) * 127.0))
-                    pv = mma(p_code, v_op, DOT_V, 1, 1) * (pw_top * 0.007874015748031496)[:, None]
+                    pv = value_dot(p_code, v_op, DOT_V, 1, 1, BLOCK_M, V_SPLIT, V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3)) * (pw_top * 0.007874015748031496)[:, None]
                 else:
                     # the per-position value factors enter the probabilities, relative to each query row's largest weight
                     # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
                     pw = p * v_tok[None, :]
                     pw_top = tl.max(pw, axis=1)
                     pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
-                    pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
+                    pv = value_dot(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS, BLOCK_M, V_SPLIT, V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3)) * pw_top[:, None]
                 acc = acc * alpha[:, None] + pv
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 m_i = m_new
@@ -785,7 +899,7 @@ def paged_attention_kernel(
             k_scode = load_per_position(k_srow.to(tl.pointer_type(tl.uint32)), n_mask, NATIVE_CASTS)
             k_op = k_tile
             k_tok = k_scale_decode(k_scode)
-            scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None]
+            scores = first_rows(mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS), FOLD_ROWS) * row_scale[:, None]
             scores = scores * k_tok[None, :]
             visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
             visible = visible & ((window <= 0) | (q_pos[:, None] - n[None, :] < window))
@@ -807,7 +921,7 @@ def paged_attention_kernel(
             v_scode = load_per_position(v_srow.to(tl.pointer_type(tl.uint32)), n_mask, NATIVE_CASTS)
             v_op = v_tile
             v_tok = v_scale_decode(v_scode)
-            if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
+            if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3) & (V_SPLIT == 0):  # the values' conversion stays in their load's layout (V_SPLIT: per part, in value_dot)
                 v_op = keep_layout(v_op)
             if DOT_V >= 3:
                 # quantized domain: the probabilities times the per-position value scales in int8, per query row
@@ -817,17 +931,24 @@ def paged_attention_kernel(
                 pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
                 # (1 / top stays finite for a normal top; 127 / top need not, so the row is normalised first)
                 p_code = v_as_qdot(v_encode((pw * tl.math.div_rn(1.0, pw_top)[:, None]) * 127.0))
-                pv = mma(p_code, v_op, DOT_V, 1, 1) * (pw_top * 0.007874015748031496)[:, None]
+                pv = value_dot(p_code, v_op, DOT_V, 1, 1, BLOCK_M, V_SPLIT, V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3)) * (pw_top * 0.007874015748031496)[:, None]
             else:
                 # the per-position value factors enter the probabilities, relative to each query row's largest weight
                 # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
                 pw = p * tl.where(n_mask, v_tok, 0.0)[None, :]
                 pw_top = tl.max(pw, axis=1)
                 pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
-                pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
+                pv = value_dot(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS, BLOCK_M, V_SPLIT, V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3)) * pw_top[:, None]
             acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
+        if FOLD_ROWS < BLOCK_M:  # every row of the tile again: copies of the paged steps' rows
+            q_pos = q_pos_all
+            row_scale = row_scale_all
+            m_i = tl.reshape(tl.broadcast_to(m_i[None, :], [BLOCK_M // FOLD_ROWS, FOLD_ROWS]), [BLOCK_M])
+            l_i = tl.reshape(tl.broadcast_to(l_i[None, :], [BLOCK_M // FOLD_ROWS, FOLD_ROWS]), [BLOCK_M])
+            acc = tl.reshape(tl.broadcast_to(acc[None, :, :], [BLOCK_M // FOLD_ROWS, FOLD_ROWS, HEAD_PAD]),
+                             [BLOCK_M, HEAD_PAD])
         out_mask = row_mask[:, None] & dmask[None, :]
         if NUM_SPLITS == 1:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

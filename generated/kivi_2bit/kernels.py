@@ -26,6 +26,13 @@ BLOCK_DOTS = {"k": False, "v": True}
 RATIO_PAIRS = {"k": False, "v": False}
 # keys scaled per channel and token group whose scales can fold into the query in decode (the kernel's KEY_FOLD)
 KEY_FOLD = True
+# the paged steps' FOLD_ROWS (the query rows a decode fills, the runtime's fold_rows / live_fold_rows) by kind: "key"
+# (KEY_FOLD's group_scores, stacked_pv), "blocks" (BLOCK_DOTS on both sides: stacked_scores, stacked_pv), "live"
+# (one dot per side on every row, the loop state on FOLD_ROWS: live_rows), "" (no FOLD_ROWS: every row)
+ROW_FOLD = "key"
+# decode's P x V dot as two dots of half the value columns each (the kernel's V_SPLIT, value_dot), by how the columns
+# part: "halves" (even / odd columns: a byte's two codes), "pairs" (columns 4j, 4j + 1 / 4j + 2, 4j + 3), "" (never)
+VALUE_SPLIT = ""
 # the residual ring's values (KIVI's newest tokens, real values): the tensor-core type that holds them exactly in one
 # term ("": exact fp32 dots only); the runtime picks the residual steps' dot mode (DOT_R) from it
 RESIDUAL_DOT = "bf16"
@@ -684,6 +691,7 @@ def paged_attention_kernel(
     DOT_K: tl.constexpr, Q_TERMS: tl.constexpr, K_TERMS: tl.constexpr,
     DOT_V: tl.constexpr, P_TERMS: tl.constexpr, V_TERMS: tl.constexpr, NATIVE_CASTS: tl.constexpr,
     OFFSETS_64: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr, V_CONVERT_FIRST: tl.constexpr,
+    V_SPLIT: tl.constexpr,
     MASK_FREE_STEPS: tl.constexpr,
     BLOCK_DOTS: tl.constexpr,
     KEY_FOLD: tl.constexpr, FOLD_ROWS: tl.constexpr,

@@ -26,6 +26,13 @@ BLOCK_DOTS = {"k": True, "v": True}
 RATIO_PAIRS = {"k": False, "v": False}
 # keys scaled per channel and token group whose scales can fold into the query in decode (the kernel's KEY_FOLD)
 KEY_FOLD = False
+# the paged steps' FOLD_ROWS (the query rows a decode fills, the runtime's fold_rows / live_fold_rows) by kind: "key"
+# (KEY_FOLD's group_scores, stacked_pv), "blocks" (BLOCK_DOTS on both sides: stacked_scores, stacked_pv), "live"
+# (one dot per side on every row, the loop state on FOLD_ROWS: live_rows), "" (no FOLD_ROWS: every row)
+ROW_FOLD = "blocks"
+# decode's P x V dot as two dots of half the value columns each (the kernel's V_SPLIT, value_dot), by how the columns
+# part: "halves" (even / odd columns: a byte's two codes), "pairs" (columns 4j, 4j + 1 / 4j + 2, 4j + 3), "" (never)
+VALUE_SPLIT = "pairs"
 
 # ---------------------------------------------------------------------------------------------------------------
 # Codecs. key: int8, round half away from zero, clamp to [-128, 127]; scales fp16 per 32 elements, inline
@@ -374,6 +381,134 @@ def keep_layout(x):
 
 
 @triton.jit
+def first_rows(x, R: tl.constexpr):
+    # the first R rows of x [M, C] (R dividing M), exactly (the other rows' places add zeros)
+    M: tl.constexpr = x.shape[0]
+    if R == M:
+        return x
+    return tl.sum(tl.where((tl.arange(0, M // R) == 0)[:, None, None], tl.reshape(x, [M // R, R, x.shape[1]]), 0),
+                  axis=0)
+
+
+@triton.jit
+def first_of(x, R: tl.constexpr):
+    # the first R elements of x [M] (R dividing M), exactly
+    M: tl.constexpr = x.shape[0]
+    if R == M:
+        return x
+    return tl.sum(tl.where((tl.arange(0, M // R) == 0)[:, None], tl.reshape(x, [M // R, R]), 0), axis=0)
+
+
+@triton.jit
+def split_columns(b):
+    # [N, H] -> two [N, H / 2]: b's columns 4j, 4j + 1 and 4j + 2, 4j + 3 (pairs that one 32-bit register of
+    # 16-bit values holds); join_columns(r0, r1) puts the columns of two such parts' results back in place
+    N: tl.constexpr = b.shape[0]
+    H: tl.constexpr = b.shape[1]
+    b0, b1 = tl.split(tl.permute(tl.reshape(b, [N, H // 4, 2, 2]), [0, 1, 3, 2]))
+    b0 = tl.reshape(b0, [N, H // 2])
+    b1 = tl.reshape(b1, [N, H // 2])
+    return b0, b1
+
+
+@triton.jit
+def join_columns(r0, r1):
+    R: tl.constexpr = r0.shape[0]
+    H: tl.constexpr = r0.shape[1] * 2
+    return tl.reshape(tl.permute(tl.reshape(tl.join(r0, r1), [R, H // 4, 2, 2]), [0, 1, 3, 2]), [R, H])
+
+
+@triton.jit
+def value_dot(a, b, DOT: tl.constexpr, A_TERMS: tl.constexpr, B_TERMS: tl.constexpr, M: tl.constexpr,
+              SPLIT: tl.constexpr, KEEP: tl.constexpr):
+    # the paged steps' P x V: mma(a, b) for a [R, N], b [N, H]. SPLIT (V_SPLIT, tensor-core dots
+    # on converted values): as two dots of H / 2 columns each (split_columns), or four of H / 4 (each half split
+    # again), and the results interleaved back (join_columns). Each output element is the same sum as one dot's. The
+    # dot reads its operand from shared memory, where the compiler stages the converted part (KEEP: V_CONVERT_FIRST's
+    # keep_layout, per part) for each dot in turn, in one buffer of N x H / SPLIT 16-bit values (16 KiB in halves at
+    # 128 positions of head size 128, 8 in quarters, instead of 32) that the next dot reuses. (Parts keep 16 columns
+    # at least, what a tensor-core dot takes: heads under 64 columns take two dots at most, under 32 one.)
+    H: tl.constexpr = b.shape[1]
+    if (H >= 64) & (SPLIT == 4) & (DOT != 0) & (DOT != 3):
+        b0, b1 = split_columns(b)
+        b00, b01 = split_columns(b0)
+        b10, b11 = split_columns(b1)
+        if KEEP:  # (each part converted before its own dot, as in halves)
+            b00 = keep_layout(b00)
+        r00 = mma(a, b00, DOT, A_TERMS, B_TERMS)
+        if KEEP:
+            b01 = keep_layout(b01)
+        r01 = mma(a, b01, DOT, A_TERMS, B_TERMS)
+        if KEEP:
+            b10 = keep_layout(b10)
+        r10 = mma(a, b10, DOT, A_TERMS, B_TERMS)
+        if KEEP:
+            b11 = keep_layout(b11)
+        r11 = mma(a, b11, DOT, A_TERMS, B_TERMS)
+        return join_columns(join_columns(r00, r01), join_columns(r10, r11))
+    elif (H >= 32) & (SPLIT != 0) & (DOT != 0) & (DOT != 3):
+        b0, b1 = split_columns(b)
+        if KEEP:
+            b0 = keep_layout(b0)
+        r0 = mma(a, b0, DOT, A_TERMS, B_TERMS)
+        if KEEP:  # (after the first dot: the second half's staging then follows it)
+            b1 = keep_layout(b1)
+        r1 = mma(a, b1, DOT, A_TERMS, B_TERMS)
+        return join_columns(r0, r1)
+    else:
+        return mma(a, b, DOT, A_TERMS, B_TERMS)
+
+
+@triton.jit
+def stacked_pv(p, v, s, NB: tl.constexpr, DOT: tl.constexpr, P_TERMS: tl.constexpr, SPLIT: tl.constexpr = 0,
+               KEEP: tl.constexpr = 0):
+    # [R, H], block b of the head = (p * s[:, b]) @ v_b (block_pv's) for few rows R (the paged steps' FOLD_ROWS):
+    # p [R, N], v [N, H] codes (one dot term), s [N, NB] the blocks' scales. Every block's weights p * s[:, b] go
+    # into one dot ([NB * R, N] rows, as block_pv's: relative to each row's largest of them in the block, at most 1
+    # in the dot's type; what rounds away is below 2**-24 of that row's largest term), and each output column keeps
+    # the rows of its own block: the same products and sums as block_pv's dot for that block, plus exact zeros.
+    # Blocks past a dot's 16 rows (the head's halves) take a dot each, as block_pv's halves.
+    R: tl.constexpr = p.shape[0]
+    N: tl.constexpr = p.shape[1]
+    H: tl.constexpr = v.shape[1]
+    if (NB * R > 16) & (NB > 1):
+        v0, v1 = halves(v)
+        s0, s1 = halves(s)
+        o0 = stacked_pv(p, v0, s0, NB // 2, DOT, P_TERMS, SPLIT, KEEP)
+        o1 = stacked_pv(p, v1, s1, NB // 2, DOT, P_TERMS, SPLIT, KEEP)
+        return tl.reshape(tl.permute(tl.join(o0, o1), [0, 2, 1]), [R, H])
+    pw = p[None, :, :] * tl.trans(s)[:, None, :]  # [NB, R, N]
+    top = tl.max(pw, axis=2)
+    top = tl.where(top >= 1.1754944e-38, top, 1.0)  # a subnormal top would make 1 / top infinite
+    # (SPLIT, V_SPLIT: the dot over value_dot's column parts, the same sums; KEEP: each part converted in place)
+    o = tl.reshape(value_dot(tl.reshape(pw * (1.0 / top)[:, :, None], [NB * R, N]), v, DOT, P_TERMS, 1, NB * R,
+                             SPLIT, KEEP), [NB, R, H])
+    own = tl.arange(0, NB)[:, None, None] == (tl.arange(0, H) // (H // NB))[None, None, :]
+    return tl.sum(tl.where(own, o * top[:, :, None], 0.0), axis=0)
+
+
+@triton.jit
+def stacked_scores(q, k, s, NB: tl.constexpr, DOT: tl.constexpr, Q_TERMS: tl.constexpr):
+    # [R, N], the sum over the NB blocks of the head of (q_b . k_b) * s[:, b] (block_scores') for few rows R (the
+    # paged steps' FOLD_ROWS): q [R, H], k [N, H] codes (one dot term), s [N, NB] the blocks' scales. Every block's
+    # query rows go into one dot ([NB * R, H] rows, block b's zero outside its columns: the products of block b's own
+    # dot plus exact zeros, the same sums), each (block, row) result times that block's scales, summed over blocks.
+    # Blocks past a dot's 16 rows (the head's halves) take a dot each, as block_scores' halves.
+    R: tl.constexpr = q.shape[0]
+    H: tl.constexpr = q.shape[1]
+    N: tl.constexpr = k.shape[0]
+    if (NB * R > 16) & (NB > 1):
+        q0, q1 = halves(q)
+        k0, k1 = halves(k)
+        s0, s1 = halves(s)
+        return stacked_scores(q0, k0, s0, NB // 2, DOT, Q_TERMS) + stacked_scores(q1, k1, s1, NB // 2, DOT, Q_TERMS)
+    own = tl.arange(0, NB)[:, None, None] == (tl.arange(0, H) // (H // NB))[None, None, :]
+    qs = tl.reshape(tl.where(own, q[None, :, :], 0.0), [NB * R, H])
+    r = tl.reshape(mma(qs, tl.trans(k), DOT, Q_TERMS, 1), [NB, R, N])
+    return tl.sum(r * tl.trans(s)[:, None, :], axis=0)
+
+
+@triton.jit
 def halves(x):
     # x [R, C] -> its columns [0, C / 2) and [C / 2, C)
     R: tl.constexpr = x.shape[0]
@@ -445,8 +580,10 @@ def paged_attention_kernel(
     DOT_K: tl.constexpr, Q_TERMS: tl.constexpr, K_TERMS: tl.constexpr,
     DOT_V: tl.constexpr, P_TERMS: tl.constexpr, V_TERMS: tl.constexpr, NATIVE_CASTS: tl.constexpr,
     OFFSETS_64: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr, V_CONVERT_FIRST: tl.constexpr,
+    V_SPLIT: tl.constexpr,
     MASK_FREE_STEPS: tl.constexpr,
     BLOCK_DOTS: tl.constexpr,
+    FOLD_ROWS: tl.constexpr,
 ):
     seq = tl.program_id(0) // num_q_tiles
     tile = tl.program_id(0) % num_q_tiles
@@ -474,6 +611,8 @@ def paged_attention_kernel(
         q_norm = pow2_floor(tl.max(tl.abs(q), axis=1))
         q = q * pow2_inv(q_norm)[:, None]
         row_scale = q_norm * qk_scale
+        if BLOCK_DOTS:  # the stacked blocks' query rows (FOLD_ROWS, below)
+            q_fold = first_rows(q, FOLD_ROWS)
 
         # KV positions this program reads: [lo, hi), the tile's causal and window range within the split's chunk
         last_q = tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1
@@ -486,6 +625,18 @@ def paged_attention_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+        if BLOCK_DOTS:
+            # the paged steps carry only the tile's first FOLD_ROWS rows (the runtime's choice: every row a query of
+            # this launch can fill, GROUP per token in decode, enough for the dots' 16 rows): the keys' and the values'
+            # stacked blocks (stacked_scores, stacked_pv); the rows after them hold no query (row_mask) and take
+            # copies of those rows' state after the paged steps
+            q_pos_all = q_pos
+            row_scale_all = row_scale
+            q_pos = first_of(q_pos, FOLD_ROWS)
+            row_scale = first_of(row_scale, FOLD_ROWS)
+            m_i = tl.full([FOLD_ROWS], float("-inf"), tl.float32)
+            l_i = tl.zeros([FOLD_ROWS], tl.float32)
+            acc = tl.zeros([FOLD_ROWS, HEAD_PAD], tl.float32)
         paged_hi = hi
         # whole tiles first: every position valid, so their loads go without masks; then the partial last tile
         full_hi = lo + (tl.maximum(paged_hi - lo, 0) // BLOCK_N) * BLOCK_N
@@ -549,7 +700,11 @@ def paged_attention_kernel(
                     else:  # two terms (hi + lo: exact products) or exact fp32 dots
                         k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
                 if BLOCK_DOTS:  # one dot per block of 32 elements on the codes, each block's result times its scales
-                    scores = block_scores(q, k_op, k_bs, HEAD_PAD // 32, DOT_K, Q_TERMS)
+                    if FOLD_ROWS < BLOCK_M:
+                        # the paged steps' FOLD_ROWS rows of q_fold: every block's query rows in one dot (stacked_scores)
+                        scores = stacked_scores(q_fold, k_op, k_bs, HEAD_PAD // 32, DOT_K, Q_TERMS)
+                    else:
+                        scores = block_scores(q, k_op, k_bs, HEAD_PAD // 32, DOT_K, Q_TERMS)
                     scores = scores * row_scale[:, None]
                 else:
                     scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None] * k_tok[None, :]
@@ -594,19 +749,25 @@ def paged_attention_kernel(
                         v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio.to(v_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
                     else:  # two terms (hi + lo: exact products) or exact fp32 dots
                         v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
-                if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
+                if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3) & (V_SPLIT == 0):  # the values' conversion stays in their load's layout (V_SPLIT: per part, in value_dot)
                     v_op = keep_layout(v_op)
                 if BLOCK_DOTS:
-                    # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
-                    # relative to each query row's largest of them in the block (block_pv)
-                    pv = block_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS)
+                    if FOLD_ROWS < BLOCK_M:
+                        # the paged steps' FOLD_ROWS rows: every block's weighted rows in one dot (stacked_pv; V_SPLIT: its columns in parts, value_dot)
+                        pv = stacked_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS, V_SPLIT, V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3))
+                    else:
+                        if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3) & (V_SPLIT != 0):  # (value_dot's parts skipped above)
+                            v_op = keep_layout(v_op)
+                        # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
+                        # relative to each query row's largest of them in the block (block_pv)
+                        pv = block_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS)
                 else:
                     # the per-position value factors enter the probabilities, relative to each query row's largest weight
                     # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
                     pw = p * v_tok[None, :]
                     pw_top = tl.max(pw, axis=1)
                     pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
-                    pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
+                    pv = value_dot(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS, BLOCK_M, V_SPLIT, V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3)) * pw_top[:, None]
                 acc = acc * alpha[:, None] + pv
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 m_i = m_new
@@ -656,7 +817,11 @@ def paged_attention_kernel(
                     else:  # two terms (hi + lo: exact products) or exact fp32 dots
                         k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
                 if BLOCK_DOTS:  # one dot per block of 32 elements on the codes, each block's result times its scales
-                    scores = block_scores(q, k_op, k_bs, HEAD_PAD // 32, DOT_K, Q_TERMS)
+                    if FOLD_ROWS < BLOCK_M:
+                        # the paged steps' FOLD_ROWS rows of q_fold: every block's query rows in one dot (stacked_scores)
+                        scores = stacked_scores(q_fold, k_op, k_bs, HEAD_PAD // 32, DOT_K, Q_TERMS)
+                    else:
+                        scores = block_scores(q, k_op, k_bs, HEAD_PAD // 32, DOT_K, Q_TERMS)
                     scores = scores * row_scale[:, None]
                 else:
                     scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None] * k_tok[None, :]
@@ -698,19 +863,25 @@ def paged_attention_kernel(
                         v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio.to(v_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
                     else:  # two terms (hi + lo: exact products) or exact fp32 dots
                         v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
-                if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
+                if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3) & (V_SPLIT == 0):  # the values' conversion stays in their load's layout (V_SPLIT: per part, in value_dot)
                     v_op = keep_layout(v_op)
                 if BLOCK_DOTS:
-                    # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
-                    # relative to each query row's largest of them in the block (block_pv)
-                    pv = block_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS)
+                    if FOLD_ROWS < BLOCK_M:
+                        # the paged steps' FOLD_ROWS rows: every block's weighted rows in one dot (stacked_pv; V_SPLIT: its columns in parts, value_dot)
+                        pv = stacked_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS, V_SPLIT, V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3))
+                    else:
+                        if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3) & (V_SPLIT != 0):  # (value_dot's parts skipped above)
+                            v_op = keep_layout(v_op)
+                        # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
+                        # relative to each query row's largest of them in the block (block_pv)
+                        pv = block_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS)
                 else:
                     # the per-position value factors enter the probabilities, relative to each query row's largest weight
                     # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
                     pw = p * v_tok[None, :]
                     pw_top = tl.max(pw, axis=1)
                     pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
-                    pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
+                    pv = value_dot(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS, BLOCK_M, V_SPLIT, V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3)) * pw_top[:, None]
                 acc = acc * alpha[:, None] + pv
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 m_i = m_new
@@ -760,7 +931,11 @@ def paged_attention_kernel(
                     else:  # two terms (hi + lo: exact products) or exact fp32 dots
                         k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
                 if BLOCK_DOTS:  # one dot per block of 32 elements on the codes, each block's result times its scales
-                    scores = block_scores(q, k_op, k_bs, HEAD_PAD // 32, DOT_K, Q_TERMS)
+                    if FOLD_ROWS < BLOCK_M:
+                        # the paged steps' FOLD_ROWS rows of q_fold: every block's query rows in one dot (stacked_scores)
+                        scores = stacked_scores(q_fold, k_op, k_bs, HEAD_PAD // 32, DOT_K, Q_TERMS)
+                    else:
+                        scores = block_scores(q, k_op, k_bs, HEAD_PAD // 32, DOT_K, Q_TERMS)
                     scores = scores * row_scale[:, None]
                 else:
                     scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None] * k_tok[None, :]
@@ -805,19 +980,25 @@ def paged_attention_kernel(
                         v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio.to(v_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
                     else:  # two terms (hi + lo: exact products) or exact fp32 dots
                         v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
-                if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
+                if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3) & (V_SPLIT == 0):  # the values' conversion stays in their load's layout (V_SPLIT: per part, in value_dot)
                     v_op = keep_layout(v_op)
                 if BLOCK_DOTS:
-                    # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
-                    # relative to each query row's largest of them in the block (block_pv)
-                    pv = block_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS)
+                    if FOLD_ROWS < BLOCK_M:
+                        # the paged steps' FOLD_ROWS rows: every block's weighted rows in one dot (stacked_pv; V_SPLIT: its columns in parts, value_dot)
+                        pv = stacked_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS, V_SPLIT, V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3))
+                    else:
+                        if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3) & (V_SPLIT != 0):  # (value_dot's parts skipped above)
+                            v_op = keep_layout(v_op)
+                        # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
+                        # relative to each query row's largest of them in the block (block_pv)
+                        pv = block_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS)
                 else:
                     # the per-position value factors enter the probabilities, relative to each query row's largest weight
                     # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
                     pw = p * v_tok[None, :]
                     pw_top = tl.max(pw, axis=1)
                     pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
-                    pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
+                    pv = value_dot(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS, BLOCK_M, V_SPLIT, V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3)) * pw_top[:, None]
                 acc = acc * alpha[:, None] + pv
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 m_i = m_new
@@ -868,7 +1049,11 @@ def paged_attention_kernel(
                     else:  # two terms (hi + lo: exact products) or exact fp32 dots
                         k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
                 if BLOCK_DOTS:  # one dot per block of 32 elements on the codes, each block's result times its scales
-                    scores = block_scores(q, k_op, k_bs, HEAD_PAD // 32, DOT_K, Q_TERMS)
+                    if FOLD_ROWS < BLOCK_M:
+                        # the paged steps' FOLD_ROWS rows of q_fold: every block's query rows in one dot (stacked_scores)
+                        scores = stacked_scores(q_fold, k_op, k_bs, HEAD_PAD // 32, DOT_K, Q_TERMS)
+                    else:
+                        scores = block_scores(q, k_op, k_bs, HEAD_PAD // 32, DOT_K, Q_TERMS)
                     scores = scores * row_scale[:, None]
                 else:
                     scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None] * k_tok[None, :]
@@ -913,19 +1098,25 @@ def paged_attention_kernel(
                         v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio.to(v_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
                     else:  # two terms (hi + lo: exact products) or exact fp32 dots
                         v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
-                if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
+                if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3) & (V_SPLIT == 0):  # the values' conversion stays in their load's layout (V_SPLIT: per part, in value_dot)
                     v_op = keep_layout(v_op)
                 if BLOCK_DOTS:
-                    # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
-                    # relative to each query row's largest of them in the block (block_pv)
-                    pv = block_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS)
+                    if FOLD_ROWS < BLOCK_M:
+                        # the paged steps' FOLD_ROWS rows: every block's weighted rows in one dot (stacked_pv; V_SPLIT: its columns in parts, value_dot)
+                        pv = stacked_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS, V_SPLIT, V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3))
+                    else:
+                        if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3) & (V_SPLIT != 0):  # (value_dot's parts skipped above)
+                            v_op = keep_layout(v_op)
+                        # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
+                        # relative to each query row's largest of them in the block (block_pv)
+                        pv = block_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS)
                 else:
                     # the per-position value factors enter the probabilities, relative to each query row's largest weight
                     # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
                     pw = p * v_tok[None, :]
                     pw_top = tl.max(pw, axis=1)
                     pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
-                    pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
+                    pv = value_dot(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS, BLOCK_M, V_SPLIT, V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3)) * pw_top[:, None]
                 acc = acc * alpha[:, None] + pv
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 m_i = m_new
@@ -971,7 +1162,11 @@ def paged_attention_kernel(
                 else:  # two terms (hi + lo: exact products) or exact fp32 dots
                     k_op = k_tile * tl.reshape(tl.broadcast_to(k_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
             if BLOCK_DOTS:  # one dot per block of 32 elements on the codes, each block's result times its scales
-                scores = block_scores(q, k_op, k_bs, HEAD_PAD // 32, DOT_K, Q_TERMS)
+                if FOLD_ROWS < BLOCK_M:
+                    # the paged steps' FOLD_ROWS rows of q_fold: every block's query rows in one dot (stacked_scores)
+                    scores = stacked_scores(q_fold, k_op, k_bs, HEAD_PAD // 32, DOT_K, Q_TERMS)
+                else:
+                    scores = block_scores(q, k_op, k_bs, HEAD_PAD // 32, DOT_K, Q_TERMS)
                 scores = scores * row_scale[:, None]
             else:
                 scores = mma(q, tl.trans(k_op), DOT_K, Q_TERMS, K_TERMS) * row_scale[:, None] * k_tok[None, :]
@@ -1016,22 +1211,35 @@ def paged_attention_kernel(
                     v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio.to(v_tile.dtype)[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
                 else:  # two terms (hi + lo: exact products) or exact fp32 dots
                     v_op = v_tile * tl.reshape(tl.broadcast_to(v_ratio[:, :, None], [BLOCK_N, HEAD_PAD // 32, 32]), [BLOCK_N, HEAD_PAD])
-            if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3):  # the values' conversion stays in their load's layout
+            if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3) & (V_SPLIT == 0):  # the values' conversion stays in their load's layout (V_SPLIT: per part, in value_dot)
                 v_op = keep_layout(v_op)
             if BLOCK_DOTS:
-                # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
-                # relative to each query row's largest of them in the block (block_pv)
-                pv = block_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS)
+                if FOLD_ROWS < BLOCK_M:
+                    # the paged steps' FOLD_ROWS rows: every block's weighted rows in one dot (stacked_pv; V_SPLIT: its columns in parts, value_dot)
+                    pv = stacked_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS, V_SPLIT, V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3))
+                else:
+                    if V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3) & (V_SPLIT != 0):  # (value_dot's parts skipped above)
+                        v_op = keep_layout(v_op)
+                    # one dot per block of 32 elements on the codes: the probabilities times the block's scales,
+                    # relative to each query row's largest of them in the block (block_pv)
+                    pv = block_pv(p, v_op, v_bs, HEAD_PAD // 32, DOT_V, P_TERMS)
             else:
                 # the per-position value factors enter the probabilities, relative to each query row's largest weight
                 # (<= 1 in the dot's type; what rounds away is below 2**-24 of that row's largest term)
                 pw = p * tl.where(n_mask, v_tok, 0.0)[None, :]
                 pw_top = tl.max(pw, axis=1)
                 pw_top = tl.where(pw_top >= 1.1754944e-38, pw_top, 1.0)  # a subnormal top would make 1 / top infinite
-                pv = mma(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS) * pw_top[:, None]
+                pv = value_dot(pw * (1.0 / pw_top)[:, None], v_op, DOT_V, P_TERMS, V_TERMS, BLOCK_M, V_SPLIT, V_CONVERT_FIRST & (DOT_V != 0) & (DOT_V != 3)) * pw_top[:, None]
             acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
+        if BLOCK_DOTS:  # every row of the tile again: copies of the paged steps' rows
+            q_pos = q_pos_all
+            row_scale = row_scale_all
+            m_i = tl.reshape(tl.broadcast_to(m_i[None, :], [BLOCK_M // FOLD_ROWS, FOLD_ROWS]), [BLOCK_M])
+            l_i = tl.reshape(tl.broadcast_to(l_i[None, :], [BLOCK_M // FOLD_ROWS, FOLD_ROWS]), [BLOCK_M])
+            acc = tl.reshape(tl.broadcast_to(acc[None, :, :], [BLOCK_M // FOLD_ROWS, FOLD_ROWS, HEAD_PAD]),
+                             [BLOCK_M, HEAD_PAD])
         out_mask = row_mask[:, None] & dmask[None, :]
         if NUM_SPLITS == 1:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
