@@ -37,10 +37,11 @@ def parse(config: str) -> dict:
     """A config's tiles: BLOCK_N/num_warps/num_stages[/maxnreg] and letters after the numbers: "p" block ids one
     step ahead (PREFETCH_BLOCKS), "c" / "n" the values converted in their load's layout or not (V_CONVERT_FIRST,
     "convert_first" in the dict; without either the runtime's rule decides), "s" / "q" the value dot split in two /
-    four (V_SPLIT, "value_split")."""
-    m = re.fullmatch(r"([\d/]+)([pcnsq]*)", config)
+    four (V_SPLIT, "value_split"), "f" every query row in a "live" kernel's decode steps (no FOLD_ROWS: "live_fold"
+    False)."""
+    m = re.fullmatch(r"([\d/]+)([pcnsqf]*)", config)
     if m is None:
-        raise ValueError(f"config {config!r}: BLOCK_N/num_warps/num_stages[/maxnreg] and letters p, c, n, s or q")
+        raise ValueError(f"config {config!r}: BLOCK_N/num_warps/num_stages[/maxnreg] and letters p, c, n, s, q or f")
     parts = [int(x) for x in m[1].split("/") if x]
     if len(parts) not in (3, 4):
         raise ValueError(f"config {config!r}: BLOCK_N/num_warps/num_stages[/maxnreg], 3 or 4 numbers")
@@ -57,6 +58,8 @@ def parse(config: str) -> dict:
         c["value_split"] = 2
     if "q" in m[2]:
         c["value_split"] = 4
+    if "f" in m[2]:
+        c["live_fold"] = False
     return c
 
 

@@ -542,14 +542,15 @@ def _row_fold(k_ctx, v_ctx) -> str:
 
 
 def _value_split(v_ctx, streaming: bool, row_fold: str) -> str:
-    """How decode's P x V dot may split the value tile's columns into two dots (the kernel's V_SPLIT, value_dot):
-    "halves" (codes narrower than a byte: their decode keeps a byte's two codes, adjacent columns, apart), "pairs"
-    (the column pairs a 32-bit register of 16-bit values holds stay together), or "" where a value step may take
-    another dot (minima, KIVI's groups and ring). Value blocks (block dots) split where their paged steps stack
+    """How decode's P x V dot may split the value tile's columns into 2 or 4 dots (the kernel's V_SPLIT, value_dot):
+    "halves" (codes narrower than a byte: their decode keeps a byte's codes, adjacent columns, apart; parts of even /
+    odd columns), "pairs" (the column pairs a 32-bit register of 16-bit values holds stay together), or "" where a
+    value step may take another dot (minima, KIVI's groups and ring) or the kernel has no row fold (value_dot is the
+    row folds' helper: one side's block dots alone). Value blocks (block dots) split where their paged steps stack
     every block in one dot (row_fold "blocks": stacked_pv) and carry no minima."""
     stacked_blocks = v_ctx.block_dots and row_fold == "blocks"
-    if (streaming or v_ctx.bits >= 16 or (v_ctx.block_dots and not stacked_blocks) or v_ctx.zp == "float"
-            or v_ctx.tok == "channel"):
+    if (not row_fold or streaming or v_ctx.bits >= 16 or (v_ctx.block_dots and not stacked_blocks)
+            or v_ctx.zp == "float" or v_ctx.tok == "channel"):
         return ""
     return "halves" if v_ctx.bits < 8 else "pairs"
 
@@ -597,7 +598,7 @@ def render_files(spec: FormatSpec) -> dict[str, str]:
             # block (BLOCK_DOTS, q8_0 / q4_0: their blocks' rows stack, stacked_scores / stacked_pv), "live" for one
             # dot per side without blocks (the dots on every row, the steps' state on FOLD_ROWS: live_rows); "" none
             row_fold=_row_fold(k_ctx, v_ctx),
-            # decode's value dot in two dots of half the columns each (the kernel's V_SPLIT), by how the columns part
+            # decode's value dot in 2 or 4 dots over parts of the columns (the kernel's V_SPLIT), by how the columns part
             value_split=_value_split(v_ctx, spec.streaming, _row_fold(k_ctx, v_ctx)),
         ),
     }

@@ -465,8 +465,11 @@ class Format:
         ``block_table`` int32 ``[num_seqs, max_blocks]``; ``seq_lens`` int32 ``[num_seqs]`` (KV tokens including
         the new ones); ``query_start_loc`` int32 ``[num_seqs + 1]``. Query i of a sequence sits at position
         ``seq_len - q_len + i``; ``sliding_window=W`` keeps the W newest positions up to it. ``sm_scale`` defaults
-        to ``1 / sqrt(head_size)``. ``max_query_len`` (optional) saves a device-to-host read. Formats with a
-        residual window (KIVI) also need ``seq_ids`` (each sequence's row in the residual buffers).
+        to ``1 / sqrt(head_size)``. ``max_query_len`` (optional) saves a device-to-host read; it must be at least
+        the longest query: the launch computes that many query rows per sequence and no more (a decode of one token
+        per sequence carries only the rows it fills), checked where the range checks run (CPU tensors, or
+        ``KVGEN_DEBUG=1``). Formats with a residual window (KIVI) also need ``seq_ids`` (each sequence's row in the
+        residual buffers).
 
         ``dot_precision``: ``"auto"`` (default) uses tensor-core dots wherever the format's operands make every
         product exact (fp16 or bf16 values, scales applied to the scores and probabilities per row), else exact fp32

@@ -181,8 +181,8 @@ def _choose_mode() -> None:
 # -> 215, against its 3-stage rule); q8_0 capped at 168 (573 -> 539 / 296 -> 259 / 329 -> 299); kivi_4bit at 128
 # registers (main's kernel: 1227 -> 1067 / 622 -> 531 / 810 -> 790; kivi_2bit mixed, kept); the rotated-key format
 # with bf16 / fp16 queries at 168 (524 -> 526 / 267 -> 251 / 353 -> 310). fp8 per token-head ran slower on 8 rows
-# (499 -> 539 / 257 -> 273 / 292 -> 304 us) and keeps every row (live_fold=False; the key's last field: low-bit float
-# codes). At head size 64 (64 x 8192 only, 128/4/2/128p against the rules' tiles): int8 separate 270 -> 248 and
+# (499 -> 539 / 257 -> 273 / 292 -> 304 us) and keeps every row at head size 128 (live_fold=False; the key's last
+# field: low-bit float codes); at 64 and 256 the earlier rules catch it and it folds, untimed. At head size 64 (64 x 8192 only, 128/4/2/128p against the rules' tiles): int8 separate 270 -> 248 and
 # mxfp8 329 -> 296 at 2 stages, 128 registers; q4_0 287 -> 260 at 3 stages, 128 registers. Not faster and not taken:
 # quarters for int8 separate (412 -> 461 us) and mxfp8 (463 -> 453, within noise), 64-position steps at 5 or 6
 # programs per SM (benchmarks/pending/README.md's occupancy), int8 per token-head / int8 asym at 128 registers.
@@ -285,10 +285,15 @@ FAST_BLOCK_DOT_BITS = 0
 # block ratios instead (BLOCK_DOTS off: q8_0, q4_0; not KIVI): these replace entries of auto's tiles, by the widest code in bits. H200,
 # fifteenth session run 3 (`python benchmarks/tune_tiles.py q8_0 q4_0 --dot-precision fast`): q8_0 with a
 # 168-register cap (3 programs per SM, no spills) 666 -> 609 us at 64 x 8192, 342 -> 321 at 4 x 65536; q4_0 at 64
-# positions per step, 3 stages, 128 registers (4 programs per SM) 721 -> 707 and 395 -> 361
+# positions per step, 3 stages, 128 registers (4 programs per SM) 721 -> 707 and 395 -> 361. Entries: (bits, padded
+# head or None for any, what replaces). At head size 128 they restore the whole launch those timings had (auto's rule
+# then: 128/4/2 with 8 programs per SM as the split target, no block ids ahead, no value split), since auto's own
+# rules there changed in the fifty-first session
 FAST_RATIO_TILES = (
-    (8, dict(maxnreg=168)),
-    (4, dict(BLOCK_N=64, num_stages=3, maxnreg=128)),
+    (8, 128, dict(maxnreg=168, programs_per_sm=8)),
+    (8, None, dict(maxnreg=168)),
+    (4, 128, dict(BLOCK_N=64, num_stages=3, maxnreg=128, programs_per_sm=8, prefetch_blocks=False, value_split=0)),
+    (4, None, dict(BLOCK_N=64, num_stages=3, maxnreg=128)),
 )
 # Triton 3.6 fails to compile (an "Illegal shared layout" abort in TritonGPUOptimizeDotOperands) the warpgroup dots
 # (from WGMMA_ROWS query rows per program) of a kernel where one side packs its row into fewer than NARROW_ROW_BYTES
@@ -555,14 +560,14 @@ def convert_values_first(code_bits: dict, dots: dict, block_m: int, head_pad: in
             and (code_bits["v"] < 8 or wide_values))
 
 
-def fast_ratio_tiles(code_bits: dict, block_dots: dict) -> dict:
+def fast_ratio_tiles(code_bits: dict, block_dots: dict, head_pad: int = 128) -> dict:
     """What replaces auto's tiles in a "fast" decode call whose block ratios multiply the codes where auto takes
     per-block dots on both sides (FAST_RATIO_TILES; ``block_dots``: the sides that can; nothing for KIVI, whose
     keys fold their scales instead, nor in the interpreter or under TILE_OVERRIDE)."""
     if interpreting() or TILE_OVERRIDE is not None or not all(block_dots.get(s) for s in ("k", "v")):
         return {}
     bits = max(code_bits.values())
-    return next((dict(t) for b, t in FAST_RATIO_TILES if b == bits), {})
+    return next((dict(t) for b, h, t in FAST_RATIO_TILES if b == bits and h in (None, head_pad)), {})
 
 
 _CAPABILITY: dict = {}
@@ -783,7 +788,7 @@ class KernelSet:
         tiles = attention_tiles(self.module.CODE_BITS, tile_dots, self.block_scaled, block_m, head_pad, wide,
                                 self.pow2_blocks, scale_words, self.position_scales, self.float_codes)
         if tile_dots.get("BLOCK_DOTS") and not dots.get("BLOCK_DOTS"):  # fast's ratios where auto takes block dots
-            tiles.update(fast_ratio_tiles(self.module.CODE_BITS, self.module.BLOCK_DOTS))
+            tiles.update(fast_ratio_tiles(self.module.CODE_BITS, self.module.BLOCK_DOTS, head_pad))
         block_n = tiles.pop("BLOCK_N")
         group_n = getattr(self.module, "BLOCK_N_GROUP", None)
         if group_n:  # KIVI keys: whole token groups per step (both powers of two)
@@ -797,6 +802,8 @@ class KernelSet:
         if VALUE_SPLIT_OVERRIDE is not None:
             value_split = VALUE_SPLIT_OVERRIDE
         value_split = 2 if value_split is True else int(value_split)  # the number of dots (True: two)
+        if value_split not in (0, 2, 4):
+            raise ValueError(f"value_split: {value_split} dots; the value dot splits in 2 or 4 (0: one dot)")
         if not (getattr(self.module, "VALUE_SPLIT", "") and block_m <= DECODE_ROWS):
             value_split = 0
         num_q_tiles = triton_cdiv(max_query_len, block_q)

@@ -137,9 +137,12 @@ def test_fast_ratio_tiles_replace_autos_where_block_dots_go(monkeypatch):
     monkeypatch.setattr(K, "interpreting", lambda: False)
     monkeypatch.setattr(K.KernelSet, "_check_device", lambda self, t: None)
     monkeypatch.setattr(K.KernelSet, "_splits", lambda self, *a, **k: 1)
-    tile_keys = ("BLOCK_N", "num_warps", "num_stages", "maxnreg")
-    by_bits = dict(K.FAST_RATIO_TILES)
-    want = {"q8_0": by_bits[8], "q4_0": by_bits[4], "kivi_4bit": {}, "mxfp8": {}}
+    tile_keys = ("BLOCK_N", "num_warps", "num_stages", "maxnreg", "PREFETCH_BLOCKS", "V_SPLIT")
+    # the launches the fifteenth session timed at head size 128 (auto's rule then 128/4/2, without block ids ahead or
+    # a value split): q8_0 capped at 168 registers, q4_0 at 64 positions, 3 stages, 128 registers
+    want = {"q8_0": dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, PREFETCH_BLOCKS=0, V_SPLIT=0),
+            "q4_0": dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, PREFETCH_BLOCKS=0, V_SPLIT=0),
+            "kivi_4bit": {}, "mxfp8": {}}
     for name, changed in want.items():
         fmt = kvgen.load(name)
         monkeypatch.setattr(fmt._kernels, "_dot_modes", {})

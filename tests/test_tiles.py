@@ -141,7 +141,8 @@ def test_measured_choices(compiled):
         ks = kvgen.load(name)._kernels
         dots = ks._call_dots(torch.bfloat16, "auto", False, head_pad, K.DECODE_ROWS, None)
         return dots, K.attention_tiles(ks.module.CODE_BITS, dots, ks.block_scaled, K.DECODE_ROWS, head_pad,
-                                       wide(name, head_pad), ks.pow2_blocks)
+                                       wide(name, head_pad), ks.pow2_blocks, position_scales=ks.position_scales,
+                                       float_codes=ks.float_codes)
 
     for name in ("q4_0", "q8_0"):
         dots, got = decode_tiles(name, 64)

@@ -66,6 +66,35 @@ def test_formats_without_one_value_dot_never_split(name, monkeypatch):
         assert flag == 0, name
 
 
+BLOCK_KEYS_TOKEN_VALUES = """
+kvgen_spec: 1
+name: q4_keys_int8_values
+description: q4_0's keys (one dot per block) with int8 values scaled per token and head (one dot)
+cache: {layout: interleaved, storage_dtype: uint8}
+key:
+  element: int4
+  rounding: half_even
+  scale: {granularity: per_block, block: 32, dtype: fp16, placement: inline, apply: divide}
+value:
+  element: int8
+  rounding: half_even
+  scale: {granularity: per_token_head, placement: inline}
+"""
+
+
+def test_block_keys_alone_never_split(tmp_path, monkeypatch):
+    """Block dots on one side only: the kernel folds no rows (ROW_FOLD ""), so its values never split (value_dot is
+    the row folds' helper), and decode runs with the override on (it raised a NameError when VALUE_SPLIT was set)."""
+    path = tmp_path / "q4_keys_int8_values.yaml"
+    path.write_text(BLOCK_KEYS_TOKEN_VALUES)
+    module = kvgen.load(str(path))._kernels.module
+    assert (module.ROW_FOLD, module.VALUE_SPLIT) == ("", "")
+    outs = attend_both(str(path), 64 + 5, monkeypatch)
+    for (off_flag, off), (on_flag, on), (four_flag, four) in zip(outs[False], outs[True], outs[4]):
+        assert (off_flag, on_flag, four_flag) == (0, 0, 0)
+        assert torch.equal(off, on) and torch.equal(off, four)
+
+
 def test_prefill_never_splits(monkeypatch):
     """V_SPLIT is decode's (programs of at most DECODE_ROWS rows): a chunk of new tokens launches without it."""
     fmt, q, (cache, table, seq_lens, qsl), ids = decode_case("fp8_e4m3", 96, 128)
@@ -79,7 +108,7 @@ def test_prefill_never_splits(monkeypatch):
 
 
 def test_tune_tiles_config_letter():
-    """tune_tiles.py's "s" asks for two dots, "q" for four (and only they)."""
+    """tune_tiles.py's "s" asks for two dots, "q" for four (and only they); "f" for every row (live_fold off)."""
     import sys
     from pathlib import Path
 
@@ -90,3 +119,13 @@ def test_tune_tiles_config_letter():
                                          value_split=2)
     assert parse("128/4/2/128pq")["value_split"] == 4
     assert "value_split" not in parse("128/4/2/128pc")
+    assert parse("128/4/2/168f") == dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, live_fold=False)
+    assert "live_fold" not in parse("128/4/2/168ps")
+
+
+def test_split_counts_other_than_two_or_four_are_refused(monkeypatch):
+    """A rule or override asking for 3 dots names the problem instead of launching 2 and reporting 3."""
+    fmt, q, (cache, table, seq_lens, qsl), ids = decode_case("nvfp4", 40, 128)
+    monkeypatch.setattr(K, "VALUE_SPLIT_OVERRIDE", 3)
+    with pytest.raises(ValueError, match="value_split: 3"):
+        fmt.plan_attention(q, cache, table, seq_lens, qsl, max_query_len=1)

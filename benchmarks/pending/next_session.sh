@@ -4,7 +4,7 @@
 # `source benchmarks/device_env.sh`; outputs go to $OUT (the device tool's folder), each step's also to stdout.
 #
 #   bash benchmarks/pending/next_session.sh merged51   # the fifty-first session's merge: its GPU tests (~250 s?)
-#   bash benchmarks/pending/next_session.sh merged51time # its rules against the tiles they replaced (~250 s?)
+#   bash benchmarks/pending/next_session.sh merged51time # its rules against the tiles they replaced (~350 s?)
 #   bash benchmarks/pending/next_session.sh verify     # the s32 / s33 merges timed on the H200 (~400 s?)
 #   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~450 s)
 #   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~350 s?)
@@ -191,7 +191,7 @@ case "$step" in
     # (head size 128; then 64 for its three new rules): q4_0 / nvfp4 / q8_0 took 128/4/2 with 8 programs per SM as
     # the split target, mxfp4 128/4/3/168p, kivi_4bit 64/4/3 (8), the Hadamard format 128/4/2 (4); fp8 per
     # token-head's rule keeps every row (live_fold=False), which a config cannot say: its 128/4/2/168 (8) column is
-    # the 8 rows (~250 s?)
+    # the 8 rows; then fp8 per token-head at head sizes 64 / 256 and "fast" (~350 s?)
     S3="64x8192 4x65536 256x1024"
     timeout 150 python3 benchmarks/tune_tiles.py q4_0 nvfp4 q8_0 fp8_per_token_head --configs rt 128/4/2 \
       128/4/2/168 --programs-per-sm 8 --shapes $S3 --cuda-graphs 2>&1 | tee "$out/merged51_a.txt" | grep "^|"
@@ -203,6 +203,16 @@ case "$step" in
       --cuda-graphs 2>&1 | tee "$out/merged51_d.txt" | grep "^|"
     timeout 100 python3 benchmarks/tune_tiles.py int8_per_token_head_separate mxfp8 q4_0 --configs rt 128/4/3/168p \
       --shapes 64x8192hs64 4x65536hs64 --cuda-graphs 2>&1 | tee "$out/merged51_e.txt" | grep "^|"
+    # fp8 per token-head keeps every row at head size 128 only; at 64 / 256 its rules (128/4/3/168p, 64/4/2 with 4
+    # programs per SM) fold 8 rows, untimed: "f" keeps every row
+    timeout 80 python3 benchmarks/tune_tiles.py fp8_per_token_head --configs rt 128/4/3/168pf --shapes 64x8192hs64 \
+      4x65536hs64 --cuda-graphs 2>&1 | tee "$out/merged51_f.txt" | grep "^|"
+    timeout 80 python3 benchmarks/tune_tiles.py fp8_per_token_head --configs rt 64/4/2f --shapes 16x8192hs256 \
+      4x65536hs256 --cuda-graphs 2>&1 | tee -a "$out/merged51_f.txt" | grep "^|"
+    # "fast" on q4_0 / q8_0 keeps the launch the fifteenth session timed (FAST_RATIO_TILES at head size 128); the
+    # merged auto rules' tiles under fast, for comparison
+    timeout 80 python3 benchmarks/tune_tiles.py q4_0 q8_0 --dot-precision fast --configs rt 64/4/3/128ps \
+      128/4/2/168 --shapes $S3 --cuda-graphs 2>&1 | tee "$out/merged51_g.txt" | grep "^|"
     ;;
   kivicases)
     # write-kivi-layout.patch's compiled flush stored other key bytes than the reference (s47, H100: kivi_4bit, head

@@ -32,8 +32,9 @@ KEY_FOLD = False
 # (KEY_FOLD's group_scores, stacked_pv), "blocks" (BLOCK_DOTS on both sides: stacked_scores, stacked_pv), "live"
 # (one dot per side on every row, the loop state on FOLD_ROWS: live_rows), "" (no FOLD_ROWS: every row)
 ROW_FOLD = "live"
-# decode's P x V dot as two dots of half the value columns each (the kernel's V_SPLIT, value_dot), by how the columns
-# part: "halves" (even / odd columns: a byte's two codes), "pairs" (columns 4j, 4j + 1 / 4j + 2, 4j + 3), "" (never)
+# decode's P x V dot as 2 or 4 dots over parts of the value columns (the kernel's V_SPLIT, value_dot; a tile rule says
+# how many), by how the columns part: "halves" (codes narrower than a byte: even / odd columns, so that a byte's
+# codes stay apart), "pairs" (column pairs stay together: 4j, 4j + 1 / 4j + 2, 4j + 3 in two), "" (never)
 VALUE_SPLIT = "halves"
 # rotated sides that dequantize_kernel rotates back by tensor-core dots with R (one scale per row, fp16 codes; the
 # others by the transform's butterflies): the runtime gives their dequantize programs rows for warpgroup dots
