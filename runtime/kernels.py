@@ -181,7 +181,8 @@ def _choose_mode() -> None:
 # -> 215, against its 3-stage rule); q8_0 capped at 168 (573 -> 539 / 296 -> 259 / 329 -> 299); kivi_4bit at 128
 # registers (main's kernel: 1227 -> 1067 / 622 -> 531 / 810 -> 790; kivi_2bit mixed, kept); the rotated-key format
 # with bf16 / fp16 queries at 168 (524 -> 526 / 267 -> 251 / 353 -> 310). fp8 per token-head ran slower on 8 rows
-# (499 -> 539 / 257 -> 273 / 292 -> 304 us) and keeps every row at head size 128 (live_fold=False; the key's last
+# (499 -> 539 / 257 -> 273 / 292 -> 304 us; statically it spills 0.1 loads / stores a position on 8 rows under the
+# 168 cap, int8 per token-head none) and keeps every row at head size 128 (live_fold=False; the key's last
 # field: low-bit float codes); at 64 and 256 the earlier rules catch it and it folds, untimed. At head size 64 (64 x 8192 only, 128/4/2/128p against the rules' tiles): int8 separate 270 -> 248 and
 # mxfp8 329 -> 296 at 2 stages, 128 registers; q4_0 287 -> 260 at 3 stages, 128 registers. Not faster and not taken:
 # quarters for int8 separate (412 -> 461 us) and mxfp8 (463 -> 453, within noise), 64-position steps at 5 or 6
