@@ -438,9 +438,10 @@ def fold_rows(dots: dict, block_m: int, group: int, query_tokens: int, key_group
     179 registers, 2 programs per SM). H100 (forty-seventh session, tune_tiles.py with CUDA graphs): kivi_2bit
     1380-1411 -> 1110 us at 64 x 8192, 695 -> 521 at 4 x 65536, 938 -> 853 at 256 x 1024, 902 -> 722 at head size
     256; kivi_4bit 1388-1408 -> 1227, 709 -> 614, 903 -> 809, 885 -> 718; head size 64 level. q8_0 / q4_0
-    (stacked_scores / stacked_pv, static only so far): 15.9 -> 10.8 and 13.5 -> 9.6 instructions per position
-    (254 -> 255 and 237 -> 143 registers, 2 -> 2 and 2 -> 3 programs per SM); head size 256 33.9 -> 22.7 and
-    27.3 -> 17.9 (spills 0.4 / 2.1 -> 0 / 0.4), head size 64 9.4 -> 7.0 and 8.1 -> 6.2."""
+    (stacked_scores / stacked_pv): 15.9 -> 10.8 and 13.5 -> 9.6 instructions per position statically (254 -> 255
+    and 237 -> 143 registers, 2 -> 2 and 2 -> 3 programs per SM); head size 256 33.9 -> 22.7 and 27.3 -> 17.9
+    (spills 0.4 / 2.1 -> 0 / 0.4), head size 64 9.4 -> 7.0 and 8.1 -> 6.2; H100 (fifty-first session), on the tiles
+    of their rules before: 1048 -> 573 and 698 -> 575 us at 64 x 8192 (539 and 457 on their new rules)."""
     if not dots.get("BLOCK_DOTS") or not (dots.get("KEY_FOLD") if key_groups else key_blocks):
         return block_m
     keys = 16 // (2 * key_groups) if key_groups else 16 // key_blocks
