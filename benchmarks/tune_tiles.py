@@ -102,6 +102,9 @@ def main() -> None:
     ap.add_argument("--programs-per-sm", nargs="+", type=int, default=[4])
     ap.add_argument("--shapes", nargs="+", default=["64x8192", "4x65536"])
     ap.add_argument("--dot-precision", choices=K.DOT_PRECISIONS, default="auto")
+    ap.add_argument("--fast-block-dot-bits", type=int, default=None,
+                    help="under --dot-precision fast, block-scaled sides with codes of at most this many bits keep "
+                    "auto's per-block dots (kvgen.runtime.kernels.FAST_BLOCK_DOT_BITS; default: the runtime's)")
     add_prefill_rows_option(ap)
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="time CUDA-graph replays, each configuration captured on its own (eager calls pay the host's "
@@ -109,6 +112,8 @@ def main() -> None:
                     "where its graph replays took 174)")
     args = ap.parse_args()
     bench.DOT = args.dot_precision
+    if args.fast_block_dot_bits is not None:
+        K.FAST_BLOCK_DOT_BITS = args.fast_block_dot_bits
     force_prefill_rows(args.prefill_rows)
     bench.require_gpu(ap)
     shapes = bench.decode_shapes(ap, args.shapes)
@@ -121,7 +126,8 @@ def main() -> None:
         except ValueError as e:
             ap.error(f"--configs: {e}")
     copy = bench.copy_bandwidth()
-    print(f"copy bandwidth {copy / 1e9:.0f} GB/s; dot precision {args.dot_precision}")
+    print(f"copy bandwidth {copy / 1e9:.0f} GB/s; dot precision {args.dot_precision}"
+          + (f"; fast block dots at <= {K.FAST_BLOCK_DOT_BITS} bits" if args.dot_precision == "fast" else ""))
     print("| format | shape | " + " | ".join(c if pps is None else f"{c} pps {pps}" for c, pps in cols) + " |")
     print("|---|---|" + "---|" * len(cols))
     for name in args.formats:

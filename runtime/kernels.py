@@ -187,6 +187,9 @@ def _choose_mode() -> None:
 # mxfp8 329 -> 296 at 2 stages, 128 registers; q4_0 287 -> 260 at 3 stages, 128 registers. Not faster and not taken:
 # quarters for int8 separate (412 -> 461 us) and mxfp8 (463 -> 453, within noise), 64-position steps at 5 or 6
 # programs per SM (benchmarks/pending/README.md's occupancy), int8 per token-head / int8 asym at 128 registers.
+# Fifty-second session (H100, benchmarks/results_2026-12-07_h100_s52.md; `bash benchmarks/pending/next_session.sh
+# merged51time`): q8_0's 168-register rule with 8 programs per SM as the split target, 541 -> 504 / 259 -> 261 /
+# 302 -> 301 us (at head size 64 its rule's 4 stayed faster: 321 / 167 against 333 / 171 at 8).
 DECODE_ROWS = 16
 # Prefill programs of more query rows than this run the whole steps every row sees in a loop of their own, without
 # the causal / window mask (the kernel's MASK_FREE_STEPS); decode (one new token per sequence, whatever the rows:
@@ -242,7 +245,7 @@ ATTENTION_TILES = (
     ((16, 1, None, False, 16, None, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=8)),  # bf16
     ((8, 1, False, False, 16, None, False, None, False, None, True, None, True), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8, live_fold=False)),  # fp8 per token-head: every row
     ((8, 1, False, False, 16, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # fp8
-    ((8, 1, True, False, 16, 128, None, False, True), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=4)),  # q8_0 (block dots), hs 128
+    ((8, 1, True, False, 16, 128, None, False, True), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=8)),  # q8_0 (block dots), hs 128
     ((8, 1, True, None, 16, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # mxfp8
     ((8, 2, True, None, 16, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=8)),  # q8_0
     ((4, 1, True, False, 16, 128, None, True, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=128, programs_per_sm=4, prefetch_blocks=True, value_split=2)),  # mxfp4, hs 128
@@ -280,8 +283,13 @@ KEY_FOLD_HEADS = (128, 256)
 # 0: none keeps them. H200, decode at 64 x 8192: fourteenth session (run 2; ratios multiplied in fp32), q8_0 1044 us
 # with block dots, 730 without, q4_0 772 with, 816 without (then 4); fifteenth session (run 2; ratios multiplied in
 # fp16 since fast-fp16-ratios), q4_0 776 -> 725 us without, kivi_2bit 1496 -> 1403, kivi_4bit 1503 -> 1428, and
-# at 4 x 65536 / 256 x 1024 level or faster (benchmarks/RESULTS.md)
-FAST_BLOCK_DOT_BITS = 0
+# at 4 x 65536 / 256 x 1024 level or faster (benchmarks/RESULTS.md). Since the stacked blocks (fold_rows, fifty-first
+# session) auto's block dots are the faster: H100, fifty-second session (`python benchmarks/tune_tiles.py q4_0 q8_0
+# kivi_2bit kivi_4bit --dot-precision fast --fast-block-dot-bits 0|8 --configs rt --shapes 64x8192 4x65536 256x1024
+# --cuda-graphs`), without -> with block dots: q8_0 619 -> 539 / 317 -> 259 / 335 -> 301 us, q4_0 578 -> 458 / 295 ->
+# 240 / 282 -> 270, kivi_2bit 1225 -> 1111 / 617 -> 520 / 867 -> 859, kivi_4bit 1485 -> 1067 / 731 -> 530 / 906 ->
+# 801: auto's times, with auto's exact per-block products. So every block-scaled side of 8 bits or fewer keeps them.
+FAST_BLOCK_DOT_BITS = 8
 # dot_precision="fast" in decode where auto takes per-block dots on both sides and fast multiplies the codes by their
 # block ratios instead (BLOCK_DOTS off: q8_0, q4_0; not KIVI): these replace entries of auto's tiles, by the widest code in bits. H200,
 # fifteenth session run 3 (`python benchmarks/tune_tiles.py q8_0 q4_0 --dot-precision fast`): q8_0 with a
@@ -289,7 +297,8 @@ FAST_BLOCK_DOT_BITS = 0
 # positions per step, 3 stages, 128 registers (4 programs per SM) 721 -> 707 and 395 -> 361. Entries: (bits, padded
 # head or None for any, what replaces). At head size 128 they restore the whole launch those timings had (auto's rule
 # then: 128/4/2 with 8 programs per SM as the split target, no block ids ahead, no value split), since auto's own
-# rules there changed in the fifty-first session
+# rules there changed in the fifty-first session. They apply only where FAST_BLOCK_DOT_BITS drops the block dots
+# (since the fifty-second session an experiment's setting: tune_tiles.py --fast-block-dot-bits 0)
 FAST_RATIO_TILES = (
     (8, 128, dict(maxnreg=168, programs_per_sm=8)),
     (8, None, dict(maxnreg=168)),

@@ -18,8 +18,9 @@ from kvgen.runtime import kernels as K
 
 DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 EXAMPLES = int(os.environ.get("KVGEN_FAST_EXAMPLES", "3"))
-# where "fast" drops a term for bf16 / fp16 queries: block ratios in two terms (q8_0, q4_0, KIVI) or a rotated query
-# in two (int4 per token-head, Hadamard); with fp32 queries it also drops the probabilities' second term everywhere
+# where "fast" drops a term for bf16 / fp16 queries: block ratios in two terms (q8_0, q4_0, KIVI; in prefill, decode
+# keeps their per-block dots) or a rotated query in two (int4 per token-head, Hadamard); with fp32 queries it also
+# drops the probabilities' second term everywhere
 CHANGED = ["q8_0", "q4_0", "int4_per_token_head", "int8_per_token_head_hadamard_k"]
 STREAMING = ["kivi_2bit", "kivi_4bit"]
 # the interpreter is slow on rotations and long cases: on the CPU the suite checks these, on a GPU the rest too
@@ -74,11 +75,12 @@ def test_fast_takes_one_term(name):
         C.fast_slack = slack
 
 
-@pytest.mark.parametrize("bits", [0, 4])
+@pytest.mark.parametrize("bits", [0, 4, 8])
 def test_fast_block_dots_follow_the_code_bits(monkeypatch, bits):
     """In decode, block-scaled sides with codes of at most FAST_BLOCK_DOT_BITS keep their per-block dots under fast
-    (none by default: q4_0 and KIVI measured faster without them once the ratios multiply in fp16), the others take
-    the block ratios in one term; prefill takes them in one term; auto keeps its per-block dots in decode."""
+    (8 by default, every such side of the shipped formats: since the stacked blocks they run faster than the ratios
+    in one term), the others take the block ratios in one term; prefill takes them in one term; auto keeps its
+    per-block dots in decode."""
     monkeypatch.setattr(K, "interpreting", lambda: False)
     monkeypatch.setattr(K, "FAST_BLOCK_DOT_BITS", bits)
     for name, code_bits in (("q8_0", 8), ("q4_0", 4), ("kivi_2bit", 2)):
@@ -99,6 +101,7 @@ def test_fast_plan_launches_with_autos_tiles(name, monkeypatch):
     import warnings
 
     seen = []
+    monkeypatch.setattr(K, "FAST_BLOCK_DOT_BITS", 0)  # q8_0's block ratios in one term, not auto's block dots
     choose = K.attention_tiles
     monkeypatch.setattr(K, "attention_tiles", lambda bits, dots, *a, **k: seen.append(dict(dots)) or choose(bits, dots, *a, **k))
     fmt = kvgen.load(name)
@@ -127,16 +130,20 @@ def test_unknown_dot_precision_is_named():
                    torch.tensor([0, 1], dtype=torch.int32), dot_precision="fp16")
 
 
-def test_fast_ratio_tiles_replace_autos_where_block_dots_go(monkeypatch):
+@pytest.mark.parametrize("ratios", [True, False])
+def test_fast_ratio_tiles_replace_autos_where_block_dots_go(monkeypatch, ratios):
     """A GPU's decode plans (planned here on CPU tensors with the compiled path's choices): "fast" keeps auto's tiles
-    but where auto takes per-block dots and fast multiplies the block ratios (q8_0, q4_0), whose entries
-    FAST_RATIO_TILES replaces by code bits; KIVI (its keys fold their scales, its values' block dots go too but are
-    not of those bits' classes), mxfp8 (no block dots) and prefill keep auto's tiles."""
+    but where auto takes per-block dots and fast multiplies the block ratios (q8_0, q4_0, with FAST_BLOCK_DOT_BITS
+    at 0), whose entries FAST_RATIO_TILES replaces by code bits; KIVI (its keys fold their scales, its values' block
+    dots go too but are not of those bits' classes), mxfp8 (no block dots) and prefill keep auto's tiles; at the
+    default bits fast keeps auto's block dots and its tiles."""
     import warnings
 
     monkeypatch.setattr(K, "interpreting", lambda: False)
     monkeypatch.setattr(K.KernelSet, "_check_device", lambda self, t: None)
     monkeypatch.setattr(K.KernelSet, "_splits", lambda self, *a, **k: 1)
+    if ratios:
+        monkeypatch.setattr(K, "FAST_BLOCK_DOT_BITS", 0)
     tile_keys = ("BLOCK_N", "num_warps", "num_stages", "maxnreg", "PREFETCH_BLOCKS", "V_SPLIT")
     # the launches the fifteenth session timed at head size 128 (auto's rule then 128/4/2, without block ids ahead or
     # a value split): q8_0 capped at 168 registers, q4_0 at 64 positions, 3 stages, 128 registers
@@ -144,6 +151,7 @@ def test_fast_ratio_tiles_replace_autos_where_block_dots_go(monkeypatch):
             "q4_0": dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, PREFETCH_BLOCKS=0, V_SPLIT=0),
             "kivi_4bit": {}, "mxfp8": {}}
     for name, changed in want.items():
+        changed = changed if ratios else {}
         fmt = kvgen.load(name)
         monkeypatch.setattr(fmt._kernels, "_dot_modes", {})
         block = 32 if fmt.spec.streaming else 16
@@ -160,3 +168,5 @@ def test_fast_ratio_tiles_replace_autos_where_block_dots_go(monkeypatch):
             auto = {k: plans["auto"].get(k) for k in tile_keys}
             fast = {k: plans["fast"].get(k) for k in tile_keys}
             assert fast == dict(auto, **(changed if q_len == 1 else {})), (name, q_len, auto, fast)
+            if not ratios:
+                assert plans["fast"].get("BLOCK_DOTS") == plans["auto"].get("BLOCK_DOTS"), (name, q_len)

@@ -151,9 +151,10 @@ def test_measured_choices(compiled):
         assert got == (dict(three, maxnreg=128) if name == "q4_0" else three), name
     # fifty-first session (H100; the blocks' dots stacked on the rows decode fills): at head size 128 q8_0 capped at
     # 168 registers (573 -> 539 us at 64 x 8192, 296 -> 259 at 4 x 65536, 329 -> 299 at 256 x 1024), q4_0 nvfp4's
-    # tiles with the value dot in halves (574 -> 457, 300 -> 240, 328 -> 269)
+    # tiles with the value dot in halves (574 -> 457, 300 -> 240, 328 -> 269); fifty-second session: q8_0's split
+    # for 8 programs per SM (541 -> 504 us at 64 x 8192, level at the other two)
     assert decode_tiles("q8_0", 128)[1] == dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168,
-                                                programs_per_sm=4)
+                                                programs_per_sm=8)
     assert decode_tiles("q4_0", 128)[1] == split
     # KIVI's decode (key fold, the values' block dots): kivi_4bit at 128 registers at head size 128 (1227 -> 1067 us
     # at 64 x 8192, 622 -> 531 at 4 x 65536, 810 -> 790 at 256 x 1024); kivi_2bit compiles to 168 (mixed capped)
