@@ -272,6 +272,43 @@ def r_decode(code):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# The flush's input tiles [BLOCK_T, HEAD_PAD] are loaded through higher-rank views and permuted back (free: no
+# shared memory). The compiler's coalesced layout keeps each 16-byte vector in a thread and hands lanes (then warps)
+# to the other dimensions in index order, so the dimension meant to stay in registers comes last. Keys reduce per
+# channel over the G tokens: [G // TB, HEAD_PAD // CV, TB, CV] puts TB = 16 tokens of CV = 4 channels (8-byte
+# vectors) in a thread, a channel in 2 lanes of one warp (the [BLOCK_T, HEAD_PAD] load put it in 8 tokens of 2 lanes
+# and 2 warps: a shared-memory reduction). Values reduce per token over a group of channels: the view of
+# load_groups (reshape_and_cache) puts a whole group of 32 in one thread (it was spread over 4 lanes). min / max
+# only: the same bytes. Static SASS (sm_90, bf16, the all-new path of a 32768-token prefill, warp instructions per
+# token-head): kivi_2bit 201.5 -> 173.5, kivi_4bit 200.5 -> 168.
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def kivi_key_view(BLOCK_T: tl.constexpr, HEAD_PAD: tl.constexpr, TB: tl.constexpr, CV: tl.constexpr):
+    # [BLOCK_T // TB, HEAD_PAD // CV, TB, CV]: token a * TB + b, channel c * CV + v
+    t = tl.arange(0, BLOCK_T // TB)[:, None, None, None] * TB + tl.arange(0, TB)[None, None, :, None]
+    c = tl.arange(0, HEAD_PAD // CV)[None, :, None, None] * CV + tl.arange(0, CV)[None, None, None, :]
+    return t, c
+
+
+@triton.jit
+def kivi_key_back(x, BLOCK_T: tl.constexpr, HEAD_PAD: tl.constexpr):
+    return tl.reshape(tl.permute(x, (0, 2, 1, 3)), [BLOCK_T, HEAD_PAD])
+
+
+@triton.jit
+def kivi_value_view(BLOCK_T: tl.constexpr, HEAD_PAD: tl.constexpr, G: tl.constexpr, V: tl.constexpr, R: tl.constexpr):
+    # [G // (V * R), HEAD_PAD // G, BLOCK_T, R, V]: channel g * G + jh * V * R + jl * V + v
+    t = tl.arange(0, BLOCK_T)[None, None, :, None, None]
+    c = (tl.arange(0, HEAD_PAD // G)[None, :, None, None, None] * G + tl.arange(0, G // (V * R))[:, None, None, None, None] * (V * R)
+         + tl.arange(0, R)[None, None, None, :, None] * V + tl.arange(0, V)[None, None, None, None, :])
+    return t, c
+
+
+@triton.jit
+def kivi_value_back(x, BLOCK_T: tl.constexpr, HEAD_PAD: tl.constexpr):
+    return tl.reshape(tl.permute(x, (2, 1, 0, 3, 4)), [BLOCK_T, HEAD_PAD])
+
+# ---------------------------------------------------------------------------------------------------------------
 # store_new_tokens: one tile of BLOCK_T new tokens of one sequence and KV head, from new token `first` on (it may be
 # negative: rows before the query are skipped), into the ring; only tokens at positions >= Q(new length) stay there,
 # rounded to the residual dtype.
@@ -349,13 +386,202 @@ def kivi_flush_kernel(
         # addressed as typed pointers plus channel indices, so the compiler sees them contiguous: their loads get the
         # input's vectorised row-major layout (byte offsets d * size gave a token-per-lane layout, and the key ranges
         # and value groups then reduced across lanes and warps). A group of new tokens alone skips the ring's loads
-        # and selects (about 3 instructions per element)
-        in_row = (q_start + pos - old_len).to(tl.int64)
-        if group * BLOCK_T >= old_len:  # every row is new (a prefill's groups): the input alone
-            in_mask = tl.broadcast_to(dmask[None, :], [BLOCK_T, HEAD_PAD])
-            x_key = widen(tl.load(key_ptr + in_row[:, None] * stride_kt + head * stride_kh + d[None, :], mask=in_mask, other=0.0), NATIVE_CASTS, False)
-            x_value = widen(tl.load(value_ptr + in_row[:, None] * stride_vt + head * stride_vh + d[None, :], mask=in_mask, other=0.0), NATIVE_CASTS, False)
-        else:
+        # and selects (about 3 instructions per element). A prefill's all-new groups load through the views above
+        # (kivi_key_view, kivi_value_view); a decode step's kernel (STORE_NEW, a constexpr: each launch compiles one
+        # branch) keeps the row-major loads and one quantize tail: with the views' branch compiled in beside its own,
+        # its flushes took 10-13% longer (H100, fifty-second session; benchmarks/RESULTS.md)
+        if STORE_NEW:  # a decode step's flush (its group holds ring rows): the row-major loads, one quantize tail
+            if group * BLOCK_T >= old_len:  # every row is new (only with one-token groups and no window)
+                in_row = (q_start + pos - old_len).to(tl.int64)
+                in_mask = tl.broadcast_to(dmask[None, :], [BLOCK_T, HEAD_PAD])
+                x_key = widen(tl.load(key_ptr + in_row[:, None] * stride_kt + head * stride_kh + d[None, :], mask=in_mask, other=0.0), NATIVE_CASTS, False)
+                x_value = widen(tl.load(value_ptr + in_row[:, None] * stride_vt + head * stride_vh + d[None, :], mask=in_mask, other=0.0), NATIVE_CASTS, False)
+            else:
+                in_row = (q_start + pos - old_len).to(tl.int64)
+                from_input = pos >= old_len
+                sid = tl.load(seq_ids_ptr + seq).to(tl.int64)
+                ring = ((sid * RING + pos % RING) * NUM_KV_HEADS + head) * (HEAD_SIZE * 2)
+                in_mask = from_input[:, None] & dmask[None, :]
+                ring_mask = (~from_input)[:, None] & dmask[None, :]
+                x_key = tl.where(in_mask, widen(tl.load(key_ptr + in_row[:, None] * stride_kt + head * stride_kh + d[None, :], mask=in_mask, other=0.0), NATIVE_CASTS, False),
+                                 r_decode(tl.load((k_res_ptr + ring).to(tl.pointer_type(tl.uint16))[:, None] + d[None, :], mask=ring_mask, other=0)))
+                x_value = tl.where(in_mask, widen(tl.load(value_ptr + in_row[:, None] * stride_vt + head * stride_vh + d[None, :], mask=in_mask, other=0.0), NATIVE_CASTS, False),
+                                   r_decode(tl.load((v_res_ptr + ring).to(tl.pointer_type(tl.uint16))[:, None] + d[None, :], mask=ring_mask, other=0)))
+            # ---- key: one scale and minimum per channel over the group's 32 tokens ----
+            x_key = tl.where(x_key == x_key, x_key, 0.0)  # key codes have no NaN: NaN is stored as 0.0 would be
+            # only finite values set the range (NaN and +-inf do not)
+            if NATIVE_CASTS:
+                k_fy = tl.fma(x_key, 0.0, x_key)  # x where finite, else NaN
+                k_lo = tl.min(k_fy, axis=0)
+                k_hi = tl.max(k_fy, axis=0)
+            else:
+                k_fm = tl.abs(x_key) < float("inf")  # only finite values set the range
+                k_lo = tl.min(tl.where(k_fm, x_key, float("inf")), axis=0)
+                k_hi = tl.max(tl.where(k_fm, x_key, float("-inf")), axis=0)
+            k_none = ~(k_lo <= k_hi)  # no finite value in the group (+-inf or NaN ends): (0, 0)
+            # a zero minimum or maximum is +0 whichever zeros the group holds (-0 == +0: a reduction's order would pick the sign)
+            k_lo = tl.where(k_none | (k_lo == 0.0), 0.0, k_lo)
+            k_hi = tl.where(k_none | (k_hi == 0.0), 0.0, k_hi)
+            k_s = tl.maximum(tl.math.div_rn(k_hi - k_lo, 3.0), 1e-06)
+            k_s = tl.minimum(k_s, 65504.0)
+            k_scode = k_scale_encode(k_s)
+            k_eff = k_scale_decode(k_scode)
+            k_zcode = k_zp_encode(tl.minimum(tl.maximum(k_lo, -65504.0), 65504.0))
+            k_codes = k_encode(div_fast(x_key - k_zp_decode(k_zcode)[None, :], k_eff[None, :], recip_fast(k_eff, FAST_DIV)[None, :], FAST_DIV))
+            k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
+            # 4 codes per byte, element i at bit (i % 4) * 2 of byte i // 4
+            k_sh = (d % 4) * 2
+            k_packed = tl.sum(tl.reshape(k_codes.to(tl.uint32) << k_sh[None, :], [BLOCK_T, HEAD_PAD // 4, 4]), axis=2)
+            k_db = tl.arange(0, HEAD_PAD // 4)
+            tl.store(k_row[:, None] + k_db[None, :], k_packed.to(tl.uint8),
+                     mask=valid[:, None] & (k_db < HEAD_SIZE // 4)[None, :])
+            # the group's metadata row sits in the page of its first token, at row (first offset) // G
+            k_grow = (group * BLOCK_T % BLOCK_SIZE) // BLOCK_T
+            k_gblk = tl.load(block_table_ptr + seq * stride_bt + (group * BLOCK_T) // BLOCK_SIZE).to(tl.int64)
+            k_srow = k_cache_ptr + k_gblk * K_SCALE_PAGE + K_SCALE_BASE + (k_grow * NUM_KV_HEADS + head) * K_SCALE_CELL
+            tl.store((k_srow + d * 2).to(tl.pointer_type(tl.uint16)), k_scode, mask=dmask)
+            k_zrow = k_cache_ptr + k_gblk * K_ZP_PAGE + K_ZP_BASE + (k_grow * NUM_KV_HEADS + head) * K_ZP_CELL
+            tl.store((k_zrow + d * 2).to(tl.pointer_type(tl.uint16)), k_zcode, mask=dmask)
+            # ---- value ----
+            x_value = tl.where(x_value == x_value, x_value, 0.0)  # value codes have no NaN: NaN is stored as 0.0 would be
+            # dynamic scale per group of 32 elements: scale = max((max - min) / 3, 1e-06) stored as fp16, the fp16 minimum as offset
+            v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // 32, 32])
+            # only finite values set the range (NaN and +-inf do not), and not the padding past HEAD_SIZE
+            if NATIVE_CASTS:
+                v_fy = tl.fma(v_xg, 0.0, v_xg)  # x where finite, else NaN
+                v_fy = tl.where((tl.reshape(tl.broadcast_to(dmask[None, :], [BLOCK_T, HEAD_PAD]), [BLOCK_T, HEAD_PAD // 32, 32])), v_fy, float("nan"))
+                v_lo = tl.min(v_fy, axis=2)
+                v_hi = tl.max(v_fy, axis=2)
+            else:
+                v_fm = (tl.abs(v_xg) < float("inf")) & (tl.reshape(tl.broadcast_to(dmask[None, :], [BLOCK_T, HEAD_PAD]), [BLOCK_T, HEAD_PAD // 32, 32]))  # only finite values set the range
+                v_lo = tl.min(tl.where(v_fm, v_xg, float("inf")), axis=2)
+                v_hi = tl.max(tl.where(v_fm, v_xg, float("-inf")), axis=2)
+            # float zero point: the group's minimum is the offset
+            v_none = ~(v_lo <= v_hi)  # no finite value in the group (+-inf or NaN ends): (0, 0)
+            # a zero minimum or maximum is +0 whichever zeros the group holds (-0 == +0: a reduction's order would pick the sign)
+            v_lo = tl.where(v_none | (v_lo == 0.0), 0.0, v_lo)
+            v_hi = tl.where(v_none | (v_hi == 0.0), 0.0, v_hi)
+            v_s = tl.math.div_rn(v_hi - v_lo, 3.0)
+            v_s = tl.maximum(v_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
+            v_s = tl.minimum(v_s, 65504.0)  # saturate at the scale dtype's largest finite value
+            v_scode = v_scale_encode(v_s)
+            v_eff_g = v_scale_decode(v_scode)
+            v_zcode = v_zp_encode(tl.minimum(tl.maximum(v_lo, -65504.0), 65504.0))  # the minimum, saturated and rounded
+            x_value = x_value - tl.reshape(tl.broadcast_to(v_zp_decode(v_zcode)[:, :, None], [BLOCK_T, HEAD_PAD // 32, 32]), [BLOCK_T, HEAD_PAD])
+            v_eff = tl.reshape(tl.broadcast_to(v_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // 32, 32]), [BLOCK_T, HEAD_PAD])
+            v_v = div_fast(x_value, v_eff, tl.reshape(tl.broadcast_to(recip_fast(v_eff_g, FAST_DIV)[:, :, None], [BLOCK_T, HEAD_PAD // 32, 32]), [BLOCK_T, HEAD_PAD]), FAST_DIV)  # x / s
+            v_codes = v_encode(v_v)
+            v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
+            # 4 codes per byte, element i at bit (i % 4) * 2 of byte i // 4
+            v_sh = (d % 4) * 2
+            v_packed = tl.sum(tl.reshape(v_codes.to(tl.uint32) << v_sh[None, :], [BLOCK_T, HEAD_PAD // 4, 4]), axis=2)
+            v_db = tl.arange(0, HEAD_PAD // 4)
+            tl.store(v_row[:, None] + v_db[None, :], v_packed.to(tl.uint8),
+                     mask=valid[:, None] & (v_db < HEAD_SIZE // 4)[None, :])
+            v_gi = tl.arange(0, HEAD_PAD // 32)
+            v_gmask = valid[:, None] & (v_gi < HEAD_SIZE // 32)[None, :]
+            v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
+            tl.store(v_srow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], v_scode, mask=v_gmask)
+            v_zrow = v_cache_ptr + blk * V_ZP_PAGE + V_ZP_BASE + (off * NUM_KV_HEADS + head) * V_ZP_CELL
+            tl.store(v_zrow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], v_zcode, mask=v_gmask)
+        elif group * BLOCK_T >= old_len:  # every row is new (a prefill's groups): the input alone
+            K_CV: tl.constexpr = min(HEAD_PAD, 4)
+            K_TB: tl.constexpr = min(BLOCK_T, 16)
+            V_V: tl.constexpr = min(32, 128 // value_ptr.dtype.element_ty.primitive_bitwidth)
+            V_R: tl.constexpr = min(32 // V_V, 4)
+            if (BLOCK_T // K_TB) * (HEAD_PAD // K_CV) >= 32:  # the key view's lanes never reach its token dimension
+                kt, kc = kivi_key_view(BLOCK_T, HEAD_PAD, K_TB, K_CV)
+                vt, vc = kivi_value_view(BLOCK_T, HEAD_PAD, 32, V_V, V_R)
+                k_in_row = (q_start + group * BLOCK_T + kt - old_len).to(tl.int64)
+                v_in_row = (q_start + group * BLOCK_T + vt - old_len).to(tl.int64)
+                x_key = kivi_key_back(widen(tl.load(key_ptr + k_in_row * stride_kt + head * stride_kh + kc, mask=(kc < HEAD_SIZE) & (kt >= 0), other=0.0), NATIVE_CASTS, False), BLOCK_T, HEAD_PAD)
+                x_value = kivi_value_back(widen(tl.load(value_ptr + v_in_row * stride_vt + head * stride_vh + vc, mask=(vc < HEAD_SIZE) & (vt >= 0), other=0.0), NATIVE_CASTS, False), BLOCK_T, HEAD_PAD)
+            else:  # head size 32: a key view's tokens would sit on lanes 1 and 16, whose reduction Triton 3.6 compiles
+                # with the shuffles of lanes 1 and 2 (TTGIR #linear lane bases [[16, 0], ..., [1, 0]], PTX shfl.bfly 2, 1):
+                # the row-major load
+                in_row = (q_start + pos - old_len).to(tl.int64)
+                in_mask = tl.broadcast_to(dmask[None, :], [BLOCK_T, HEAD_PAD])
+                x_key = widen(tl.load(key_ptr + in_row[:, None] * stride_kt + head * stride_kh + d[None, :], mask=in_mask, other=0.0), NATIVE_CASTS, False)
+                x_value = widen(tl.load(value_ptr + in_row[:, None] * stride_vt + head * stride_vh + d[None, :], mask=in_mask, other=0.0), NATIVE_CASTS, False)
+            # ---- key: one scale and minimum per channel over the group's 32 tokens ----
+            x_key = tl.where(x_key == x_key, x_key, 0.0)  # key codes have no NaN: NaN is stored as 0.0 would be
+            # only finite values set the range (NaN and +-inf do not)
+            if NATIVE_CASTS:
+                k_fy = tl.fma(x_key, 0.0, x_key)  # x where finite, else NaN
+                k_lo = tl.min(k_fy, axis=0)
+                k_hi = tl.max(k_fy, axis=0)
+            else:
+                k_fm = tl.abs(x_key) < float("inf")  # only finite values set the range
+                k_lo = tl.min(tl.where(k_fm, x_key, float("inf")), axis=0)
+                k_hi = tl.max(tl.where(k_fm, x_key, float("-inf")), axis=0)
+            k_none = ~(k_lo <= k_hi)  # no finite value in the group (+-inf or NaN ends): (0, 0)
+            # a zero minimum or maximum is +0 whichever zeros the group holds (-0 == +0: a reduction's order would pick the sign)
+            k_lo = tl.where(k_none | (k_lo == 0.0), 0.0, k_lo)
+            k_hi = tl.where(k_none | (k_hi == 0.0), 0.0, k_hi)
+            k_s = tl.maximum(tl.math.div_rn(k_hi - k_lo, 3.0), 1e-06)
+            k_s = tl.minimum(k_s, 65504.0)
+            k_scode = k_scale_encode(k_s)
+            k_eff = k_scale_decode(k_scode)
+            k_zcode = k_zp_encode(tl.minimum(tl.maximum(k_lo, -65504.0), 65504.0))
+            k_codes = k_encode(div_fast(x_key - k_zp_decode(k_zcode)[None, :], k_eff[None, :], recip_fast(k_eff, FAST_DIV)[None, :], FAST_DIV))
+            k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
+            # 4 codes per byte, element i at bit (i % 4) * 2 of byte i // 4
+            k_sh = (d % 4) * 2
+            k_packed = tl.sum(tl.reshape(k_codes.to(tl.uint32) << k_sh[None, :], [BLOCK_T, HEAD_PAD // 4, 4]), axis=2)
+            k_db = tl.arange(0, HEAD_PAD // 4)
+            tl.store(k_row[:, None] + k_db[None, :], k_packed.to(tl.uint8),
+                     mask=valid[:, None] & (k_db < HEAD_SIZE // 4)[None, :])
+            # the group's metadata row sits in the page of its first token, at row (first offset) // G
+            k_grow = (group * BLOCK_T % BLOCK_SIZE) // BLOCK_T
+            k_gblk = tl.load(block_table_ptr + seq * stride_bt + (group * BLOCK_T) // BLOCK_SIZE).to(tl.int64)
+            k_srow = k_cache_ptr + k_gblk * K_SCALE_PAGE + K_SCALE_BASE + (k_grow * NUM_KV_HEADS + head) * K_SCALE_CELL
+            tl.store((k_srow + d * 2).to(tl.pointer_type(tl.uint16)), k_scode, mask=dmask)
+            k_zrow = k_cache_ptr + k_gblk * K_ZP_PAGE + K_ZP_BASE + (k_grow * NUM_KV_HEADS + head) * K_ZP_CELL
+            tl.store((k_zrow + d * 2).to(tl.pointer_type(tl.uint16)), k_zcode, mask=dmask)
+            # ---- value ----
+            x_value = tl.where(x_value == x_value, x_value, 0.0)  # value codes have no NaN: NaN is stored as 0.0 would be
+            # dynamic scale per group of 32 elements: scale = max((max - min) / 3, 1e-06) stored as fp16, the fp16 minimum as offset
+            v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // 32, 32])
+            # only finite values set the range (NaN and +-inf do not), and not the padding past HEAD_SIZE
+            if NATIVE_CASTS:
+                v_fy = tl.fma(v_xg, 0.0, v_xg)  # x where finite, else NaN
+                v_fy = tl.where((tl.reshape(tl.broadcast_to(dmask[None, :], [BLOCK_T, HEAD_PAD]), [BLOCK_T, HEAD_PAD // 32, 32])), v_fy, float("nan"))
+                v_lo = tl.min(v_fy, axis=2)
+                v_hi = tl.max(v_fy, axis=2)
+            else:
+                v_fm = (tl.abs(v_xg) < float("inf")) & (tl.reshape(tl.broadcast_to(dmask[None, :], [BLOCK_T, HEAD_PAD]), [BLOCK_T, HEAD_PAD // 32, 32]))  # only finite values set the range
+                v_lo = tl.min(tl.where(v_fm, v_xg, float("inf")), axis=2)
+                v_hi = tl.max(tl.where(v_fm, v_xg, float("-inf")), axis=2)
+            # float zero point: the group's minimum is the offset
+            v_none = ~(v_lo <= v_hi)  # no finite value in the group (+-inf or NaN ends): (0, 0)
+            # a zero minimum or maximum is +0 whichever zeros the group holds (-0 == +0: a reduction's order would pick the sign)
+            v_lo = tl.where(v_none | (v_lo == 0.0), 0.0, v_lo)
+            v_hi = tl.where(v_none | (v_hi == 0.0), 0.0, v_hi)
+            v_s = tl.math.div_rn(v_hi - v_lo, 3.0)
+            v_s = tl.maximum(v_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
+            v_s = tl.minimum(v_s, 65504.0)  # saturate at the scale dtype's largest finite value
+            v_scode = v_scale_encode(v_s)
+            v_eff_g = v_scale_decode(v_scode)
+            v_zcode = v_zp_encode(tl.minimum(tl.maximum(v_lo, -65504.0), 65504.0))  # the minimum, saturated and rounded
+            x_value = x_value - tl.reshape(tl.broadcast_to(v_zp_decode(v_zcode)[:, :, None], [BLOCK_T, HEAD_PAD // 32, 32]), [BLOCK_T, HEAD_PAD])
+            v_eff = tl.reshape(tl.broadcast_to(v_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // 32, 32]), [BLOCK_T, HEAD_PAD])
+            v_v = div_fast(x_value, v_eff, tl.reshape(tl.broadcast_to(recip_fast(v_eff_g, FAST_DIV)[:, :, None], [BLOCK_T, HEAD_PAD // 32, 32]), [BLOCK_T, HEAD_PAD]), FAST_DIV)  # x / s
+            v_codes = v_encode(v_v)
+            v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
+            # 4 codes per byte, element i at bit (i % 4) * 2 of byte i // 4
+            v_sh = (d % 4) * 2
+            v_packed = tl.sum(tl.reshape(v_codes.to(tl.uint32) << v_sh[None, :], [BLOCK_T, HEAD_PAD // 4, 4]), axis=2)
+            v_db = tl.arange(0, HEAD_PAD // 4)
+            tl.store(v_row[:, None] + v_db[None, :], v_packed.to(tl.uint8),
+                     mask=valid[:, None] & (v_db < HEAD_SIZE // 4)[None, :])
+            v_gi = tl.arange(0, HEAD_PAD // 32)
+            v_gmask = valid[:, None] & (v_gi < HEAD_SIZE // 32)[None, :]
+            v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
+            tl.store(v_srow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], v_scode, mask=v_gmask)
+            v_zrow = v_cache_ptr + blk * V_ZP_PAGE + V_ZP_BASE + (off * NUM_KV_HEADS + head) * V_ZP_CELL
+            tl.store(v_zrow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], v_zcode, mask=v_gmask)
+        else:  # the group's first rows in the ring (a chunk continuing a sequence): each side quantized after its load
+            in_row = (q_start + pos - old_len).to(tl.int64)
             from_input = pos >= old_len
             sid = tl.load(seq_ids_ptr + seq).to(tl.int64)
             ring = ((sid * RING + pos % RING) * NUM_KV_HEADS + head) * (HEAD_SIZE * 2)
@@ -363,86 +589,86 @@ def kivi_flush_kernel(
             ring_mask = (~from_input)[:, None] & dmask[None, :]
             x_key = tl.where(in_mask, widen(tl.load(key_ptr + in_row[:, None] * stride_kt + head * stride_kh + d[None, :], mask=in_mask, other=0.0), NATIVE_CASTS, False),
                              r_decode(tl.load((k_res_ptr + ring).to(tl.pointer_type(tl.uint16))[:, None] + d[None, :], mask=ring_mask, other=0)))
+            # ---- key: one scale and minimum per channel over the group's 32 tokens ----
+            x_key = tl.where(x_key == x_key, x_key, 0.0)  # key codes have no NaN: NaN is stored as 0.0 would be
+            # only finite values set the range (NaN and +-inf do not)
+            if NATIVE_CASTS:
+                k_fy = tl.fma(x_key, 0.0, x_key)  # x where finite, else NaN
+                k_lo = tl.min(k_fy, axis=0)
+                k_hi = tl.max(k_fy, axis=0)
+            else:
+                k_fm = tl.abs(x_key) < float("inf")  # only finite values set the range
+                k_lo = tl.min(tl.where(k_fm, x_key, float("inf")), axis=0)
+                k_hi = tl.max(tl.where(k_fm, x_key, float("-inf")), axis=0)
+            k_none = ~(k_lo <= k_hi)  # no finite value in the group (+-inf or NaN ends): (0, 0)
+            # a zero minimum or maximum is +0 whichever zeros the group holds (-0 == +0: a reduction's order would pick the sign)
+            k_lo = tl.where(k_none | (k_lo == 0.0), 0.0, k_lo)
+            k_hi = tl.where(k_none | (k_hi == 0.0), 0.0, k_hi)
+            k_s = tl.maximum(tl.math.div_rn(k_hi - k_lo, 3.0), 1e-06)
+            k_s = tl.minimum(k_s, 65504.0)
+            k_scode = k_scale_encode(k_s)
+            k_eff = k_scale_decode(k_scode)
+            k_zcode = k_zp_encode(tl.minimum(tl.maximum(k_lo, -65504.0), 65504.0))
+            k_codes = k_encode(div_fast(x_key - k_zp_decode(k_zcode)[None, :], k_eff[None, :], recip_fast(k_eff, FAST_DIV)[None, :], FAST_DIV))
+            k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
+            # 4 codes per byte, element i at bit (i % 4) * 2 of byte i // 4
+            k_sh = (d % 4) * 2
+            k_packed = tl.sum(tl.reshape(k_codes.to(tl.uint32) << k_sh[None, :], [BLOCK_T, HEAD_PAD // 4, 4]), axis=2)
+            k_db = tl.arange(0, HEAD_PAD // 4)
+            tl.store(k_row[:, None] + k_db[None, :], k_packed.to(tl.uint8),
+                     mask=valid[:, None] & (k_db < HEAD_SIZE // 4)[None, :])
+            # the group's metadata row sits in the page of its first token, at row (first offset) // G
+            k_grow = (group * BLOCK_T % BLOCK_SIZE) // BLOCK_T
+            k_gblk = tl.load(block_table_ptr + seq * stride_bt + (group * BLOCK_T) // BLOCK_SIZE).to(tl.int64)
+            k_srow = k_cache_ptr + k_gblk * K_SCALE_PAGE + K_SCALE_BASE + (k_grow * NUM_KV_HEADS + head) * K_SCALE_CELL
+            tl.store((k_srow + d * 2).to(tl.pointer_type(tl.uint16)), k_scode, mask=dmask)
+            k_zrow = k_cache_ptr + k_gblk * K_ZP_PAGE + K_ZP_BASE + (k_grow * NUM_KV_HEADS + head) * K_ZP_CELL
+            tl.store((k_zrow + d * 2).to(tl.pointer_type(tl.uint16)), k_zcode, mask=dmask)
             x_value = tl.where(in_mask, widen(tl.load(value_ptr + in_row[:, None] * stride_vt + head * stride_vh + d[None, :], mask=in_mask, other=0.0), NATIVE_CASTS, False),
                                r_decode(tl.load((v_res_ptr + ring).to(tl.pointer_type(tl.uint16))[:, None] + d[None, :], mask=ring_mask, other=0)))
+            # ---- value ----
+            x_value = tl.where(x_value == x_value, x_value, 0.0)  # value codes have no NaN: NaN is stored as 0.0 would be
+            # dynamic scale per group of 32 elements: scale = max((max - min) / 3, 1e-06) stored as fp16, the fp16 minimum as offset
+            v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // 32, 32])
+            # only finite values set the range (NaN and +-inf do not), and not the padding past HEAD_SIZE
+            if NATIVE_CASTS:
+                v_fy = tl.fma(v_xg, 0.0, v_xg)  # x where finite, else NaN
+                v_fy = tl.where((tl.reshape(tl.broadcast_to(dmask[None, :], [BLOCK_T, HEAD_PAD]), [BLOCK_T, HEAD_PAD // 32, 32])), v_fy, float("nan"))
+                v_lo = tl.min(v_fy, axis=2)
+                v_hi = tl.max(v_fy, axis=2)
+            else:
+                v_fm = (tl.abs(v_xg) < float("inf")) & (tl.reshape(tl.broadcast_to(dmask[None, :], [BLOCK_T, HEAD_PAD]), [BLOCK_T, HEAD_PAD // 32, 32]))  # only finite values set the range
+                v_lo = tl.min(tl.where(v_fm, v_xg, float("inf")), axis=2)
+                v_hi = tl.max(tl.where(v_fm, v_xg, float("-inf")), axis=2)
+            # float zero point: the group's minimum is the offset
+            v_none = ~(v_lo <= v_hi)  # no finite value in the group (+-inf or NaN ends): (0, 0)
+            # a zero minimum or maximum is +0 whichever zeros the group holds (-0 == +0: a reduction's order would pick the sign)
+            v_lo = tl.where(v_none | (v_lo == 0.0), 0.0, v_lo)
+            v_hi = tl.where(v_none | (v_hi == 0.0), 0.0, v_hi)
+            v_s = tl.math.div_rn(v_hi - v_lo, 3.0)
+            v_s = tl.maximum(v_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
+            v_s = tl.minimum(v_s, 65504.0)  # saturate at the scale dtype's largest finite value
+            v_scode = v_scale_encode(v_s)
+            v_eff_g = v_scale_decode(v_scode)
+            v_zcode = v_zp_encode(tl.minimum(tl.maximum(v_lo, -65504.0), 65504.0))  # the minimum, saturated and rounded
+            x_value = x_value - tl.reshape(tl.broadcast_to(v_zp_decode(v_zcode)[:, :, None], [BLOCK_T, HEAD_PAD // 32, 32]), [BLOCK_T, HEAD_PAD])
+            v_eff = tl.reshape(tl.broadcast_to(v_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // 32, 32]), [BLOCK_T, HEAD_PAD])
+            v_v = div_fast(x_value, v_eff, tl.reshape(tl.broadcast_to(recip_fast(v_eff_g, FAST_DIV)[:, :, None], [BLOCK_T, HEAD_PAD // 32, 32]), [BLOCK_T, HEAD_PAD]), FAST_DIV)  # x / s
+            v_codes = v_encode(v_v)
+            v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
+            # 4 codes per byte, element i at bit (i % 4) * 2 of byte i // 4
+            v_sh = (d % 4) * 2
+            v_packed = tl.sum(tl.reshape(v_codes.to(tl.uint32) << v_sh[None, :], [BLOCK_T, HEAD_PAD // 4, 4]), axis=2)
+            v_db = tl.arange(0, HEAD_PAD // 4)
+            tl.store(v_row[:, None] + v_db[None, :], v_packed.to(tl.uint8),
+                     mask=valid[:, None] & (v_db < HEAD_SIZE // 4)[None, :])
+            v_gi = tl.arange(0, HEAD_PAD // 32)
+            v_gmask = valid[:, None] & (v_gi < HEAD_SIZE // 32)[None, :]
+            v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
+            tl.store(v_srow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], v_scode, mask=v_gmask)
+            v_zrow = v_cache_ptr + blk * V_ZP_PAGE + V_ZP_BASE + (off * NUM_KV_HEADS + head) * V_ZP_CELL
+            tl.store(v_zrow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], v_zcode, mask=v_gmask)
 
-        # ---- key: one scale and minimum per channel over the group's 32 tokens ----
-        x_key = tl.where(x_key == x_key, x_key, 0.0)  # key codes have no NaN: NaN is stored as 0.0 would be
-        # only finite values set the range (NaN and +-inf do not)
-        if NATIVE_CASTS:
-            k_fy = tl.fma(x_key, 0.0, x_key)  # x where finite, else NaN
-            k_lo = tl.min(k_fy, axis=0)
-            k_hi = tl.max(k_fy, axis=0)
-        else:
-            k_fm = tl.abs(x_key) < float("inf")  # only finite values set the range
-            k_lo = tl.min(tl.where(k_fm, x_key, float("inf")), axis=0)
-            k_hi = tl.max(tl.where(k_fm, x_key, float("-inf")), axis=0)
-        k_none = ~(k_lo <= k_hi)  # no finite value in the group (+-inf or NaN ends): (0, 0)
-        # a zero minimum or maximum is +0 whichever zeros the group holds (-0 == +0: a reduction's order would pick the sign)
-        k_lo = tl.where(k_none | (k_lo == 0.0), 0.0, k_lo)
-        k_hi = tl.where(k_none | (k_hi == 0.0), 0.0, k_hi)
-        k_s = tl.maximum(tl.math.div_rn(k_hi - k_lo, 3.0), 1e-06)
-        k_s = tl.minimum(k_s, 65504.0)
-        k_scode = k_scale_encode(k_s)
-        k_eff = k_scale_decode(k_scode)
-        k_zcode = k_zp_encode(tl.minimum(tl.maximum(k_lo, -65504.0), 65504.0))
-        k_codes = k_encode(div_fast(x_key - k_zp_decode(k_zcode)[None, :], k_eff[None, :], recip_fast(k_eff, FAST_DIV)[None, :], FAST_DIV))
-        k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
-        # 4 codes per byte, element i at bit (i % 4) * 2 of byte i // 4
-        k_sh = (d % 4) * 2
-        k_packed = tl.sum(tl.reshape(k_codes.to(tl.uint32) << k_sh[None, :], [BLOCK_T, HEAD_PAD // 4, 4]), axis=2)
-        k_db = tl.arange(0, HEAD_PAD // 4)
-        tl.store(k_row[:, None] + k_db[None, :], k_packed.to(tl.uint8),
-                 mask=valid[:, None] & (k_db < HEAD_SIZE // 4)[None, :])
-        # the group's metadata row sits in the page of its first token, at row (first offset) // G
-        k_grow = (group * BLOCK_T % BLOCK_SIZE) // BLOCK_T
-        k_gblk = tl.load(block_table_ptr + seq * stride_bt + (group * BLOCK_T) // BLOCK_SIZE).to(tl.int64)
-        k_srow = k_cache_ptr + k_gblk * K_SCALE_PAGE + K_SCALE_BASE + (k_grow * NUM_KV_HEADS + head) * K_SCALE_CELL
-        tl.store((k_srow + d * 2).to(tl.pointer_type(tl.uint16)), k_scode, mask=dmask)
-        k_zrow = k_cache_ptr + k_gblk * K_ZP_PAGE + K_ZP_BASE + (k_grow * NUM_KV_HEADS + head) * K_ZP_CELL
-        tl.store((k_zrow + d * 2).to(tl.pointer_type(tl.uint16)), k_zcode, mask=dmask)
-        # ---- value ----
-        x_value = tl.where(x_value == x_value, x_value, 0.0)  # value codes have no NaN: NaN is stored as 0.0 would be
-        # dynamic scale per group of 32 elements: scale = max((max - min) / 3, 1e-06) stored as fp16, the fp16 minimum as offset
-        v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // 32, 32])
-        # only finite values set the range (NaN and +-inf do not), and not the padding past HEAD_SIZE
-        if NATIVE_CASTS:
-            v_fy = tl.fma(v_xg, 0.0, v_xg)  # x where finite, else NaN
-            v_fy = tl.where((tl.reshape(tl.broadcast_to(dmask[None, :], [BLOCK_T, HEAD_PAD]), [BLOCK_T, HEAD_PAD // 32, 32])), v_fy, float("nan"))
-            v_lo = tl.min(v_fy, axis=2)
-            v_hi = tl.max(v_fy, axis=2)
-        else:
-            v_fm = (tl.abs(v_xg) < float("inf")) & (tl.reshape(tl.broadcast_to(dmask[None, :], [BLOCK_T, HEAD_PAD]), [BLOCK_T, HEAD_PAD // 32, 32]))  # only finite values set the range
-            v_lo = tl.min(tl.where(v_fm, v_xg, float("inf")), axis=2)
-            v_hi = tl.max(tl.where(v_fm, v_xg, float("-inf")), axis=2)
-        # float zero point: the group's minimum is the offset
-        v_none = ~(v_lo <= v_hi)  # no finite value in the group (+-inf or NaN ends): (0, 0)
-        # a zero minimum or maximum is +0 whichever zeros the group holds (-0 == +0: a reduction's order would pick the sign)
-        v_lo = tl.where(v_none | (v_lo == 0.0), 0.0, v_lo)
-        v_hi = tl.where(v_none | (v_hi == 0.0), 0.0, v_hi)
-        v_s = tl.math.div_rn(v_hi - v_lo, 3.0)
-        v_s = tl.maximum(v_s, 1e-06)  # the spec's min, or the scale dtype's smallest value
-        v_s = tl.minimum(v_s, 65504.0)  # saturate at the scale dtype's largest finite value
-        v_scode = v_scale_encode(v_s)
-        v_eff_g = v_scale_decode(v_scode)
-        v_zcode = v_zp_encode(tl.minimum(tl.maximum(v_lo, -65504.0), 65504.0))  # the minimum, saturated and rounded
-        x_value = x_value - tl.reshape(tl.broadcast_to(v_zp_decode(v_zcode)[:, :, None], [BLOCK_T, HEAD_PAD // 32, 32]), [BLOCK_T, HEAD_PAD])
-        v_eff = tl.reshape(tl.broadcast_to(v_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // 32, 32]), [BLOCK_T, HEAD_PAD])
-        v_v = div_fast(x_value, v_eff, tl.reshape(tl.broadcast_to(recip_fast(v_eff_g, FAST_DIV)[:, :, None], [BLOCK_T, HEAD_PAD // 32, 32]), [BLOCK_T, HEAD_PAD]), FAST_DIV)  # x / s
-        v_codes = v_encode(v_v)
-        v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
-        # 4 codes per byte, element i at bit (i % 4) * 2 of byte i // 4
-        v_sh = (d % 4) * 2
-        v_packed = tl.sum(tl.reshape(v_codes.to(tl.uint32) << v_sh[None, :], [BLOCK_T, HEAD_PAD // 4, 4]), axis=2)
-        v_db = tl.arange(0, HEAD_PAD // 4)
-        tl.store(v_row[:, None] + v_db[None, :], v_packed.to(tl.uint8),
-                 mask=valid[:, None] & (v_db < HEAD_SIZE // 4)[None, :])
-        v_gi = tl.arange(0, HEAD_PAD // 32)
-        v_gmask = valid[:, None] & (v_gi < HEAD_SIZE // 32)[None, :]
-        v_srow = v_cache_ptr + blk * V_SCALE_PAGE + V_SCALE_BASE + (off * NUM_KV_HEADS + head) * V_SCALE_CELL
-        tl.store(v_srow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], v_scode, mask=v_gmask)
-        v_zrow = v_cache_ptr + blk * V_ZP_PAGE + V_ZP_BASE + (off * NUM_KV_HEADS + head) * V_ZP_CELL
-        tl.store(v_zrow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], v_zcode, mask=v_gmask)
     if STORE_NEW:  # one new token per sequence, one group index in the grid: the token this program's head keeps
         store_new_tokens(key_ptr, value_ptr, k_res_ptr, v_res_ptr, tl.load(seq_ids_ptr + seq).to(tl.int64), q_start,
                          q_len, new_len, head, q_len - 1, stride_kt, stride_kh, stride_vt, stride_vh,
