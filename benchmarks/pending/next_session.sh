@@ -3,8 +3,6 @@
 # that a machine taken back mid-session loses one step only. From the repository root on the lent H200, after
 # `source benchmarks/device_env.sh`; outputs go to $OUT (the device tool's folder), each step's also to stdout.
 #
-#   bash benchmarks/pending/next_session.sh merged51   # the fifty-first session's merge: its GPU tests (~250 s?)
-#   bash benchmarks/pending/next_session.sh merged51time # its rules against the tiles they replaced (~350 s?)
 #   bash benchmarks/pending/next_session.sh verify     # the s32 / s33 merges timed on the H200 (~400 s?)
 #   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~450 s)
 #   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~350 s?)
@@ -13,8 +11,8 @@
 #   bash benchmarks/pending/next_session.sh crossover2 # head sizes 64 / 256 near the counts, nvfp4's (~400 s?)
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs (H200: s43's H100 had no slowdown), KIVI's flush profile
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
-#   bash benchmarks/pending/next_session.sh kivicases  # stream checks of main and both KIVI flush-layout patches: where the full one miscompiles (~450 s?)
-#   bash benchmarks/pending/next_session.sh kivilayout # write-kivi-layout-prefill.patch timed against main, then KIVI's GPU tests (~300 s?)
+#   bash benchmarks/pending/next_session.sh kivicases  # KIVI's stream checks on this tree, kivi_4bit's half; the lane-reduction fault (~350 s?)
+#   bash benchmarks/pending/next_session.sh kivicases2 # the same, kivi_2bit's half (~300 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100; stale since: rebase first)
 #   bash benchmarks/pending/next_session.sh rcpfault   # recip_fast's fault in nvfp4's write, for a Triton upgrade (ran s42, H100: ~15 s)
 # Ran and removed (benchmarks/results_2026-12-04_h200_s28.md, _s29.md): rows128, hs256more, rules28, rules28b (s28);
@@ -52,14 +50,16 @@
 # rowcaps64 and occupancy from static scans (drvs / drvstests replace valuesplit and decoderowstests;
 # benchmarks/RESULTS.md, "fiftieth session"); s51 (H100, benchmarks/results_2026-12-07_h100_s51.md) ran drvs,
 # drvstests, kivicaps, rowcaps, rowcaps2, rowcaps64, occupancy and loadgroups8 (decode-rows.patch and
-# value-split.patch merged with the rules they measured; those steps and decoderows removed; merged51 /
-# merged51time check the merge).
+# value-split.patch merged with the rules they measured; those steps and decoderows removed); s52 (H100,
+# benchmarks/results_2026-12-07_h100_s52.md) ran merged51, merged51time, tests (677 passed) and kivilayout
+# (write-kivi-layout-prefill.patch merged for prefill kernels only; both KIVI layout patches and the three steps
+# removed; kivicases now checks this tree).
 #
 # Steps in priority order; each prints how long it took.
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: merged51, merged51time, verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, kivilayout, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, kivicases2, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -179,79 +179,20 @@ case "$step" in
     timeout 100 python3 benchmarks/time_writes.py nvfp4 nvfp4_separate mxfp4 q4_0 int8_asym_per_token_head \
       int8_per_token_head_hadamard_k --tokens 32768 256 --rounds 2 2>&1 | tee "$out/writeprof_times.txt" | grep "^|"
     ;;
-  merged51)
-    # the fifty-first session's merge (decode-rows.patch + value-split.patch and the tile rules they were measured
-    # faster with) on the GPU: the tile rules' launches, the row folds, the split and the decode conformance (~250 s?)
-    timeout 420 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_tiles.py tests/test_stacked_blocks.py \
-      tests/test_value_split.py tests/test_conformance.py tests/test_native_decode.py tests/test_attention_plan.py \
-      2>&1 | tee "$out/merged51_tests.txt" | tail -3
-    ;;
-  merged51time)
-    # the merged rules ("rt") against the tiles they replaced, on the merged kernels, at the three decode shapes
-    # (head size 128; then 64 for its three new rules): q4_0 / nvfp4 / q8_0 took 128/4/2 with 8 programs per SM as
-    # the split target, mxfp4 128/4/3/168p, kivi_4bit 64/4/3 (8), the Hadamard format 128/4/2 (4); fp8 per
-    # token-head's rule keeps every row (live_fold=False), which a config cannot say: its 128/4/2/168 (8) column is
-    # the 8 rows; then fp8 per token-head at head sizes 64 / 256 and "fast" (~350 s?)
-    S3="64x8192 4x65536 256x1024"
-    timeout 150 python3 benchmarks/tune_tiles.py q4_0 nvfp4 q8_0 fp8_per_token_head --configs rt 128/4/2 \
-      128/4/2/168 --programs-per-sm 8 --shapes $S3 --cuda-graphs 2>&1 | tee "$out/merged51_a.txt" | grep "^|"
-    timeout 100 python3 benchmarks/tune_tiles.py mxfp4 --configs rt 128/4/3/168p --shapes $S3 --cuda-graphs 2>&1 \
-      | tee "$out/merged51_b.txt" | grep "^|"
-    timeout 100 python3 benchmarks/tune_tiles.py kivi_4bit --configs rt 64/4/3 --programs-per-sm 8 --shapes $S3 \
-      --cuda-graphs 2>&1 | tee "$out/merged51_c.txt" | grep "^|"
-    timeout 100 python3 benchmarks/tune_tiles.py int8_per_token_head_hadamard_k --configs rt 128/4/2 --shapes $S3 \
-      --cuda-graphs 2>&1 | tee "$out/merged51_d.txt" | grep "^|"
-    timeout 100 python3 benchmarks/tune_tiles.py int8_per_token_head_separate mxfp8 q4_0 --configs rt 128/4/3/168p \
-      --shapes 64x8192hs64 4x65536hs64 --cuda-graphs 2>&1 | tee "$out/merged51_e.txt" | grep "^|"
-    # fp8 per token-head keeps every row at head size 128 only; at 64 / 256 its rules (128/4/3/168p, 64/4/2 with 4
-    # programs per SM) fold 8 rows, untimed: "f" keeps every row
-    timeout 80 python3 benchmarks/tune_tiles.py fp8_per_token_head --configs rt 128/4/3/168pf --shapes 64x8192hs64 \
-      4x65536hs64 --cuda-graphs 2>&1 | tee "$out/merged51_f.txt" | grep "^|"
-    timeout 80 python3 benchmarks/tune_tiles.py fp8_per_token_head --configs rt 64/4/2f --shapes 16x8192hs256 \
-      4x65536hs256 --cuda-graphs 2>&1 | tee -a "$out/merged51_f.txt" | grep "^|"
-    # "fast" on q4_0 / q8_0 keeps the launch the fifteenth session timed (FAST_RATIO_TILES at head size 128); the
-    # merged auto rules' tiles under fast, for comparison
-    timeout 80 python3 benchmarks/tune_tiles.py q4_0 q8_0 --dot-precision fast --configs rt 64/4/3/128ps \
-      128/4/2/168 --shapes $S3 --cuda-graphs 2>&1 | tee "$out/merged51_g.txt" | grep "^|"
-    ;;
   kivicases)
-    # write-kivi-layout.patch's compiled flush stored other key bytes than the reference (s47, H100: kivi_4bit, head
-    # size 32, fp32; the interpreter agrees with the reference). A subagent read the PTX: at head size 32 the key
-    # view puts a channel's tokens on lane bits 0 and 4, and Triton 3.6 reduces over them with butterfly shuffles 2
-    # and 1 (both flush paths; heads 64 / 128 reduce over lane bit 0 alone, correctly). The stream grid (formats x
-    # KV heads x head sizes x dtypes x streams) on main, the full patch and write-kivi-layout-prefill.patch (the
-    # views at heads of 64 or more on the all-new path only): expected main and the prefill variant clean, the full
-    # patch failing at head size 32 only. First the cut-down kernel (reduce_lanes_fault.py: on the GPU its minima
-    # and maxima against torch)
+    # KIVI's flush loads a prefill's all-new groups through views at heads of 64 or more (merged from
+    # write-kivi-layout-prefill.patch in s52; a decode step's flush keeps the row-major loads); s52 ran 34 of the
+    # stream grid's 72 cases on the GPU (formats x KV heads x head sizes x dtypes x streams), every one ok: the whole
+    # grid on this tree. First the cut-down kernel of Triton 3.6's lane-reduction fault that keeps head size 32 on the
+    # row-major loads (reduce_lanes_fault.py: on the GPU its minima and maxima against torch)
     timeout 60 python3 benchmarks/pending/reduce_lanes_fault.py 2>&1 | tee "$out/reduce_lanes_fault.txt"
-    echo "main:"
-    timeout 180 python3 benchmarks/pending/kivi_layout_cases.py 2>&1 | tee "$out/kivicases_main.txt" \
+    timeout 500 python3 benchmarks/pending/kivi_layout_cases.py --formats kivi_4bit 2>&1 | tee "$out/kivicases.txt" \
       | grep -v "^kivi.* ok$"
-    for p in write-kivi-layout write-kivi-layout-prefill; do
-      variant $p "def kivi_key_view" kivi_2bit kivi_4bit || exit 1
-      echo "$p.patch:"
-      (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 180 python3 benchmarks/pending/kivi_layout_cases.py \
-        2>&1 | tee "$out/kivicases_$p.txt" | grep -v "^kivi.* ok$")
-    done
     ;;
-  kivilayout)
-    # write-kivi-layout-prefill.patch (forty-seventh session, a subagent's variant of write-kivi-layout.patch, which
-    # timed 18-25% faster on an H100 but miscompiles at head size 32): KIVI's flush loads its key tile as
-    # [G // 16, HEAD_PAD // 4, 16, 4] (a channel's tokens in 2 lanes of one warp) and its value tile as load_groups'
-    # view (a group in one thread) on the all-new path at heads of 64 or more, with the quantize-and-store code
-    # emitted in each branch (one shared tail converted the tiles back through shared memory); the ring-reading
-    # path keeps main's loads. Static warp instructions per token-head, prefill launch: kivi_2bit 201.3 -> 169.1,
-    # kivi_4bit 201.9 -> 164.9 (the full patch 172.7 / 168.6); ring path 232.8 -> 234.1, 233.5 -> 225.6. Shipped,
-    # variant, shipped again (prefill writes of 32768 and 256 tokens, and decode steps of 256 sequences whose every
-    # token flushes a group from the ring), then KIVI's GPU tests on the variant
-    variant write-kivi-layout-prefill "def kivi_key_view" kivi_2bit kivi_4bit || exit 1
-    timeout 80 python3 benchmarks/time_writes.py kivi_2bit kivi_4bit --tokens 32768 256 --flushing 256 --rounds 2 \
-      2>&1 | tee "$out/kivilayout_shipped.txt" | grep "^|\|^tree"
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 80 python3 benchmarks/time_writes.py kivi_2bit kivi_4bit \
-      --tokens 32768 256 --flushing 256 --rounds 2 2>&1 | tee "$out/kivilayout_variant.txt" | grep "^|\|^tree")
-    timeout 80 python3 benchmarks/time_writes.py kivi_2bit kivi_4bit --tokens 32768 256 --flushing 256 --rounds 2 \
-      2>&1 | tee "$out/kivilayout_shipped2.txt" | grep "^|\|^tree"
-    variant_tests kivilayout tests/test_kivi.py tests/test_kivi_reference.py "tests/test_conformance.py::test_kivi_decode_256"
+  kivicases2)
+    # the grid's other half (s52 ran kivi_2bit's 12 cases at head sizes 64 / 128 with 2 KV heads)
+    timeout 500 python3 benchmarks/pending/kivi_layout_cases.py --formats kivi_2bit 2>&1 | tee "$out/kivicases2.txt" \
+      | grep -v "^kivi.* ok$"
     ;;
   writeab)
     # write-fast-div.patch against main (thirty-fifth session: 24% fewer
@@ -289,7 +230,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, loadgroups8, decoderows, rowcaps, rowcaps2, drvs, occupancy, kivicaps, rowcaps64, drvstests, kivicases, kivilayout, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, kivicases2, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
