@@ -13,6 +13,7 @@
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
 #   bash benchmarks/pending/next_session.sh kivicases  # KIVI's stream checks on this tree, kivi_4bit's half; the lane-reduction fault (~350 s?)
 #   bash benchmarks/pending/next_session.sh kivicases2 # the same, kivi_2bit's half (~300 s?)
+#   bash benchmarks/pending/next_session.sh int4sep    # int4 per token-head with separate scales (an unshipped spec) against the inline cell (~300 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100; stale since: rebase first)
 #   bash benchmarks/pending/next_session.sh rcpfault   # recip_fast's fault in nvfp4's write, for a Triton upgrade (ran s42, H100: ~15 s)
 # Ran and removed (benchmarks/results_2026-12-04_h200_s28.md, _s29.md): rows128, hs256more, rules28, rules28b (s28);
@@ -59,7 +60,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, kivicases2, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, kivicases2, int4sep, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -194,6 +195,19 @@ case "$step" in
     timeout 500 python3 benchmarks/pending/kivi_layout_cases.py --formats kivi_2bit 2>&1 | tee "$out/kivicases2.txt" \
       | grep -v "^kivi.* ok$"
     ;;
+  int4sep)
+    # benchmarks/pending/int4_per_token_head_separate.yaml (fifty-second session, static only): int4 per token-head's
+    # codes with the fp32 scales out of the cell, as int8_per_token_head_separate does for int8 (whose layout read
+    # 66% -> 86% of copy bandwidth on an H200). Its GPU conformance, then decode against the inline cell at the three
+    # shapes (the rules' tiles, then 128/4/2/128p: 4 programs per SM at 0.7 spills a position statically), then the
+    # writes; a shipped spec if it reads faster
+    SPEC=benchmarks/pending/int4_per_token_head_separate.yaml
+    timeout 150 python3 -m kvgen.cli test "$SPEC" --examples 10 2>&1 | tee "$out/int4sep_test.txt" | tail -8
+    timeout 200 python3 benchmarks/tune_tiles.py int4_per_token_head "$SPEC" --configs rt 128/4/2/128p \
+      --shapes 64x8192 4x65536 256x1024 --cuda-graphs 2>&1 | tee "$out/int4sep_decode.txt" | grep "^|"
+    timeout 80 python3 benchmarks/time_writes.py int4_per_token_head "$SPEC" --tokens 32768 256 --rounds 2 2>&1 \
+      | tee "$out/int4sep_writes.txt" | grep "^|"
+    ;;
   writeab)
     # write-fast-div.patch against main (thirty-fifth session: 24% fewer
     # instructions for nvfp4, 1-2% faster on an H100, whose copy bandwidth of 3020 GB/s may have bound it instead),
@@ -230,7 +244,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, kivicases2, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, kivicases2, int4sep, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
