@@ -569,6 +569,7 @@ def kivi_flush_kernel(
             v_zrow = v_cache_ptr + blk * V_ZP_PAGE + V_ZP_BASE + (off * NUM_KV_HEADS + head) * V_ZP_CELL
             tl.store(v_zrow.to(tl.pointer_type(tl.uint16))[:, None] + v_gi[None, :], v_zcode, mask=v_gmask)
         else:  # the group's first rows in the ring (a chunk continuing a sequence): each side quantized after its load
+            # (with both loads first, ptxas spilled 74-96 registers in this kernel, forty-seventh session)
             in_row = (q_start + pos - old_len).to(tl.int64)
             from_input = pos >= old_len
             sid = tl.load(seq_ids_ptr + seq).to(tl.int64)
