@@ -13,6 +13,8 @@
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
 #   bash benchmarks/pending/next_session.sh kivicases  # KIVI's stream checks on this tree, kivi_4bit's half; the lane-reduction fault (~350 s?)
 #   bash benchmarks/pending/next_session.sh kivicases2 # the same, kivi_2bit's half (~300 s?)
+#   bash benchmarks/pending/next_session.sh kivicodes  # KIVI decode with its packed codes in operand order (two patches) against main (~300 s?)
+#   bash benchmarks/pending/next_session.sh kivicodestests # KIVI's GPU tests and stream cases on both patches (~350 s?)
 #   bash benchmarks/pending/next_session.sh int4sep    # int4 per token-head with separate scales (an unshipped spec) against the inline cell (~300 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100; stale since: rebase first)
 #   bash benchmarks/pending/next_session.sh rcpfault   # recip_fast's fault in nvfp4's write, for a Triton upgrade (ran s42, H100: ~15 s)
@@ -60,7 +62,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, kivicases2, int4sep, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, kivicases2, kivicodes, kivicodestests, int4sep, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -195,6 +197,34 @@ case "$step" in
     timeout 500 python3 benchmarks/pending/kivi_layout_cases.py --formats kivi_2bit 2>&1 | tee "$out/kivicases2.txt" \
       | grep -v "^kivi.* ok$"
     ;;
+  kivicodes)
+    # kivi-value-block-order.patch and kivi-code-orders.patch (fifty-second session, a subagent's static study,
+    # benchmarks/pending/README.md): KIVI's decode decodes its packed codes into the order its operands take, so no
+    # byte permutes re-pair them: values block-major within each value block (bit-identical outputs in the
+    # interpreter), keys code-major with the folded query's columns permuted alike (another fp32 summation order), and
+    # kivi_2bit capped at the 168 registers it compiled to before. Static, sm_90, 64 x 8192: kivi_2bit 15.7 -> 14.8
+    # (values) -> 13.4 (both) instructions per position, kivi_4bit 15.9 -> 15.1 -> 14.7; head size 256 28.2 / 26.4
+    # -> 24.0 / 24.3. Main, the value patch, both patches, main again (each tree with its own runtime)
+    S="64x8192 4x65536 256x1024 16x8192hs256"
+    timeout 100 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit --configs rt --shapes $S --cuda-graphs 2>&1 \
+      | tee "$out/kivicodes_main.txt" | grep "^|"
+    variant kivi-value-block-order "block-major order of their codes" kivi_2bit kivi_4bit || exit 1
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 100 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit \
+      --configs rt --shapes $S --cuda-graphs 2>&1 | tee "$out/kivicodes_values.txt" | grep "^|")
+    variant kivi-code-orders+tests-kivi-2bit-rule "code-major order of PB codes" kivi_2bit kivi_4bit || exit 1
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 100 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit \
+      --configs rt --shapes $S --cuda-graphs 2>&1 | tee "$out/kivicodes_both.txt" | grep "^|")
+    timeout 100 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit --configs rt --shapes $S --cuda-graphs 2>&1 \
+      | tee "$out/kivicodes_main2.txt" | grep "^|"
+    ;;
+  kivicodestests)
+    # both patches' kernels compiled: KIVI's GPU tests, the tile tests (kivi_2bit's new cap) and the stream cases
+    variant kivi-code-orders+tests-kivi-2bit-rule "code-major order of PB codes" kivi_2bit kivi_4bit || exit 1
+    variant_tests kivicodes tests/test_kivi.py tests/test_kivi_reference.py tests/test_tiles.py \
+      "tests/test_conformance.py::test_kivi_decode_256"
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 150 python3 benchmarks/pending/kivi_layout_cases.py \
+      --heads 2 --head-sizes 128 2>&1 | tee "$out/kivicodes_cases.txt" | grep -v "^kivi.* ok$")
+    ;;
   int4sep)
     # benchmarks/pending/int4_per_token_head_separate.yaml (fifty-second session, static only): int4 per token-head's
     # codes with the fp32 scales out of the cell, as int8_per_token_head_separate does for int8 (whose layout read
@@ -244,7 +274,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, kivicases2, int4sep, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, kivicases2, kivicodes, kivicodestests, int4sep, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
