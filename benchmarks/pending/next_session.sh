@@ -15,6 +15,7 @@
 #   bash benchmarks/pending/next_session.sh kivicases2 # the same, kivi_2bit's half (~300 s?)
 #   bash benchmarks/pending/next_session.sh kivicodes  # KIVI decode with its packed codes in operand order (two patches) against main (~300 s?)
 #   bash benchmarks/pending/next_session.sh kivicodestests # KIVI's GPU tests and stream cases on both patches (~350 s?)
+#   bash benchmarks/pending/next_session.sh packcodes  # packed-code-orders.patch: int4 per token-head / mixed_k8_v4 in operand order, timed and tested (~350 s?)
 #   bash benchmarks/pending/next_session.sh int4sep    # int4 per token-head with separate scales (an unshipped spec) against the inline cell (~300 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100; stale since: rebase first)
 #   bash benchmarks/pending/next_session.sh rcpfault   # recip_fast's fault in nvfp4's write, for a Triton upgrade (ran s42, H100: ~15 s)
@@ -62,7 +63,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, kivicases2, kivicodes, kivicodestests, int4sep, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, kivicases2, kivicodes, kivicodestests, packcodes, int4sep, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -225,6 +226,24 @@ case "$step" in
     (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 150 python3 benchmarks/pending/kivi_layout_cases.py \
       --heads 2 --head-sizes 128 2>&1 | tee "$out/kivicodes_cases.txt" | grep -v "^kivi.* ok$")
     ;;
+  packcodes)
+    # packed-code-orders.patch (fifty-second session, a second subagent's static study; it holds kivi-code-orders.patch
+    # and tests-kivi-2bit-rule.patch too): the operand order for the 4-bit sides scaled per token, int4 per
+    # token-head's keys (the query's columns permuted alike) and mixed_k8_v4's values (the accumulator's columns put
+    # back): statically 9.5 -> 9.1 and 8.0 -> 7.6 instructions per position, same registers; q4_0 / nvfp4 / mxfp4
+    # unchanged (their value split already matches the decode's pairs). Main, the variant, main again, then the two
+    # formats' GPU conformance and the compiled-path tests on the variant
+    S="64x8192 4x65536 256x1024"
+    timeout 80 python3 benchmarks/tune_tiles.py int4_per_token_head mixed_k8_v4 --configs rt --shapes $S --cuda-graphs \
+      2>&1 | tee "$out/packcodes_main.txt" | grep "^|"
+    variant packed-code-orders "code_columns" int4_per_token_head mixed_k8_v4 || exit 1
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 80 python3 benchmarks/tune_tiles.py int4_per_token_head \
+      mixed_k8_v4 --configs rt --shapes $S --cuda-graphs 2>&1 | tee "$out/packcodes_variant.txt" | grep "^|")
+    timeout 80 python3 benchmarks/tune_tiles.py int4_per_token_head mixed_k8_v4 --configs rt --shapes $S --cuda-graphs \
+      2>&1 | tee "$out/packcodes_main2.txt" | grep "^|"
+    variant_tests packcodes tests/test_conformance.py tests/test_fast_dots.py tests/test_native_decode.py \
+      tests/test_dequantize_first.py -k "int4 or mixed"
+    ;;
   int4sep)
     # benchmarks/pending/int4_per_token_head_separate.yaml (fifty-second session, static only): int4 per token-head's
     # codes with the fp32 scales out of the cell, as int8_per_token_head_separate does for int8 (whose layout read
@@ -274,7 +293,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, kivicases2, kivicodes, kivicodestests, int4sep, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, kivicases2, kivicodes, kivicodestests, packcodes, int4sep, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
