@@ -16,6 +16,7 @@
 #   bash benchmarks/pending/next_session.sh kivicodes  # KIVI decode with its packed codes in operand order (two patches) against main (~300 s?)
 #   bash benchmarks/pending/next_session.sh kivicodestests # KIVI's GPU tests and stream cases on both patches (~350 s?)
 #   bash benchmarks/pending/next_session.sh packcodes  # packed-code-orders.patch: int4 per token-head / mixed_k8_v4 in operand order, timed and tested (~350 s?)
+#   bash benchmarks/pending/next_session.sh packblocks # packed-code-orders-with-blocks.patch: q4_0 / nvfp4 / mxfp4 keys block-major, an A/B (~250 s?)
 #   bash benchmarks/pending/next_session.sh int4sep    # int4 per token-head with separate scales (an unshipped spec) against the inline cell (~300 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100; stale since: rebase first)
 #   bash benchmarks/pending/next_session.sh rcpfault   # recip_fast's fault in nvfp4's write, for a Triton upgrade (ran s42, H100: ~15 s)
@@ -63,7 +64,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, kivicases2, kivicodes, kivicodestests, packcodes, int4sep, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, kivicases2, kivicodes, kivicodestests, packcodes, packblocks, int4sep, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -244,6 +245,22 @@ case "$step" in
     variant_tests packcodes tests/test_conformance.py tests/test_fast_dots.py tests/test_native_decode.py \
       tests/test_dequantize_first.py -k "int4 or mixed"
     ;;
+  packblocks)
+    # packed-code-orders-with-blocks.patch (the second study's rejected variant, kept for a GPU A/B): packed-code-orders
+    # plus the block formats' keys block-major within each scale block (and values where unsplit). Triton then stages
+    # the key tile through shared memory (+12 KiB, 4 programs per SM still): q4_0 9.7 -> 9.9, nvfp4 11.8 -> 11.0,
+    # nvfp4_separate 11.9 -> 11.0, mxfp4 11.4 -> 11.3 instructions per position, by that other lowering, whose
+    # shared-memory and barrier cost only a GPU can tell. CPU: their conformance, golden, value-split, stacked-block,
+    # fast-dot and sm_90 compile tests passed (fifty-second session; the tile test with tests-kivi-2bit-rule.patch)
+    S="64x8192 4x65536 256x1024"
+    timeout 80 python3 benchmarks/tune_tiles.py q4_0 nvfp4 mxfp4 --configs rt --shapes $S --cuda-graphs 2>&1 \
+      | tee "$out/packblocks_main.txt" | grep "^|"
+    variant packed-code-orders-with-blocks+tests-kivi-2bit-rule "code_columns" q4_0 nvfp4 mxfp4 || exit 1
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 80 python3 benchmarks/tune_tiles.py q4_0 nvfp4 mxfp4 \
+      --configs rt --shapes $S --cuda-graphs 2>&1 | tee "$out/packblocks_variant.txt" | grep "^|")
+    timeout 80 python3 benchmarks/tune_tiles.py q4_0 nvfp4 mxfp4 --configs rt --shapes $S --cuda-graphs 2>&1 \
+      | tee "$out/packblocks_main2.txt" | grep "^|"
+    ;;
   int4sep)
     # benchmarks/pending/int4_per_token_head_separate.yaml (fifty-second session, static only): int4 per token-head's
     # codes with the fp32 scales out of the cell, as int8_per_token_head_separate does for int8 (whose layout read
@@ -293,7 +310,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, kivicases2, kivicodes, kivicodestests, packcodes, int4sep, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, kivicases2, kivicodes, kivicodestests, packcodes, packblocks, int4sep, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
