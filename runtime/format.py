@@ -478,8 +478,9 @@ class Format:
         int8 dots on the key codes, the probabilities per row for int8 dots on the value codes; faster at long
         contexts on the H200, at an accuracy cost (docs/accuracy.md, benchmarks/RESULTS.md); ``"fast"`` the
         tensor-core dots of "auto" with one fp16 / bf16 term per operand, each dequantized value, the query and
-        the probabilities rounded once to the dot's type, as inference engines dequantize (q8_0's decode takes 11-30%
-        less time on the H200; `kvgen eval` measured the same attention errors to about 0.1%; docs/accuracy.md).
+        the probabilities rounded once to the dot's type, as inference engines dequantize (`kvgen eval` measured the
+        same attention errors to about 0.1%; docs/accuracy.md); in decode, block-scaled codes (q8_0, q4_0, KIVI's
+        values) keep auto's exact per-block dots, the faster there since 2026-12-07.
         ``max_seq_len``
         (optional) bounds the KV length for splitting long sequences across programs (default: what the block table
         can address); ``num_splits`` overrides that split (1 = none).
