@@ -564,6 +564,7 @@ def render_files(spec: FormatSpec) -> dict[str, str]:
     # KIVI: the residual buffers' dtype codec (prefix r_)
     r_codec = _float_codec_for(spec.key.residual.dtype) if spec.streaming else None
     r_src = [render_codec(r_codec, "r_")] if r_codec else []
+    row_fold = _row_fold(k_ctx, v_ctx)
     files = {
         "__init__.py": _ENV.get_template("init.py.jinja").render(
             header=header(spec, "package"),
@@ -597,9 +598,9 @@ def render_files(spec: FormatSpec) -> dict[str, str]:
             # "key" with the key fold (KIVI: group_scores, stacked_pv), "blocks" where both sides take one dot per
             # block (BLOCK_DOTS, q8_0 / q4_0: their blocks' rows stack, stacked_scores / stacked_pv), "live" for one
             # dot per side without blocks (the dots on every row, the steps' state on FOLD_ROWS: live_rows); "" none
-            row_fold=_row_fold(k_ctx, v_ctx),
+            row_fold=row_fold,
             # decode's value dot in 2 or 4 dots over parts of the columns (the kernel's V_SPLIT), by how the columns part
-            value_split=_value_split(v_ctx, spec.streaming, _row_fold(k_ctx, v_ctx)),
+            value_split=_value_split(v_ctx, spec.streaming, row_fold),
         ),
     }
     out = {name: _tidy(text) for name, text in files.items()}
