@@ -254,6 +254,7 @@ ATTENTION_TILES = (
     ((4, 1, False, (1, 2, 3), 16, 128, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=4, prefetch_blocks=True)),  # int4 per token-head, hs 128
     ((4, 1, False, (1, 2, 3), 16, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # int4 per token-head
     ((4, 2, True, False, 16, 128, None, None, True), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128, programs_per_sm=4)),  # kivi_4bit, hs 128
+    ((2, 2, True, False, 16, 128, None, None, True), dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=168, programs_per_sm=8)),  # kivi_2bit, hs 128 (the 168 registers it compiled to before its key codes took the code-major order; timed only with that order: s53, H100, 1095 -> 861 us at 64 x 8192)
     ((None, 2, True, False, 16, None, None, None, None), dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=8)),  # KIVI (q4_0 before per-block dots)
     ((8, 1, False, 1, 16, 128, False, False, False), dict(BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168, programs_per_sm=4)),  # rotated keys (Hadamard, bf16 / fp16 queries), hs 128
     ((8, None, None, None, None, None, None, None, None), dict(BLOCK_N=128, num_warps=4, num_stages=2, programs_per_sm=4)),  # other 8-bit

@@ -777,7 +777,7 @@ def keep_layout(x):
 
 
 @triton.jit
-def group_scores(q, codes, ratio, gmin, tok, G: tl.constexpr, DOT: tl.constexpr):
+def group_scores(q, codes, ratio, gmin, tok, G: tl.constexpr, DOT: tl.constexpr, PB: tl.constexpr = 1):
     # scores [M, N] of keys scaled per channel over groups of G positions, the scales folded into the query:
     # q . (code * ratio_g * tok + min_g) = ((q * ratio_g) . code) * tok + q . min_g, g the position's group.
     # q [M, H]: one fp16 term (bf16 or fp16 values, |q| < 2); codes [N, H]: exact in one term; ratio, gmin
@@ -786,6 +786,8 @@ def group_scores(q, codes, ratio, gmin, tok, G: tl.constexpr, DOT: tl.constexpr)
     # exact where |q * ratio_g| >= 2**-16, else off by less than 2**-38 of tok per code unit (the unfolded operand:
     # 2**-25 of |q| * tok for scales 2**14 below the step's largest). All groups' query rows go into one dot
     # ([N // G * M, H] rows, both terms' rows where they are few); each position keeps the rows of its own group.
+    # PB > 1: the codes' columns in code-major order of PB codes per byte (load_codes' fold: channel PB * b + i at
+    # column i * H / PB + b), which the query's columns then take too (the same products, summed in another order).
     M: tl.constexpr = q.shape[0]
     H: tl.constexpr = q.shape[1]
     N: tl.constexpr = codes.shape[0]
@@ -798,9 +800,14 @@ def group_scores(q, codes, ratio, gmin, tok, G: tl.constexpr, DOT: tl.constexpr)
         qs_hi = qs.to(tl.float16)
         qs_lo = (qs - qs_hi.to(tl.float32)).to(tl.float16)
         terms = tl.reshape(tl.permute(tl.join(qs_hi, qs_lo), [3, 0, 1, 2]), [2 * NG * M, H])  # (term, group, row)
+        if PB > 1:
+            terms = tl.reshape(tl.permute(tl.reshape(terms, [2 * NG * M, H // PB, PB]), [0, 2, 1]), [2 * NG * M, H])
         r = tl.sum(tl.reshape(mma(terms, tl.trans(codes), DOT, 1, 1), [2, NG, M, N]), axis=0)
     else:  # the second term's dot accumulates into the first's
-        r = tl.reshape(mma(tl.reshape(qs, [NG * M, H]), tl.trans(codes), DOT, 2, 1), [NG, M, N])
+        qs = tl.reshape(qs, [NG * M, H])
+        if PB > 1:
+            qs = tl.reshape(tl.permute(tl.reshape(qs, [NG * M, H // PB, PB]), [0, 2, 1]), [NG * M, H])
+        r = tl.reshape(mma(qs, tl.trans(codes), DOT, 2, 1), [NG, M, N])
     mins = tl.sum(q[None, :, :] * gmin[:, None, :], axis=2)  # [NG, M]: q . min_g, exact products, fp32 sums
     own = tl.arange(0, NG)[:, None, None] == (tl.arange(0, N) // G)[None, None, :]
     return tl.sum(tl.where(own, r * (tok * 0.0001220703125) + mins[:, :, None], 0.0), axis=0)
@@ -1020,14 +1027,20 @@ def paged_attention_kernel(
                 k_byte = tl.load(k_row[:, None] + k_db[None, :], mask=(k_db < HEAD_SIZE // 4)[None, :], other=0)
                 if (DOT_K != 0) & NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX)
                     k_f0, k_f1, k_f2, k_f3 = k_decode_dot_bytes(k_byte)
-                    k_tile = tl.reshape(tl.join(tl.join(k_f0, k_f2), tl.join(k_f1, k_f3)), [BLOCK_N, HEAD_PAD])
+                    if KEY_FOLD:  # head-major codes (packed_tile)
+                        k_tile = tl.reshape(tl.permute(tl.join(tl.join(k_f0, k_f1), tl.join(k_f2, k_f3)), [0, 3, 2, 1]), [BLOCK_N, HEAD_PAD])
+                    else:
+                        k_tile = tl.reshape(tl.join(tl.join(k_f0, k_f2), tl.join(k_f1, k_f3)), [BLOCK_N, HEAD_PAD])
                 else:
                     k_byte = k_byte.to(tl.uint32)
                     k_c0 = (k_byte >> 0) & 3
                     k_c1 = (k_byte >> 2) & 3
                     k_c2 = (k_byte >> 4) & 3
                     k_c3 = (k_byte >> 6) & 3
-                    k_code = tl.reshape(tl.join(tl.join(k_c0, k_c2), tl.join(k_c1, k_c3)), [BLOCK_N, HEAD_PAD])
+                    if KEY_FOLD & (DOT_K != 0):  # head-major codes (packed_tile)
+                        k_code = tl.reshape(tl.permute(tl.join(tl.join(k_c0, k_c1), tl.join(k_c2, k_c3)), [0, 3, 2, 1]), [BLOCK_N, HEAD_PAD])
+                    else:
+                        k_code = tl.reshape(tl.join(tl.join(k_c0, k_c2), tl.join(k_c1, k_c3)), [BLOCK_N, HEAD_PAD])
                     if DOT_K != 0:  # tensor-core dots: the code's value in their type
                         k_tile = k_decode_dot(k_code, NATIVE_CASTS)
                     else:
@@ -1057,7 +1070,7 @@ def paged_attention_kernel(
                     k_op = tl.reshape(tl.reshape(k_tile, [BLOCK_N // 32, 32, HEAD_PAD]) * (k_gs)[:, None, :] + k_gm[:, None, :], [BLOCK_N, HEAD_PAD])
                 if KEY_FOLD:  # decode: each group's scales fold into the query, the codes enter the dot alone
                     # (for the FOLD_ROWS rows of q_fold, those the paged steps carry)
-                    scores = group_scores(q_fold, k_op, k_gs * pow2_inv(k_tok), k_gm, k_tok, 32, DOT_K)
+                    scores = group_scores(q_fold, k_op, k_gs * pow2_inv(k_tok), k_gm, k_tok, 32, DOT_K, 4)
                 else:
                     # per channel: q . (code * scale + min) = (q . code * scale / 2**e) * 2**e + q . min; the minima (fp16
                     # values: one dot term) per position of their group, a second dot
@@ -1079,14 +1092,20 @@ def paged_attention_kernel(
                 v_byte = tl.load(v_row[:, None] + v_db[None, :], mask=(v_db < HEAD_SIZE // 4)[None, :], other=0)
                 if (DOT_V != 0) & NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX)
                     v_f0, v_f1, v_f2, v_f3 = v_decode_dot_bytes(v_byte)
-                    v_tile = tl.reshape(tl.join(tl.join(v_f0, v_f2), tl.join(v_f1, v_f3)), [BLOCK_N, HEAD_PAD])
+                    if BLOCK_DOTS & KEY_FOLD & (FOLD_ROWS < BLOCK_M):  # block-major codes (packed_tile)
+                        v_tile = tl.reshape(tl.permute(tl.reshape(tl.join(tl.join(v_f0, v_f1), tl.join(v_f2, v_f3)), [BLOCK_N, HEAD_PAD // 32, 8, 2, 2]), [0, 1, 4, 3, 2]), [BLOCK_N, HEAD_PAD])
+                    else:
+                        v_tile = tl.reshape(tl.join(tl.join(v_f0, v_f2), tl.join(v_f1, v_f3)), [BLOCK_N, HEAD_PAD])
                 else:
                     v_byte = v_byte.to(tl.uint32)
                     v_c0 = (v_byte >> 0) & 3
                     v_c1 = (v_byte >> 2) & 3
                     v_c2 = (v_byte >> 4) & 3
                     v_c3 = (v_byte >> 6) & 3
-                    v_code = tl.reshape(tl.join(tl.join(v_c0, v_c2), tl.join(v_c1, v_c3)), [BLOCK_N, HEAD_PAD])
+                    if BLOCK_DOTS & KEY_FOLD & (FOLD_ROWS < BLOCK_M) & (DOT_V != 0):  # block-major codes (packed_tile)
+                        v_code = tl.reshape(tl.permute(tl.reshape(tl.join(tl.join(v_c0, v_c1), tl.join(v_c2, v_c3)), [BLOCK_N, HEAD_PAD // 32, 8, 2, 2]), [0, 1, 4, 3, 2]), [BLOCK_N, HEAD_PAD])
+                    else:
+                        v_code = tl.reshape(tl.join(tl.join(v_c0, v_c2), tl.join(v_c1, v_c3)), [BLOCK_N, HEAD_PAD])
                     if DOT_V != 0:  # tensor-core dots: the code's value in their type
                         v_tile = v_decode_dot(v_code, NATIVE_CASTS)
                     else:
@@ -1181,14 +1200,20 @@ def paged_attention_kernel(
                 k_byte = tl.load(k_row[:, None] + k_db[None, :], mask=(k_db < HEAD_SIZE // 4)[None, :], other=0)
                 if (DOT_K != 0) & NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX)
                     k_f0, k_f1, k_f2, k_f3 = k_decode_dot_bytes(k_byte)
-                    k_tile = tl.reshape(tl.join(tl.join(k_f0, k_f2), tl.join(k_f1, k_f3)), [BLOCK_N, HEAD_PAD])
+                    if KEY_FOLD:  # head-major codes (packed_tile)
+                        k_tile = tl.reshape(tl.permute(tl.join(tl.join(k_f0, k_f1), tl.join(k_f2, k_f3)), [0, 3, 2, 1]), [BLOCK_N, HEAD_PAD])
+                    else:
+                        k_tile = tl.reshape(tl.join(tl.join(k_f0, k_f2), tl.join(k_f1, k_f3)), [BLOCK_N, HEAD_PAD])
                 else:
                     k_byte = k_byte.to(tl.uint32)
                     k_c0 = (k_byte >> 0) & 3
                     k_c1 = (k_byte >> 2) & 3
                     k_c2 = (k_byte >> 4) & 3
                     k_c3 = (k_byte >> 6) & 3
-                    k_code = tl.reshape(tl.join(tl.join(k_c0, k_c2), tl.join(k_c1, k_c3)), [BLOCK_N, HEAD_PAD])
+                    if KEY_FOLD & (DOT_K != 0):  # head-major codes (packed_tile)
+                        k_code = tl.reshape(tl.permute(tl.join(tl.join(k_c0, k_c1), tl.join(k_c2, k_c3)), [0, 3, 2, 1]), [BLOCK_N, HEAD_PAD])
+                    else:
+                        k_code = tl.reshape(tl.join(tl.join(k_c0, k_c2), tl.join(k_c1, k_c3)), [BLOCK_N, HEAD_PAD])
                     if DOT_K != 0:  # tensor-core dots: the code's value in their type
                         k_tile = k_decode_dot(k_code, NATIVE_CASTS)
                     else:
@@ -1218,7 +1243,7 @@ def paged_attention_kernel(
                     k_op = tl.reshape(tl.reshape(k_tile, [BLOCK_N // 32, 32, HEAD_PAD]) * (k_gs)[:, None, :] + k_gm[:, None, :], [BLOCK_N, HEAD_PAD])
                 if KEY_FOLD:  # decode: each group's scales fold into the query, the codes enter the dot alone
                     # (for the FOLD_ROWS rows of q_fold, those the paged steps carry)
-                    scores = group_scores(q_fold, k_op, k_gs * pow2_inv(k_tok), k_gm, k_tok, 32, DOT_K)
+                    scores = group_scores(q_fold, k_op, k_gs * pow2_inv(k_tok), k_gm, k_tok, 32, DOT_K, 4)
                 else:
                     # per channel: q . (code * scale + min) = (q . code * scale / 2**e) * 2**e + q . min; the minima (fp16
                     # values: one dot term) per position of their group, a second dot
@@ -1237,14 +1262,20 @@ def paged_attention_kernel(
                 v_byte = tl.load(v_row[:, None] + v_db[None, :], mask=(v_db < HEAD_SIZE // 4)[None, :], other=0)
                 if (DOT_V != 0) & NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX)
                     v_f0, v_f1, v_f2, v_f3 = v_decode_dot_bytes(v_byte)
-                    v_tile = tl.reshape(tl.join(tl.join(v_f0, v_f2), tl.join(v_f1, v_f3)), [BLOCK_N, HEAD_PAD])
+                    if BLOCK_DOTS & KEY_FOLD & (FOLD_ROWS < BLOCK_M):  # block-major codes (packed_tile)
+                        v_tile = tl.reshape(tl.permute(tl.reshape(tl.join(tl.join(v_f0, v_f1), tl.join(v_f2, v_f3)), [BLOCK_N, HEAD_PAD // 32, 8, 2, 2]), [0, 1, 4, 3, 2]), [BLOCK_N, HEAD_PAD])
+                    else:
+                        v_tile = tl.reshape(tl.join(tl.join(v_f0, v_f2), tl.join(v_f1, v_f3)), [BLOCK_N, HEAD_PAD])
                 else:
                     v_byte = v_byte.to(tl.uint32)
                     v_c0 = (v_byte >> 0) & 3
                     v_c1 = (v_byte >> 2) & 3
                     v_c2 = (v_byte >> 4) & 3
                     v_c3 = (v_byte >> 6) & 3
-                    v_code = tl.reshape(tl.join(tl.join(v_c0, v_c2), tl.join(v_c1, v_c3)), [BLOCK_N, HEAD_PAD])
+                    if BLOCK_DOTS & KEY_FOLD & (FOLD_ROWS < BLOCK_M) & (DOT_V != 0):  # block-major codes (packed_tile)
+                        v_code = tl.reshape(tl.permute(tl.reshape(tl.join(tl.join(v_c0, v_c1), tl.join(v_c2, v_c3)), [BLOCK_N, HEAD_PAD // 32, 8, 2, 2]), [0, 1, 4, 3, 2]), [BLOCK_N, HEAD_PAD])
+                    else:
+                        v_code = tl.reshape(tl.join(tl.join(v_c0, v_c2), tl.join(v_c1, v_c3)), [BLOCK_N, HEAD_PAD])
                     if DOT_V != 0:  # tensor-core dots: the code's value in their type
                         v_tile = v_decode_dot(v_code, NATIVE_CASTS)
                     else:
@@ -1339,14 +1370,20 @@ def paged_attention_kernel(
                 k_byte = tl.load(k_row[:, None] + k_db[None, :], mask=(k_db < HEAD_SIZE // 4)[None, :], other=0)
                 if (DOT_K != 0) & NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX)
                     k_f0, k_f1, k_f2, k_f3 = k_decode_dot_bytes(k_byte)
-                    k_tile = tl.reshape(tl.join(tl.join(k_f0, k_f2), tl.join(k_f1, k_f3)), [BLOCK_N, HEAD_PAD])
+                    if KEY_FOLD:  # head-major codes (packed_tile)
+                        k_tile = tl.reshape(tl.permute(tl.join(tl.join(k_f0, k_f1), tl.join(k_f2, k_f3)), [0, 3, 2, 1]), [BLOCK_N, HEAD_PAD])
+                    else:
+                        k_tile = tl.reshape(tl.join(tl.join(k_f0, k_f2), tl.join(k_f1, k_f3)), [BLOCK_N, HEAD_PAD])
                 else:
                     k_byte = k_byte.to(tl.uint32)
                     k_c0 = (k_byte >> 0) & 3
                     k_c1 = (k_byte >> 2) & 3
                     k_c2 = (k_byte >> 4) & 3
                     k_c3 = (k_byte >> 6) & 3
-                    k_code = tl.reshape(tl.join(tl.join(k_c0, k_c2), tl.join(k_c1, k_c3)), [BLOCK_N, HEAD_PAD])
+                    if KEY_FOLD & (DOT_K != 0):  # head-major codes (packed_tile)
+                        k_code = tl.reshape(tl.permute(tl.join(tl.join(k_c0, k_c1), tl.join(k_c2, k_c3)), [0, 3, 2, 1]), [BLOCK_N, HEAD_PAD])
+                    else:
+                        k_code = tl.reshape(tl.join(tl.join(k_c0, k_c2), tl.join(k_c1, k_c3)), [BLOCK_N, HEAD_PAD])
                     if DOT_K != 0:  # tensor-core dots: the code's value in their type
                         k_tile = k_decode_dot(k_code, NATIVE_CASTS)
                     else:
@@ -1376,7 +1413,7 @@ def paged_attention_kernel(
                     k_op = tl.reshape(tl.reshape(k_tile, [BLOCK_N // 32, 32, HEAD_PAD]) * (k_gs)[:, None, :] + k_gm[:, None, :], [BLOCK_N, HEAD_PAD])
                 if KEY_FOLD:  # decode: each group's scales fold into the query, the codes enter the dot alone
                     # (for the FOLD_ROWS rows of q_fold, those the paged steps carry)
-                    scores = group_scores(q_fold, k_op, k_gs * pow2_inv(k_tok), k_gm, k_tok, 32, DOT_K)
+                    scores = group_scores(q_fold, k_op, k_gs * pow2_inv(k_tok), k_gm, k_tok, 32, DOT_K, 4)
                 else:
                     # per channel: q . (code * scale + min) = (q . code * scale / 2**e) * 2**e + q . min; the minima (fp16
                     # values: one dot term) per position of their group, a second dot
@@ -1398,14 +1435,20 @@ def paged_attention_kernel(
                 v_byte = tl.load(v_row[:, None] + v_db[None, :], mask=(v_db < HEAD_SIZE // 4)[None, :], other=0)
                 if (DOT_V != 0) & NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX)
                     v_f0, v_f1, v_f2, v_f3 = v_decode_dot_bytes(v_byte)
-                    v_tile = tl.reshape(tl.join(tl.join(v_f0, v_f2), tl.join(v_f1, v_f3)), [BLOCK_N, HEAD_PAD])
+                    if BLOCK_DOTS & KEY_FOLD & (FOLD_ROWS < BLOCK_M):  # block-major codes (packed_tile)
+                        v_tile = tl.reshape(tl.permute(tl.reshape(tl.join(tl.join(v_f0, v_f1), tl.join(v_f2, v_f3)), [BLOCK_N, HEAD_PAD // 32, 8, 2, 2]), [0, 1, 4, 3, 2]), [BLOCK_N, HEAD_PAD])
+                    else:
+                        v_tile = tl.reshape(tl.join(tl.join(v_f0, v_f2), tl.join(v_f1, v_f3)), [BLOCK_N, HEAD_PAD])
                 else:
                     v_byte = v_byte.to(tl.uint32)
                     v_c0 = (v_byte >> 0) & 3
                     v_c1 = (v_byte >> 2) & 3
                     v_c2 = (v_byte >> 4) & 3
                     v_c3 = (v_byte >> 6) & 3
-                    v_code = tl.reshape(tl.join(tl.join(v_c0, v_c2), tl.join(v_c1, v_c3)), [BLOCK_N, HEAD_PAD])
+                    if BLOCK_DOTS & KEY_FOLD & (FOLD_ROWS < BLOCK_M) & (DOT_V != 0):  # block-major codes (packed_tile)
+                        v_code = tl.reshape(tl.permute(tl.reshape(tl.join(tl.join(v_c0, v_c1), tl.join(v_c2, v_c3)), [BLOCK_N, HEAD_PAD // 32, 8, 2, 2]), [0, 1, 4, 3, 2]), [BLOCK_N, HEAD_PAD])
+                    else:
+                        v_code = tl.reshape(tl.join(tl.join(v_c0, v_c2), tl.join(v_c1, v_c3)), [BLOCK_N, HEAD_PAD])
                     if DOT_V != 0:  # tensor-core dots: the code's value in their type
                         v_tile = v_decode_dot(v_code, NATIVE_CASTS)
                     else:
@@ -1501,14 +1544,20 @@ def paged_attention_kernel(
                 k_byte = tl.load(k_row[:, None] + k_db[None, :], mask=(k_db < HEAD_SIZE // 4)[None, :], other=0)
                 if (DOT_K != 0) & NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX)
                     k_f0, k_f1, k_f2, k_f3 = k_decode_dot_bytes(k_byte)
-                    k_tile = tl.reshape(tl.join(tl.join(k_f0, k_f2), tl.join(k_f1, k_f3)), [BLOCK_N, HEAD_PAD])
+                    if KEY_FOLD:  # head-major codes (packed_tile)
+                        k_tile = tl.reshape(tl.permute(tl.join(tl.join(k_f0, k_f1), tl.join(k_f2, k_f3)), [0, 3, 2, 1]), [BLOCK_N, HEAD_PAD])
+                    else:
+                        k_tile = tl.reshape(tl.join(tl.join(k_f0, k_f2), tl.join(k_f1, k_f3)), [BLOCK_N, HEAD_PAD])
                 else:
                     k_byte = k_byte.to(tl.uint32)
                     k_c0 = (k_byte >> 0) & 3
                     k_c1 = (k_byte >> 2) & 3
                     k_c2 = (k_byte >> 4) & 3
                     k_c3 = (k_byte >> 6) & 3
-                    k_code = tl.reshape(tl.join(tl.join(k_c0, k_c2), tl.join(k_c1, k_c3)), [BLOCK_N, HEAD_PAD])
+                    if KEY_FOLD & (DOT_K != 0):  # head-major codes (packed_tile)
+                        k_code = tl.reshape(tl.permute(tl.join(tl.join(k_c0, k_c1), tl.join(k_c2, k_c3)), [0, 3, 2, 1]), [BLOCK_N, HEAD_PAD])
+                    else:
+                        k_code = tl.reshape(tl.join(tl.join(k_c0, k_c2), tl.join(k_c1, k_c3)), [BLOCK_N, HEAD_PAD])
                     if DOT_K != 0:  # tensor-core dots: the code's value in their type
                         k_tile = k_decode_dot(k_code, NATIVE_CASTS)
                     else:
@@ -1538,7 +1587,7 @@ def paged_attention_kernel(
                     k_op = tl.reshape(tl.reshape(k_tile, [BLOCK_N // 32, 32, HEAD_PAD]) * (k_gs)[:, None, :] + k_gm[:, None, :], [BLOCK_N, HEAD_PAD])
                 if KEY_FOLD:  # decode: each group's scales fold into the query, the codes enter the dot alone
                     # (for the FOLD_ROWS rows of q_fold, those the paged steps carry)
-                    scores = group_scores(q_fold, k_op, k_gs * pow2_inv(k_tok), k_gm, k_tok, 32, DOT_K)
+                    scores = group_scores(q_fold, k_op, k_gs * pow2_inv(k_tok), k_gm, k_tok, 32, DOT_K, 4)
                 else:
                     # per channel: q . (code * scale + min) = (q . code * scale / 2**e) * 2**e + q . min; the minima (fp16
                     # values: one dot term) per position of their group, a second dot
@@ -1560,14 +1609,20 @@ def paged_attention_kernel(
                 v_byte = tl.load(v_row[:, None] + v_db[None, :], mask=(v_db < HEAD_SIZE // 4)[None, :], other=0)
                 if (DOT_V != 0) & NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX)
                     v_f0, v_f1, v_f2, v_f3 = v_decode_dot_bytes(v_byte)
-                    v_tile = tl.reshape(tl.join(tl.join(v_f0, v_f2), tl.join(v_f1, v_f3)), [BLOCK_N, HEAD_PAD])
+                    if BLOCK_DOTS & KEY_FOLD & (FOLD_ROWS < BLOCK_M):  # block-major codes (packed_tile)
+                        v_tile = tl.reshape(tl.permute(tl.reshape(tl.join(tl.join(v_f0, v_f1), tl.join(v_f2, v_f3)), [BLOCK_N, HEAD_PAD // 32, 8, 2, 2]), [0, 1, 4, 3, 2]), [BLOCK_N, HEAD_PAD])
+                    else:
+                        v_tile = tl.reshape(tl.join(tl.join(v_f0, v_f2), tl.join(v_f1, v_f3)), [BLOCK_N, HEAD_PAD])
                 else:
                     v_byte = v_byte.to(tl.uint32)
                     v_c0 = (v_byte >> 0) & 3
                     v_c1 = (v_byte >> 2) & 3
                     v_c2 = (v_byte >> 4) & 3
                     v_c3 = (v_byte >> 6) & 3
-                    v_code = tl.reshape(tl.join(tl.join(v_c0, v_c2), tl.join(v_c1, v_c3)), [BLOCK_N, HEAD_PAD])
+                    if BLOCK_DOTS & KEY_FOLD & (FOLD_ROWS < BLOCK_M) & (DOT_V != 0):  # block-major codes (packed_tile)
+                        v_code = tl.reshape(tl.permute(tl.reshape(tl.join(tl.join(v_c0, v_c1), tl.join(v_c2, v_c3)), [BLOCK_N, HEAD_PAD // 32, 8, 2, 2]), [0, 1, 4, 3, 2]), [BLOCK_N, HEAD_PAD])
+                    else:
+                        v_code = tl.reshape(tl.join(tl.join(v_c0, v_c2), tl.join(v_c1, v_c3)), [BLOCK_N, HEAD_PAD])
                     if DOT_V != 0:  # tensor-core dots: the code's value in their type
                         v_tile = v_decode_dot(v_code, NATIVE_CASTS)
                     else:
@@ -1658,14 +1713,20 @@ def paged_attention_kernel(
             k_byte = tl.load(k_row[:, None] + k_db[None, :], mask=n_mask[:, None] & (k_db < HEAD_SIZE // 4)[None, :], other=0)
             if (DOT_K != 0) & NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX)
                 k_f0, k_f1, k_f2, k_f3 = k_decode_dot_bytes(k_byte)
-                k_tile = tl.reshape(tl.join(tl.join(k_f0, k_f2), tl.join(k_f1, k_f3)), [BLOCK_N, HEAD_PAD])
+                if KEY_FOLD:  # head-major codes (packed_tile)
+                    k_tile = tl.reshape(tl.permute(tl.join(tl.join(k_f0, k_f1), tl.join(k_f2, k_f3)), [0, 3, 2, 1]), [BLOCK_N, HEAD_PAD])
+                else:
+                    k_tile = tl.reshape(tl.join(tl.join(k_f0, k_f2), tl.join(k_f1, k_f3)), [BLOCK_N, HEAD_PAD])
             else:
                 k_byte = k_byte.to(tl.uint32)
                 k_c0 = (k_byte >> 0) & 3
                 k_c1 = (k_byte >> 2) & 3
                 k_c2 = (k_byte >> 4) & 3
                 k_c3 = (k_byte >> 6) & 3
-                k_code = tl.reshape(tl.join(tl.join(k_c0, k_c2), tl.join(k_c1, k_c3)), [BLOCK_N, HEAD_PAD])
+                if KEY_FOLD & (DOT_K != 0):  # head-major codes (packed_tile)
+                    k_code = tl.reshape(tl.permute(tl.join(tl.join(k_c0, k_c1), tl.join(k_c2, k_c3)), [0, 3, 2, 1]), [BLOCK_N, HEAD_PAD])
+                else:
+                    k_code = tl.reshape(tl.join(tl.join(k_c0, k_c2), tl.join(k_c1, k_c3)), [BLOCK_N, HEAD_PAD])
                 if DOT_K != 0:  # tensor-core dots: the code's value in their type
                     k_tile = k_decode_dot(k_code, NATIVE_CASTS)
                 else:
@@ -1696,7 +1757,7 @@ def paged_attention_kernel(
                 k_op = tl.reshape(tl.reshape(k_tile, [BLOCK_N // 32, 32, HEAD_PAD]) * (k_gs)[:, None, :] + k_gm[:, None, :], [BLOCK_N, HEAD_PAD])
             if KEY_FOLD:  # decode: each group's scales fold into the query, the codes enter the dot alone
                 # (for the FOLD_ROWS rows of q_fold, those the paged steps carry)
-                scores = group_scores(q_fold, k_op, k_gs * pow2_inv(k_tok), k_gm, k_tok, 32, DOT_K)
+                scores = group_scores(q_fold, k_op, k_gs * pow2_inv(k_tok), k_gm, k_tok, 32, DOT_K, 4)
             else:
                 # per channel: q . (code * scale + min) = (q . code * scale / 2**e) * 2**e + q . min; the minima (fp16
                 # values: one dot term) per position of their group, a second dot
@@ -1718,14 +1779,20 @@ def paged_attention_kernel(
             v_byte = tl.load(v_row[:, None] + v_db[None, :], mask=n_mask[:, None] & (v_db < HEAD_SIZE // 4)[None, :], other=0)
             if (DOT_V != 0) & NATIVE_CASTS:  # compiled: all codes of each byte straight to fp16 (inline PTX)
                 v_f0, v_f1, v_f2, v_f3 = v_decode_dot_bytes(v_byte)
-                v_tile = tl.reshape(tl.join(tl.join(v_f0, v_f2), tl.join(v_f1, v_f3)), [BLOCK_N, HEAD_PAD])
+                if BLOCK_DOTS & KEY_FOLD & (FOLD_ROWS < BLOCK_M):  # block-major codes (packed_tile)
+                    v_tile = tl.reshape(tl.permute(tl.reshape(tl.join(tl.join(v_f0, v_f1), tl.join(v_f2, v_f3)), [BLOCK_N, HEAD_PAD // 32, 8, 2, 2]), [0, 1, 4, 3, 2]), [BLOCK_N, HEAD_PAD])
+                else:
+                    v_tile = tl.reshape(tl.join(tl.join(v_f0, v_f2), tl.join(v_f1, v_f3)), [BLOCK_N, HEAD_PAD])
             else:
                 v_byte = v_byte.to(tl.uint32)
                 v_c0 = (v_byte >> 0) & 3
                 v_c1 = (v_byte >> 2) & 3
                 v_c2 = (v_byte >> 4) & 3
                 v_c3 = (v_byte >> 6) & 3
-                v_code = tl.reshape(tl.join(tl.join(v_c0, v_c2), tl.join(v_c1, v_c3)), [BLOCK_N, HEAD_PAD])
+                if BLOCK_DOTS & KEY_FOLD & (FOLD_ROWS < BLOCK_M) & (DOT_V != 0):  # block-major codes (packed_tile)
+                    v_code = tl.reshape(tl.permute(tl.reshape(tl.join(tl.join(v_c0, v_c1), tl.join(v_c2, v_c3)), [BLOCK_N, HEAD_PAD // 32, 8, 2, 2]), [0, 1, 4, 3, 2]), [BLOCK_N, HEAD_PAD])
+                else:
+                    v_code = tl.reshape(tl.join(tl.join(v_c0, v_c2), tl.join(v_c1, v_c3)), [BLOCK_N, HEAD_PAD])
                 if DOT_V != 0:  # tensor-core dots: the code's value in their type
                     v_tile = v_decode_dot(v_code, NATIVE_CASTS)
                 else:
@@ -1804,6 +1871,9 @@ def paged_attention_kernel(
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
         if KEY_FOLD:  # every row of the tile again: copies of the paged steps' rows
+            if BLOCK_DOTS & (FOLD_ROWS < BLOCK_M) & (DOT_V != 0):
+                # the values' columns took the block-major order of their codes (load_codes' "block"): back in order
+                acc = tl.reshape(tl.permute(tl.reshape(acc, [FOLD_ROWS, HEAD_PAD // 32, 4, 8]), [0, 1, 3, 2]), [FOLD_ROWS, HEAD_PAD])
             q_pos = q_pos_all
             row_scale = row_scale_all
             m_i = tl.reshape(tl.broadcast_to(m_i[None, :], [BLOCK_M // FOLD_ROWS, FOLD_ROWS]), [BLOCK_M])
