@@ -29,7 +29,8 @@ def test_fast_division_where_the_scales_allow():
         for side in {fast_division(spec.key), fast_division(spec.value)} - {""}:
             verdicts.setdefault(side, set()).add(name)
     assert verdicts == {FAST_ALWAYS: {"q4_0", "kivi_2bit", "kivi_4bit"},
-                        FAST_GUARDED: {"int8_asym_per_token_head", "int4_per_token_head"},
+                        FAST_GUARDED: {"int8_asym_per_token_head", "int4_per_token_head",
+                                       "int4_per_token_head_separate"},
                         FAST_SCALED: {"nvfp4", "nvfp4_separate"}}
 
 
