@@ -11,13 +11,7 @@
 #   bash benchmarks/pending/next_session.sh crossover2 # head sizes 64 / 256 near the counts, nvfp4's (~400 s?)
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs (H200: s43's H100 had no slowdown), KIVI's flush profile
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
-#   bash benchmarks/pending/next_session.sh kivicases  # KIVI's stream checks on this tree, kivi_4bit's half; the lane-reduction fault (~350 s?)
-#   bash benchmarks/pending/next_session.sh kivicases2 # the same, kivi_2bit's half (~300 s?)
-#   bash benchmarks/pending/next_session.sh kivicodes  # KIVI decode with its packed codes in operand order (two patches) against main (~300 s?)
-#   bash benchmarks/pending/next_session.sh kivicodestests # KIVI's GPU tests and stream cases on both patches (~350 s?)
-#   bash benchmarks/pending/next_session.sh packcodes  # packed-code-orders.patch: int4 per token-head / mixed_k8_v4 in operand order, timed and tested (~350 s?)
-#   bash benchmarks/pending/next_session.sh packblocks # packed-code-orders-with-blocks.patch: q4_0 / nvfp4 / mxfp4 keys block-major, an A/B (~250 s?)
-#   bash benchmarks/pending/next_session.sh int4sep    # int4 per token-head with separate scales (an unshipped spec) against the inline cell (~300 s?)
+#   bash benchmarks/pending/next_session.sh kivicases  # kivi_2bit's stream cases at 2 KV heads, head sizes 32 / 64 (12; 7 not yet run on this tree), the lane-reduction fault (~120 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100; stale since: rebase first)
 #   bash benchmarks/pending/next_session.sh rcpfault   # recip_fast's fault in nvfp4's write, for a Triton upgrade (ran s42, H100: ~15 s)
 # Ran and removed (benchmarks/results_2026-12-04_h200_s28.md, _s29.md): rows128, hs256more, rules28, rules28b (s28);
@@ -58,13 +52,16 @@
 # value-split.patch merged with the rules they measured; those steps and decoderows removed); s52 (H100,
 # benchmarks/results_2026-12-07_h100_s52.md) ran merged51, merged51time, tests (677 passed) and kivilayout
 # (write-kivi-layout-prefill.patch merged for prefill kernels only; both KIVI layout patches and the three steps
-# removed; kivicases now checks this tree).
+# removed; kivicases now checks this tree); s53 (H100, benchmarks/results_2026-12-07_h100_s53.md) ran kivicodes /
+# kivicodestests (kivi-code-orders.patch merged: KIVI decode 14-30% faster), packcodes (level: removed), packblocks
+# (1.2-1.5x slower: removed) and int4sep (shipped as specs/int4_per_token_head_separate.yaml); those five steps and
+# their patches removed (git history: the s53 merge's parent, c898c61).
 #
 # Steps in priority order; each prints how long it took.
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, kivicases2, kivicodes, kivicodestests, packcodes, packblocks, int4sep, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -166,7 +163,8 @@ case "$step" in
   bench1)
     timeout 560 python3 benchmarks/bench.py --cuda-graphs --out "$out/benchA" --formats bf16 fp16 fp8_e4m3 \
       fp8_e4m3_per_head fp8_e5m2 fp8_per_token_head int8_per_token_head int8_per_token_head_separate \
-      int8_asym_per_token_head int8_per_token_head_hadamard_k q8_0 int4_per_token_head 2>&1 \
+      int8_asym_per_token_head int8_per_token_head_hadamard_k q8_0 int4_per_token_head \
+      int4_per_token_head_separate 2>&1 \
       | tee "$out/bench1.txt" | grep "^|"
     ;;
   bench2)
@@ -185,94 +183,14 @@ case "$step" in
       int8_per_token_head_hadamard_k --tokens 32768 256 --rounds 2 2>&1 | tee "$out/writeprof_times.txt" | grep "^|"
     ;;
   kivicases)
-    # KIVI's flush loads a prefill's all-new groups through views at heads of 64 or more (merged from
-    # write-kivi-layout-prefill.patch in s52; a decode step's flush keeps the row-major loads); s52 ran 34 of the
-    # stream grid's 72 cases on the GPU (formats x KV heads x head sizes x dtypes x streams), every one ok: the whole
-    # grid on this tree. First the cut-down kernel of Triton 3.6's lane-reduction fault that keeps head size 32 on the
-    # row-major loads (reduce_lanes_fault.py: on the GPU its minima and maxima against torch)
+    # the stream grid's cases (formats x KV heads x head sizes x dtypes x streams; KIVI's prefill flush through views,
+    # s52, and its decode's code orders, s53) that no GPU has run on this tree: s53 ran 59 of the 72, every one ok
+    # (benchmarks/results_2026-12-07_h100_s53.md), all but kivi_2bit's at 2 KV heads, head sizes 32 / 64 (its 128
+    # passed in kivicodestests). First the cut-down kernel of Triton 3.6's lane-reduction fault that keeps head size
+    # 32 on the row-major loads (reduce_lanes_fault.py: on the GPU its minima and maxima against torch)
     timeout 60 python3 benchmarks/pending/reduce_lanes_fault.py 2>&1 | tee "$out/reduce_lanes_fault.txt"
-    timeout 500 python3 benchmarks/pending/kivi_layout_cases.py --formats kivi_4bit 2>&1 | tee "$out/kivicases.txt" \
-      | grep -v "^kivi.* ok$"
-    ;;
-  kivicases2)
-    # the grid's other half (s52 ran kivi_2bit's 12 cases at head sizes 64 / 128 with 2 KV heads)
-    timeout 500 python3 benchmarks/pending/kivi_layout_cases.py --formats kivi_2bit 2>&1 | tee "$out/kivicases2.txt" \
-      | grep -v "^kivi.* ok$"
-    ;;
-  kivicodes)
-    # kivi-value-block-order.patch and kivi-code-orders.patch (fifty-second session, a subagent's static study,
-    # benchmarks/pending/README.md): KIVI's decode decodes its packed codes into the order its operands take, so no
-    # byte permutes re-pair them: values block-major within each value block (bit-identical outputs in the
-    # interpreter), keys code-major with the folded query's columns permuted alike (another fp32 summation order), and
-    # kivi_2bit capped at the 168 registers it compiled to before. Static, sm_90, 64 x 8192: kivi_2bit 15.7 -> 14.8
-    # (values) -> 13.4 (both) instructions per position, kivi_4bit 15.9 -> 15.1 -> 14.7; head size 256 28.2 / 26.4
-    # -> 24.0 / 24.3. Main, the value patch, both patches, main again (each tree with its own runtime)
-    S="64x8192 4x65536 256x1024 16x8192hs256"
-    timeout 100 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit --configs rt --shapes $S --cuda-graphs 2>&1 \
-      | tee "$out/kivicodes_main.txt" | grep "^|"
-    variant kivi-value-block-order "block-major order of their codes" kivi_2bit kivi_4bit || exit 1
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 100 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit \
-      --configs rt --shapes $S --cuda-graphs 2>&1 | tee "$out/kivicodes_values.txt" | grep "^|")
-    variant kivi-code-orders+tests-kivi-2bit-rule "code-major order of PB codes" kivi_2bit kivi_4bit || exit 1
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 100 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit \
-      --configs rt --shapes $S --cuda-graphs 2>&1 | tee "$out/kivicodes_both.txt" | grep "^|")
-    timeout 100 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit --configs rt --shapes $S --cuda-graphs 2>&1 \
-      | tee "$out/kivicodes_main2.txt" | grep "^|"
-    ;;
-  kivicodestests)
-    # both patches' kernels compiled: KIVI's GPU tests, the tile tests (kivi_2bit's new cap) and the stream cases
-    variant kivi-code-orders+tests-kivi-2bit-rule "code-major order of PB codes" kivi_2bit kivi_4bit || exit 1
-    variant_tests kivicodes tests/test_kivi.py tests/test_kivi_reference.py tests/test_tiles.py \
-      "tests/test_conformance.py::test_kivi_decode_256"
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 150 python3 benchmarks/pending/kivi_layout_cases.py \
-      --heads 2 --head-sizes 128 2>&1 | tee "$out/kivicodes_cases.txt" | grep -v "^kivi.* ok$")
-    ;;
-  packcodes)
-    # packed-code-orders.patch (fifty-second session, a second subagent's static study; it holds kivi-code-orders.patch
-    # and tests-kivi-2bit-rule.patch too): the operand order for the 4-bit sides scaled per token, int4 per
-    # token-head's keys (the query's columns permuted alike) and mixed_k8_v4's values (the accumulator's columns put
-    # back): statically 9.5 -> 9.1 and 8.0 -> 7.6 instructions per position, same registers; q4_0 / nvfp4 / mxfp4
-    # unchanged (their value split already matches the decode's pairs). Main, the variant, main again, then the two
-    # formats' GPU conformance and the compiled-path tests on the variant
-    S="64x8192 4x65536 256x1024"
-    timeout 80 python3 benchmarks/tune_tiles.py int4_per_token_head mixed_k8_v4 --configs rt --shapes $S --cuda-graphs \
-      2>&1 | tee "$out/packcodes_main.txt" | grep "^|"
-    variant packed-code-orders "code_columns" int4_per_token_head mixed_k8_v4 || exit 1
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 80 python3 benchmarks/tune_tiles.py int4_per_token_head \
-      mixed_k8_v4 --configs rt --shapes $S --cuda-graphs 2>&1 | tee "$out/packcodes_variant.txt" | grep "^|")
-    timeout 80 python3 benchmarks/tune_tiles.py int4_per_token_head mixed_k8_v4 --configs rt --shapes $S --cuda-graphs \
-      2>&1 | tee "$out/packcodes_main2.txt" | grep "^|"
-    variant_tests packcodes tests/test_conformance.py tests/test_fast_dots.py tests/test_native_decode.py \
-      tests/test_dequantize_first.py -k "int4 or mixed"
-    ;;
-  packblocks)
-    # packed-code-orders-with-blocks.patch (the second study's rejected variant, kept for a GPU A/B): packed-code-orders
-    # plus the block formats' keys block-major within each scale block (and values where unsplit). Triton then stages
-    # the key tile through shared memory (+12 KiB, 4 programs per SM still): q4_0 9.7 -> 9.9, nvfp4 11.8 -> 11.0,
-    # nvfp4_separate 11.9 -> 11.0, mxfp4 11.4 -> 11.3 instructions per position, by that other lowering, whose
-    # shared-memory and barrier cost only a GPU can tell. CPU: their conformance, golden, value-split, stacked-block,
-    # fast-dot and sm_90 compile tests passed (fifty-second session; the tile test with tests-kivi-2bit-rule.patch)
-    S="64x8192 4x65536 256x1024"
-    timeout 80 python3 benchmarks/tune_tiles.py q4_0 nvfp4 mxfp4 --configs rt --shapes $S --cuda-graphs 2>&1 \
-      | tee "$out/packblocks_main.txt" | grep "^|"
-    variant packed-code-orders-with-blocks+tests-kivi-2bit-rule "code_columns" q4_0 nvfp4 mxfp4 || exit 1
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 80 python3 benchmarks/tune_tiles.py q4_0 nvfp4 mxfp4 \
-      --configs rt --shapes $S --cuda-graphs 2>&1 | tee "$out/packblocks_variant.txt" | grep "^|")
-    timeout 80 python3 benchmarks/tune_tiles.py q4_0 nvfp4 mxfp4 --configs rt --shapes $S --cuda-graphs 2>&1 \
-      | tee "$out/packblocks_main2.txt" | grep "^|"
-    ;;
-  int4sep)
-    # benchmarks/pending/int4_per_token_head_separate.yaml (fifty-second session, static only): int4 per token-head's
-    # codes with the fp32 scales out of the cell, as int8_per_token_head_separate does for int8 (whose layout read
-    # 66% -> 86% of copy bandwidth on an H200). Its GPU conformance, then decode against the inline cell at the three
-    # shapes (the rules' tiles, then 128/4/2/128p: 4 programs per SM at 0.7 spills a position statically), then the
-    # writes; a shipped spec if it reads faster
-    SPEC=benchmarks/pending/int4_per_token_head_separate.yaml
-    timeout 150 python3 -m kvgen.cli test "$SPEC" --examples 10 2>&1 | tee "$out/int4sep_test.txt" | tail -8
-    timeout 200 python3 benchmarks/tune_tiles.py int4_per_token_head "$SPEC" --configs rt 128/4/2/128p \
-      --shapes 64x8192 4x65536 256x1024 --cuda-graphs 2>&1 | tee "$out/int4sep_decode.txt" | grep "^|"
-    timeout 80 python3 benchmarks/time_writes.py int4_per_token_head "$SPEC" --tokens 32768 256 --rounds 2 2>&1 \
-      | tee "$out/int4sep_writes.txt" | grep "^|"
+    timeout 300 python3 benchmarks/pending/kivi_layout_cases.py --formats kivi_2bit --heads 2 --head-sizes 32 64 \
+      2>&1 | tee "$out/kivicases.txt" | grep -v "^kivi.* ok$"
     ;;
   writeab)
     # write-fast-div.patch against main (thirty-fifth session: 24% fewer
@@ -310,7 +228,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, kivicases2, kivicodes, kivicodestests, packcodes, packblocks, int4sep, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
