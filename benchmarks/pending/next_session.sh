@@ -12,6 +12,7 @@
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs (H200: s43's H100 had no slowdown), KIVI's flush profile
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
 #   bash benchmarks/pending/next_session.sh kivicases  # kivi_2bit's stream cases at 2 KV heads, head sizes 32 / 64 (12; 7 not yet run on this tree), the lane-reduction fault (~120 s?)
+#   bash benchmarks/pending/next_session.sh sepspecs   # fp8 per token-head, mixed_k8_v4, int8 asym with separate scales (unshipped specs) against their cells (~400 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100; stale since: rebase first)
 #   bash benchmarks/pending/next_session.sh rcpfault   # recip_fast's fault in nvfp4's write, for a Triton upgrade (ran s42, H100: ~15 s)
 # Ran and removed (benchmarks/results_2026-12-04_h200_s28.md, _s29.md): rows128, hs256more, rules28, rules28b (s28);
@@ -61,7 +62,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -192,6 +193,25 @@ case "$step" in
     timeout 300 python3 benchmarks/pending/kivi_layout_cases.py --formats kivi_2bit --heads 2 --head-sizes 32 64 \
       2>&1 | tee "$out/kivicases.txt" | grep -v "^kivi.* ok$"
     ;;
+  sepspecs)
+    # three unshipped specs here (fifty-third session, static only), each a shipped inline cell's bytes with the fp32
+    # scales (int8 asym: and zero points) out of the cell, as int4_per_token_head_separate (H100: decode 607 -> 424 us
+    # at 64 x 8192) and int8_per_token_head_separate: their GPU conformance, decode against the cell at three shapes
+    # (the rules' tiles, then 128/4/2/168: the rules give 16-byte code rows three stages, 2 programs per SM), the
+    # writes. Static (sm_90, 64 x 8192, instructions per position / programs per SM): fp8 per token-head 9.4 / 3 ->
+    # 5.8 / 2 (5.7 / 3 at 128/4/2/168), mixed_k8_v4 8.0 / 3 -> 7.9 / 2 (7.7 / 3), int8 asym 10.1 / 3 -> 7.2 / 2 (7.2 / 3).
+    # Ship those that read faster
+    for spec in fp8_per_token_head mixed_k8_v4 int8_asym_per_token_head; do
+      SEP=benchmarks/pending/${spec}_separate.yaml
+      timeout 100 python3 -m kvgen.cli test "$SEP" --examples 10 2>&1 | tee -a "$out/sepspecs_test.txt" | tail -3
+      timeout 150 python3 benchmarks/tune_tiles.py $spec "$SEP" --configs rt 128/4/2/168 --programs-per-sm 3 \
+        --shapes 64x8192 4x65536 256x1024 --cuda-graphs 2>&1 | tee -a "$out/sepspecs_decode.txt" | grep "^|"
+    done
+    timeout 80 python3 benchmarks/time_writes.py fp8_per_token_head benchmarks/pending/fp8_per_token_head_separate.yaml \
+      mixed_k8_v4 benchmarks/pending/mixed_k8_v4_separate.yaml int8_asym_per_token_head \
+      benchmarks/pending/int8_asym_per_token_head_separate.yaml --tokens 32768 256 --rounds 2 2>&1 \
+      | tee "$out/sepspecs_writes.txt" | grep "^|"
+    ;;
   writeab)
     # write-fast-div.patch against main (thirty-fifth session: 24% fewer
     # instructions for nvfp4, 1-2% faster on an H100, whose copy bandwidth of 3020 GB/s may have bound it instead),
@@ -228,7 +248,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
