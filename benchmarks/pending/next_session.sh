@@ -12,7 +12,7 @@
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs (H200: s43's H100 had no slowdown), KIVI's flush profile
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
 #   bash benchmarks/pending/next_session.sh kivicases  # kivi_2bit's stream cases at 2 KV heads, head sizes 32 / 64 (12; 7 not yet run on this tree), the lane-reduction fault (~120 s?)
-#   bash benchmarks/pending/next_session.sh sepspecs   # fp8 per token-head, mixed_k8_v4, int8 asym with separate scales (unshipped specs) against their cells (~400 s?)
+#   bash benchmarks/pending/next_session.sh sepspecs   # fp8 / int8 asym per token-head, mixed_k8_v4, q8_0, q4_0 with separate scales (unshipped specs) against their cells (~500 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100; stale since: rebase first)
 #   bash benchmarks/pending/next_session.sh rcpfault   # recip_fast's fault in nvfp4's write, for a Triton upgrade (ran s42, H100: ~15 s)
 # Ran and removed (benchmarks/results_2026-12-04_h200_s28.md, _s29.md): rows128, hs256more, rules28, rules28b (s28);
@@ -200,8 +200,10 @@ case "$step" in
     # (the rules' tiles, then 128/4/2/168: the rules give 16-byte code rows three stages, 2 programs per SM), the
     # writes. Static (sm_90, 64 x 8192, instructions per position / programs per SM): fp8 per token-head 9.4 / 3 ->
     # 5.8 / 2 (5.7 / 3 at 128/4/2/168), mixed_k8_v4 8.0 / 3 -> 7.9 / 2 (7.7 / 3), int8 asym 10.1 / 3 -> 7.2 / 2 (7.2 / 3).
-    # Ship those that read faster
-    for spec in fp8_per_token_head mixed_k8_v4 int8_asym_per_token_head; do
+    # And the block formats' fp16 scales out of their 8-byte aligned cells (their rules' tiles: the second column
+    # repeats them at 3 programs per SM): q8_0 11.1 -> 8.8 / 3, q4_0 9.7 -> 9.7 / 4 (copies 10 x 8 -> 2 x 8 + 8 x 16
+    # bytes). Ship those that read faster
+    for spec in fp8_per_token_head mixed_k8_v4 int8_asym_per_token_head q8_0 q4_0; do
       SEP=benchmarks/pending/${spec}_separate.yaml
       timeout 100 python3 -m kvgen.cli test "$SEP" --examples 10 2>&1 | tee -a "$out/sepspecs_test.txt" | tail -3
       timeout 150 python3 benchmarks/tune_tiles.py $spec "$SEP" --configs rt 128/4/2/168 --programs-per-sm 3 \
@@ -209,7 +211,8 @@ case "$step" in
     done
     timeout 80 python3 benchmarks/time_writes.py fp8_per_token_head benchmarks/pending/fp8_per_token_head_separate.yaml \
       mixed_k8_v4 benchmarks/pending/mixed_k8_v4_separate.yaml int8_asym_per_token_head \
-      benchmarks/pending/int8_asym_per_token_head_separate.yaml --tokens 32768 256 --rounds 2 2>&1 \
+      benchmarks/pending/int8_asym_per_token_head_separate.yaml q8_0 benchmarks/pending/q8_0_separate.yaml q4_0 \
+      benchmarks/pending/q4_0_separate.yaml --tokens 32768 256 --rounds 2 2>&1 \
       | tee "$out/sepspecs_writes.txt" | grep "^|"
     ;;
   writeab)
