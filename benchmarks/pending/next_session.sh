@@ -13,6 +13,7 @@
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
 #   bash benchmarks/pending/next_session.sh kivicases  # kivi_2bit's stream cases at 2 KV heads, head sizes 32 / 64 (12; 7 not yet run on this tree), the lane-reduction fault (~120 s?)
 #   bash benchmarks/pending/next_session.sh sepspecs   # fp8 / int8 asym per token-head, mixed_k8_v4, q8_0, q4_0 with separate scales (unshipped specs) against their cells (~500 s?)
+#   bash benchmarks/pending/next_session.sh kivitiles  # KIVI's decode tiles after the code orders (4 programs per SM at 128 registers; 128 positions a step) (~200 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100; stale since: rebase first)
 #   bash benchmarks/pending/next_session.sh rcpfault   # recip_fast's fault in nvfp4's write, for a Triton upgrade (ran s42, H100: ~15 s)
 # Ran and removed (benchmarks/results_2026-12-04_h200_s28.md, _s29.md): rows128, hs256more, rules28, rules28b (s28);
@@ -62,7 +63,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -215,6 +216,15 @@ case "$step" in
       benchmarks/pending/q4_0_separate.yaml --tokens 32768 256 --rounds 2 2>&1 \
       | tee "$out/sepspecs_writes.txt" | grep "^|"
     ;;
+  kivitiles)
+    # KIVI's decode after the code orders (s53: kivi_2bit 861, kivi_4bit 902 us at 64 x 8192 on the H100, 1.21-1.27x
+    # bf16: issue-bound, at about half the issue rate its 13.4 / 14.7 instructions per position allow). Static (sm_90,
+    # 64 x 8192; instructions per position / registers / programs per SM, no spills unless said): the rules' tiles
+    # kivi_2bit 64/4/3/168 13.4 / 167 / 3, kivi_4bit 64/4/3/128 14.7 / 128 / 4 (0.1 spill); 64/4/2/128 13.3 / 128 /
+    # 4 and 14.2 / 128 / 4 (0.1); 64/4/3/128 kivi_2bit 13.7 / 128 / 4 (0.1); 128/4/2/168 12.4 and 12.5 / 168 / 3
+    timeout 300 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit --configs rt 64/4/2/128 64/4/3/128 128/4/2/168 \
+      --programs-per-sm 4 8 --shapes 64x8192 4x65536 256x1024 --cuda-graphs 2>&1 | tee "$out/kivitiles.txt" | grep "^|"
+    ;;
   writeab)
     # write-fast-div.patch against main (thirty-fifth session: 24% fewer
     # instructions for nvfp4, 1-2% faster on an H100, whose copy bandwidth of 3020 GB/s may have bound it instead),
@@ -251,7 +261,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
