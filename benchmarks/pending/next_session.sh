@@ -218,7 +218,7 @@ case "$step" in
     ;;
   kivitiles)
     # KIVI's decode after the code orders (s53: kivi_2bit 861, kivi_4bit 902 us at 64 x 8192 on the H100, 1.21-1.27x
-    # bf16: issue-bound, at about half the issue rate its 13.4 / 14.7 instructions per position allow). Static (sm_90,
+    # bf16, with 0.19-0.31x its bytes: its instructions and their latency set the pace, not the bytes). Static (sm_90,
     # 64 x 8192; instructions per position / registers / programs per SM, no spills unless said): the rules' tiles
     # kivi_2bit 64/4/3/168 13.4 / 167 / 3, kivi_4bit 64/4/3/128 14.7 / 128 / 4 (0.1 spill); 64/4/2/128 13.3 / 128 /
     # 4 and 14.2 / 128 / 4 (0.1); 64/4/3/128 kivi_2bit 13.7 / 128 / 4 (0.1); 128/4/2/168 12.4 and 12.5 / 168 / 3
