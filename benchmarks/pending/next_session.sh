@@ -14,6 +14,7 @@
 #   bash benchmarks/pending/next_session.sh kivicases  # kivi_2bit's stream cases at 2 KV heads, head sizes 32 / 64 (12; 7 not yet run on this tree), the lane-reduction fault (~120 s?)
 #   bash benchmarks/pending/next_session.sh sepspecs   # fp8 / int8 asym per token-head, mixed_k8_v4, q8_0, q4_0 with separate scales (unshipped specs) against their cells (~500 s?)
 #   bash benchmarks/pending/next_session.sh kivitiles  # KIVI's decode tiles after the code orders (4 programs per SM at 128 registers; 128 positions a step) (~200 s?)
+#   bash benchmarks/pending/next_session.sh kivisub    # kivi-subnormal-codes.patch timed against main, then KIVI's GPU tests and stream cases on it (~400 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100; stale since: rebase first)
 #   bash benchmarks/pending/next_session.sh rcpfault   # recip_fast's fault in nvfp4's write, for a Triton upgrade (ran s42, H100: ~15 s)
 # Ran and removed (benchmarks/results_2026-12-04_h200_s28.md, _s29.md): rows128, hs256more, rules28, rules28b (s28);
@@ -63,7 +64,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivisub, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -225,6 +226,25 @@ case "$step" in
     timeout 300 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit --configs rt 64/4/2/128 64/4/3/128 128/4/2/168 \
       --programs-per-sm 4 8 --shapes 64x8192 4x65536 256x1024 --cuda-graphs 2>&1 | tee "$out/kivitiles.txt" | grep "^|"
     ;;
+  kivisub)
+    # kivi-subnormal-codes.patch (fifty-third session, a subagent's static study): KIVI's folded decode steps take
+    # their unsigned codes as the fp16 subnormals code * 2**-24 (the byte decode without its fp16 subtractions), the
+    # dots' results times 2**24 after: the same products and sums scaled by a power of two, so bit-identical if the
+    # tensor cores keep fp16 subnormal inputs (a GPU question: the GPU tests below answer it). Static (sm_90, 64 x
+    # 8192): kivi_2bit 13.4 -> 12.8, kivi_4bit 14.7 -> 13.6 instructions per position, registers and programs per SM
+    # unchanged. Main, the patch, main again; then KIVI's GPU tests (the key-fold tests compiled) and stream cases
+    S="64x8192 4x65536 256x1024 16x8192hs256"
+    timeout 80 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit --configs rt --shapes $S --cuda-graphs 2>&1 \
+      | tee "$out/kivisub_main.txt" | grep "^|"
+    variant kivi-subnormal-codes "kivi-subnormal-codes" kivi_2bit kivi_4bit || exit 1
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 80 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit \
+      --configs rt --shapes $S --cuda-graphs 2>&1 | tee "$out/kivisub_variant.txt" | grep "^|")
+    timeout 80 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit --configs rt --shapes $S --cuda-graphs 2>&1 \
+      | tee "$out/kivisub_main2.txt" | grep "^|"
+    variant_tests kivisub tests/test_kivi.py tests/test_kivi_reference.py tests/test_golden.py -k kivi
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 100 python3 benchmarks/pending/kivi_layout_cases.py \
+      --heads 2 --head-sizes 128 2>&1 | tee "$out/kivisub_cases.txt" | grep -v "^kivi.* ok$")
+    ;;
   writeab)
     # write-fast-div.patch against main (thirty-fifth session: 24% fewer
     # instructions for nvfp4, 1-2% faster on an H100, whose copy bandwidth of 3020 GB/s may have bound it instead),
@@ -261,7 +281,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivisub, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
