@@ -56,7 +56,7 @@
 # benchmarks/results_2026-12-07_h100_s52.md) ran merged51, merged51time, tests (677 passed) and kivilayout
 # (write-kivi-layout-prefill.patch merged for prefill kernels only; both KIVI layout patches and the three steps
 # removed; kivicases now checks this tree); s53 (H100, benchmarks/results_2026-12-07_h100_s53.md) ran kivicodes /
-# kivicodestests (kivi-code-orders.patch merged: KIVI decode 14-30% faster), packcodes (level: removed), packblocks
+# kivicodestests (kivi-code-orders.patch merged: KIVI decode 7-30% faster), packcodes (level: removed), packblocks
 # (1.2-1.5x slower: removed) and int4sep (shipped as specs/int4_per_token_head_separate.yaml); those five steps and
 # their patches removed (git history: the s53 merge's parent, c898c61).
 #
