@@ -15,6 +15,8 @@
 #   bash benchmarks/pending/next_session.sh sepspecs   # fp8 / int8 asym per token-head, mixed_k8_v4, q8_0, q4_0 with separate scales (unshipped specs) against their cells (~500 s?)
 #   bash benchmarks/pending/next_session.sh kivitiles  # KIVI's decode tiles after the code orders (4 programs per SM at 128 registers; 128 positions a step) (~200 s?)
 #   bash benchmarks/pending/next_session.sh kivisub    # kivi-subnormal-codes.patch timed against main, then KIVI's GPU tests and stream cases on it (~400 s?)
+#   bash benchmarks/pending/next_session.sh packsub    # packed-subnormal-codes.patch (kivisub's plus int4 per token-head's decode) timed and GPU-tested (~400 s?)
+#   bash benchmarks/pending/next_session.sh int4write  # write-int4-next.patch: int4 per token-head's write with its guards skipped on finite tiles, timed and GPU-tested (~250 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100; stale since: rebase first)
 #   bash benchmarks/pending/next_session.sh rcpfault   # recip_fast's fault in nvfp4's write, for a Triton upgrade (ran s42, H100: ~15 s)
 # Ran and removed (benchmarks/results_2026-12-04_h200_s28.md, _s29.md): rows128, hs256more, rules28, rules28b (s28);
@@ -64,7 +66,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivisub, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivisub, packsub, int4write, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -245,6 +247,44 @@ case "$step" in
     (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 100 python3 benchmarks/pending/kivi_layout_cases.py \
       --heads 2 --head-sizes 128 2>&1 | tee "$out/kivisub_cases.txt" | grep -v "^kivi.* ok$")
     ;;
+  packsub)
+    # packed-subnormal-codes.patch (fifty-third session, a subagent's static study; a superset of
+    # kivi-subnormal-codes.patch, whose KIVI kernels it renders byte for byte): also int4 per token-head's decode
+    # (both layouts) takes its unsigned codes and zero points as fp16 subnormals, 2**24 multiplied into the row's
+    # scale (keys; hoisted out of the loop) or the weights' top (values). Static (sm_90, 64 x 8192): int4 per
+    # token-head 9.5 -> 8.3, its separate layout 9.2 -> 8.1 instructions per position, same registers and programs
+    # per SM; prefill 15.1 -> 14.6 and 14.7 -> 14.1. Main, the patch, main again; then the GPU tests, among them
+    # tests/test_packed_subnormal.py (compiled: the inline PTX and the tensor cores' fp16 subnormal inputs)
+    S="64x8192 4x65536 256x1024 4x8192q2048"
+    F="int4_per_token_head specs/int4_per_token_head_separate.yaml kivi_2bit kivi_4bit"
+    timeout 80 python3 benchmarks/tune_tiles.py $F --configs rt --shapes $S --cuda-graphs 2>&1 \
+      | tee "$out/packsub_main.txt" | grep "^|"
+    variant packed-subnormal-codes "packed-subnormal-codes" int4_per_token_head int4_per_token_head_separate \
+      kivi_2bit kivi_4bit || exit 1
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 80 python3 benchmarks/tune_tiles.py $F --configs rt \
+      --shapes $S --cuda-graphs 2>&1 | tee "$out/packsub_variant.txt" | grep "^|")
+    timeout 80 python3 benchmarks/tune_tiles.py $F --configs rt --shapes $S --cuda-graphs 2>&1 \
+      | tee "$out/packsub_main2.txt" | grep "^|"
+    variant_tests packsub tests/test_packed_subnormal.py tests/test_native_decode.py tests/test_golden.py \
+      tests/test_conformance.py tests/test_fast_dots.py tests/test_kivi.py -k "int4 or kivi or subnormal"
+    ;;
+  int4write)
+    # write-int4-next.patch (fifty-third session, a subagent's static study): on a GPU with fast division, a rotated
+    # side with a guarded fast division and an integer zero point takes each row's range with NaN-propagating
+    # min / max first; where every range of the tile is finite and within qmax * 2**17 / 2 it skips the NaN select,
+    # the finite filter and div_fast's guard (the same quotients, the same bytes), else runs the old sequence.
+    # Static, warp instructions per token-head on the path taken: int4 per token-head 315.5 -> 280.2, its separate
+    # layout 302.5 -> 266.8 (same programs per SM). Main, the patch, main again (writes of 32768 and 256 tokens);
+    # then the GPU tests (edge values, NaN / inf groups, fast division, conformance)
+    W="int4_per_token_head specs/int4_per_token_head_separate.yaml --tokens 32768 256 --rounds 2"
+    timeout 60 python3 benchmarks/time_writes.py $W 2>&1 | tee "$out/int4write_main.txt" | grep "^|"
+    variant write-int4-next "div_fast's guard is moot" int4_per_token_head int4_per_token_head_separate || exit 1
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 60 python3 benchmarks/time_writes.py $W 2>&1 \
+      | tee "$out/int4write_variant.txt" | grep "^|")
+    timeout 60 python3 benchmarks/time_writes.py $W 2>&1 | tee "$out/int4write_main2.txt" | grep "^|"
+    variant_tests int4write tests/test_numerics.py tests/test_fast_div.py tests/test_conformance.py \
+      tests/test_golden.py tests/test_write_plan.py -k "int4 or fast_division"
+    ;;
   writeab)
     # write-fast-div.patch against main (thirty-fifth session: 24% fewer
     # instructions for nvfp4, 1-2% faster on an H100, whose copy bandwidth of 3020 GB/s may have bound it instead),
@@ -281,7 +321,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivisub, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivisub, packsub, int4write, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
