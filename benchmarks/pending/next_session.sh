@@ -17,6 +17,7 @@
 #   bash benchmarks/pending/next_session.sh kivisub    # kivi-subnormal-codes.patch timed against main, then KIVI's GPU tests and stream cases on it (~400 s?)
 #   bash benchmarks/pending/next_session.sh packsub    # packed-subnormal-codes.patch (kivisub's plus int4 per token-head's decode) timed and GPU-tested (~400 s?)
 #   bash benchmarks/pending/next_session.sh int4write  # write-int4-next.patch: int4 per token-head's write with its guards skipped on finite tiles, timed and GPU-tested (~250 s?)
+#   bash benchmarks/pending/next_session.sh nvscale    # nvfp4-native-scales.patch: nvfp4's block scales through the hardware's fp8 conversion in decode, timed and GPU-tested (~300 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100; stale since: rebase first)
 #   bash benchmarks/pending/next_session.sh rcpfault   # recip_fast's fault in nvfp4's write, for a Triton upgrade (ran s42, H100: ~15 s)
 # Ran and removed (benchmarks/results_2026-12-04_h200_s28.md, _s29.md): rows128, hs256more, rules28, rules28b (s28);
@@ -66,7 +67,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivisub, packsub, int4write, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivisub, packsub, int4write, nvscale, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -285,6 +286,24 @@ case "$step" in
     variant_tests int4write tests/test_numerics.py tests/test_fast_div.py tests/test_conformance.py \
       tests/test_golden.py tests/test_write_plan.py -k "int4 or fast_division"
     ;;
+  nvscale)
+    # nvfp4-native-scales.patch (fifty-third session, a subagent's static study): the attention loop's e4m3 block
+    # scales decoded by the hardware's conversion (exact: every e4m3 value is an fp16) instead of integer bit work
+    # (about 17 instructions a key scale). Static (sm_90, 64 x 8192): nvfp4 11.8 -> 9.3, nvfp4_separate 11.9 -> 9.5
+    # instructions per position, the same 128 registers, 42 KiB and 4 programs per SM; the other formats' kernels
+    # unchanged. Main, the patch, main again; then nvfp4's GPU tests (the compiled path: the CPU tests run the old one)
+    S="64x8192 4x65536 256x1024 4x8192q2048 16x8192hs256"
+    timeout 80 python3 benchmarks/tune_tiles.py nvfp4 nvfp4_separate --configs rt --shapes $S --cuda-graphs 2>&1 \
+      | tee "$out/nvscale_main.txt" | grep "^|"
+    variant nvfp4-native-scales "decode's bit work takes about a dozen per code" nvfp4 nvfp4_separate || exit 1
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 80 python3 benchmarks/tune_tiles.py nvfp4 nvfp4_separate \
+      --configs rt --shapes $S --cuda-graphs 2>&1 | tee "$out/nvscale_variant.txt" | grep "^|")
+    timeout 80 python3 benchmarks/tune_tiles.py nvfp4 nvfp4_separate --configs rt --shapes $S --cuda-graphs 2>&1 \
+      | tee "$out/nvscale_main2.txt" | grep "^|"
+    variant_tests nvscale tests/test_conformance.py tests/test_golden.py tests/test_native_decode.py \
+      tests/test_stacked_blocks.py tests/test_value_split.py tests/test_numerics.py tests/test_fast_dots.py \
+      tests/test_dequantize_first.py -k nvfp4
+    ;;
   writeab)
     # write-fast-div.patch against main (thirty-fifth session: 24% fewer
     # instructions for nvfp4, 1-2% faster on an H100, whose copy bandwidth of 3020 GB/s may have bound it instead),
@@ -321,7 +340,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivisub, packsub, int4write, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivisub, packsub, int4write, nvscale, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
