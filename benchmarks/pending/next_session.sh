@@ -18,6 +18,7 @@
 #   bash benchmarks/pending/next_session.sh packsub    # packed-subnormal-codes.patch (kivisub's plus int4 per token-head's decode) timed and GPU-tested (~400 s?)
 #   bash benchmarks/pending/next_session.sh int4write  # write-int4-next.patch: int4 per token-head's write with its guards skipped on finite tiles, timed and GPU-tested (~250 s?)
 #   bash benchmarks/pending/next_session.sh nvscale    # nvfp4-native-scales.patch: nvfp4's block scales through the hardware's fp8 conversion in decode, timed and GPU-tested (~300 s?)
+#   bash benchmarks/pending/next_session.sh nvwrite    # write-nvfp4-folded-power.patch: nvfp4's write with each group's power of two folded into the e2m1 encode, timed and GPU-tested (~150 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100; stale since: rebase first)
 #   bash benchmarks/pending/next_session.sh rcpfault   # recip_fast's fault in nvfp4's write, for a Triton upgrade (ran s42, H100: ~15 s)
 # Ran and removed (benchmarks/results_2026-12-04_h200_s28.md, _s29.md): rows128, hs256more, rules28, rules28b (s28);
@@ -67,7 +68,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivisub, packsub, int4write, nvscale, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivisub, packsub, int4write, nvscale, nvwrite, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -304,6 +305,21 @@ case "$step" in
       tests/test_stacked_blocks.py tests/test_value_split.py tests/test_numerics.py tests/test_fast_dots.py \
       tests/test_dequantize_first.py -k nvfp4
     ;;
+  nvwrite)
+    # write-nvfp4-folded-power.patch (fifty-third session, a subagent's static study): under FAST_DIV nvfp4's write
+    # multiplies each group's power of two 2**-E into the e2m1 encode's three line factors (once a group) instead of
+    # into every element (exact: 2**-E * k is a normal power of two). Static, warp instructions per token-head on
+    # the path taken: nvfp4 197.8 -> 191.5, nvfp4_separate 195.0 -> 188.5 (-3%), registers and programs per SM
+    # unchanged. Main, the patch, main again; then the compiled write tests
+    W="nvfp4 nvfp4_separate --tokens 32768 256 --rounds 2"
+    timeout 60 python3 benchmarks/time_writes.py $W 2>&1 | tee "$out/nvwrite_main.txt" | grep "^|"
+    variant write-nvfp4-folded-power "envelope-folded power of two" nvfp4 nvfp4_separate || exit 1
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 60 python3 benchmarks/time_writes.py $W 2>&1 \
+      | tee "$out/nvwrite_variant.txt" | grep "^|")
+    timeout 60 python3 benchmarks/time_writes.py $W 2>&1 | tee "$out/nvwrite_main2.txt" | grep "^|"
+    variant_tests nvwrite tests/test_fast_div.py tests/test_minifloat_encode.py tests/test_conformance.py \
+      tests/test_numerics.py tests/test_golden.py -k "nvfp4 or e2m1 or scaled"
+    ;;
   writeab)
     # write-fast-div.patch against main (thirty-fifth session: 24% fewer
     # instructions for nvfp4, 1-2% faster on an H100, whose copy bandwidth of 3020 GB/s may have bound it instead),
@@ -340,7 +356,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivisub, packsub, int4write, nvscale, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivisub, packsub, int4write, nvscale, nvwrite, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
