@@ -19,6 +19,7 @@
 #   bash benchmarks/pending/next_session.sh int4write  # write-int4-next.patch: int4 per token-head's write with its guards skipped on finite tiles, timed and GPU-tested (~250 s?)
 #   bash benchmarks/pending/next_session.sh nvscale    # nvfp4-native-scales.patch: nvfp4's block scales through the hardware's fp8 conversion in decode, timed and GPU-tested (~300 s?)
 #   bash benchmarks/pending/next_session.sh nvwrite    # write-nvfp4-folded-power.patch: nvfp4's write with each group's power of two folded into the e2m1 encode, timed and GPU-tested (~150 s?)
+#   bash benchmarks/pending/next_session.sh intdecode  # int-decode-in-place.patch: packed integer codes decoded in place (q4_0, mixed_k8_v4, int4, KIVI), timed and GPU-tested (~300 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100; stale since: rebase first)
 #   bash benchmarks/pending/next_session.sh rcpfault   # recip_fast's fault in nvfp4's write, for a Triton upgrade (ran s42, H100: ~15 s)
 # Ran and removed (benchmarks/results_2026-12-04_h200_s28.md, _s29.md): rows128, hs256more, rules28, rules28b (s28);
@@ -68,7 +69,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivisub, packsub, int4write, nvscale, nvwrite, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivisub, packsub, int4write, nvscale, nvwrite, intdecode, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -320,6 +321,26 @@ case "$step" in
     variant_tests nvwrite tests/test_fast_div.py tests/test_minifloat_encode.py tests/test_conformance.py \
       tests/test_numerics.py tests/test_golden.py -k "nvfp4 or e2m1 or scaled"
     ;;
+  intdecode)
+    # int-decode-in-place.patch (fifty-third session, a subagent's static study): the compiled byte decode of packed
+    # 2- and 4-bit integer codes leaves each code at its bit position under an fp16 high byte whose step is 2**-s
+    # (one lop3 masks and offsets signed codes), so no shifts and no separate xor: the same fp16 bits. Static (sm_90,
+    # 64 x 8192, instructions per position): q4_0 9.68 -> 9.18, mixed_k8_v4 7.98 -> 7.77, int4 per token-head 9.46
+    # -> 9.18 (separate 9.23 -> 8.89), kivi_2bit 13.41 -> 13.02, kivi_4bit 14.66 -> 14.41; registers and programs per
+    # SM unchanged. Main, the patch, main again; then the compiled decode tests
+    S="64x8192 4x65536 256x1024"
+    F="q4_0 mixed_k8_v4 int4_per_token_head kivi_2bit"
+    timeout 100 python3 benchmarks/tune_tiles.py $F --configs rt --shapes $S --cuda-graphs 2>&1 \
+      | tee "$out/intdecode_main.txt" | grep "^|"
+    variant int-decode-in-place "in-place nibble decode" q4_0 mixed_k8_v4 int4_per_token_head \
+      int4_per_token_head_separate kivi_2bit kivi_4bit || exit 1
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 100 python3 benchmarks/tune_tiles.py $F --configs rt \
+      --shapes $S --cuda-graphs 2>&1 | tee "$out/intdecode_variant.txt" | grep "^|")
+    timeout 100 python3 benchmarks/tune_tiles.py $F --configs rt --shapes $S --cuda-graphs 2>&1 \
+      | tee "$out/intdecode_main2.txt" | grep "^|"
+    variant_tests intdecode tests/test_native_decode.py tests/test_golden.py tests/test_conformance.py \
+      -k "q4_0 or mixed or int4 or kivi or native"
+    ;;
   writeab)
     # write-fast-div.patch against main (thirty-fifth session: 24% fewer
     # instructions for nvfp4, 1-2% faster on an H100, whose copy bandwidth of 3020 GB/s may have bound it instead),
@@ -356,7 +377,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivisub, packsub, int4write, nvscale, nvwrite, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivisub, packsub, int4write, nvscale, nvwrite, intdecode, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
