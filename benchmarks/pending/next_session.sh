@@ -15,6 +15,7 @@
 #   bash benchmarks/pending/next_session.sh sepspecs   # fp8 / int8 asym per token-head, mixed_k8_v4, q8_0, q4_0 with separate scales (unshipped specs) against their cells (~500 s?)
 #   bash benchmarks/pending/next_session.sh kivitiles  # KIVI's decode tiles after the code orders (4 programs per SM at 128 registers; 128 positions a step) (~200 s?)
 #   bash benchmarks/pending/next_session.sh kivisub    # kivi-subnormal-codes.patch timed against main, then KIVI's GPU tests and stream cases on it (~400 s?)
+#   bash benchmarks/pending/next_session.sh packint    # packsub and intdecode together, timed and GPU-tested in one call (~500 s?)
 #   bash benchmarks/pending/next_session.sh packsub    # packed-subnormal-codes.patch (kivisub's plus int4 per token-head's decode) timed and GPU-tested (~400 s?)
 #   bash benchmarks/pending/next_session.sh int4write  # write-int4-next.patch: int4 per token-head's write with its guards skipped on finite tiles, timed and GPU-tested (~250 s?)
 #   bash benchmarks/pending/next_session.sh nvscale    # nvfp4-native-scales.patch: nvfp4's block scales through the hardware's fp8 conversion in decode, timed and GPU-tested (~300 s?)
@@ -69,7 +70,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivisub, packsub, int4write, nvscale, nvwrite, intdecode, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivisub, packint, packsub, int4write, nvscale, nvwrite, intdecode, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -250,6 +251,29 @@ case "$step" in
     (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 100 python3 benchmarks/pending/kivi_layout_cases.py \
       --heads 2 --head-sizes 128 2>&1 | tee "$out/kivisub_cases.txt" | grep -v "^kivi.* ok$")
     ;;
+  packint)
+    # packsub and intdecode in one call (fifty-fourth session; they apply together): packed-subnormal-codes.patch
+    # for int4 per token-head (both layouts) and KIVI, int-decode-in-place.patch for q4_0 and mixed_k8_v4 (in int4 and
+    # KIVI the subnormal decode takes over). Static (sm_90, 64 x 8192, instructions per position): q4_0 9.68 -> 9.2,
+    # mixed_k8_v4 7.98 -> 7.8, int4 per token-head 9.5 -> 8.3, separate 9.2 -> 8.1, kivi_2bit 13.4 -> 12.8, kivi_4bit
+    # 14.7 -> 13.6. Main, both patches, main again; then the GPU tests of both steps
+    S="64x8192 4x65536 256x1024"
+    F="int4_per_token_head specs/int4_per_token_head_separate.yaml kivi_2bit kivi_4bit q4_0 mixed_k8_v4"
+    timeout 110 python3 benchmarks/tune_tiles.py $F --configs rt --shapes $S --cuda-graphs 2>&1 \
+      | tee "$out/packint_main.txt" | grep "^|"
+    variant packed-subnormal-codes+int-decode-in-place "in-place nibble decode" int4_per_token_head \
+      int4_per_token_head_separate kivi_2bit kivi_4bit q4_0 mixed_k8_v4 || exit 1
+    for f in int4_per_token_head int4_per_token_head_separate kivi_2bit kivi_4bit; do
+      grep -q k_decode_dot_subnormal "/tmp/variant/$f/kernels.py" || { echo "packint: $f lacks packsub" >&2; exit 1; }
+    done
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 110 python3 benchmarks/tune_tiles.py $F --configs rt \
+      --shapes $S --cuda-graphs 2>&1 | tee "$out/packint_variant.txt" | grep "^|")
+    timeout 110 python3 benchmarks/tune_tiles.py $F --configs rt --shapes $S --cuda-graphs 2>&1 \
+      | tee "$out/packint_main2.txt" | grep "^|"
+    variant_tests packint tests/test_packed_subnormal.py tests/test_native_decode.py tests/test_golden.py \
+      tests/test_conformance.py tests/test_fast_dots.py tests/test_kivi.py \
+      -k "int4 or kivi or subnormal or q4_0 or mixed or native"
+    ;;
   packsub)
     # packed-subnormal-codes.patch (fifty-third session, a subagent's static study; a superset of
     # kivi-subnormal-codes.patch, whose KIVI kernels it renders byte for byte): also int4 per token-head's decode
@@ -262,7 +286,7 @@ case "$step" in
     F="int4_per_token_head specs/int4_per_token_head_separate.yaml kivi_2bit kivi_4bit"
     timeout 80 python3 benchmarks/tune_tiles.py $F --configs rt --shapes $S --cuda-graphs 2>&1 \
       | tee "$out/packsub_main.txt" | grep "^|"
-    variant packed-subnormal-codes "packed-subnormal-codes" int4_per_token_head int4_per_token_head_separate \
+    variant packed-subnormal-codes "k_decode_dot_subnormal" int4_per_token_head int4_per_token_head_separate \
       kivi_2bit kivi_4bit || exit 1
     (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 80 python3 benchmarks/tune_tiles.py $F --configs rt \
       --shapes $S --cuda-graphs 2>&1 | tee "$out/packsub_variant.txt" | grep "^|")
@@ -383,7 +407,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivisub, packsub, int4write, nvscale, nvwrite, intdecode, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivisub, packint, packsub, int4write, nvscale, nvwrite, intdecode, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
