@@ -19,7 +19,7 @@
 #   bash benchmarks/pending/next_session.sh packsub    # packed-subnormal-codes.patch (kivisub's plus int4 per token-head's decode) timed and GPU-tested (~400 s?)
 #   bash benchmarks/pending/next_session.sh int4write  # write-int4-next.patch: int4 per token-head's write with its guards skipped on finite tiles, timed and GPU-tested (~250 s?)
 #   bash benchmarks/pending/next_session.sh nvscale    # nvfp4-native-scales.patch: nvfp4's block scales through the hardware's fp8 conversion in decode, timed and GPU-tested (~300 s?)
-#   bash benchmarks/pending/next_session.sh nvwrite    # write-nvfp4-folded-power.patch: nvfp4's write with each group's power of two folded into the e2m1 encode, timed and GPU-tested (~150 s?)
+#   bash benchmarks/pending/next_session.sh nvwrite    # write-nvfp4-folded-power-on-native.patch (on nvscale): nvfp4's write with each group's power of two folded into the e2m1 encode, timed and GPU-tested (~150 s?)
 #   bash benchmarks/pending/next_session.sh intdecode  # int-decode-in-place.patch: packed integer codes decoded in place (q4_0, mixed_k8_v4, int4, KIVI), timed and GPU-tested (~300 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100; stale since: rebase first)
 #   bash benchmarks/pending/next_session.sh rcpfault   # recip_fast's fault in nvfp4's write, for a Triton upgrade (ran s42, H100: ~15 s)
@@ -337,14 +337,18 @@ case "$step" in
       tests/test_dequantize_first.py tests/test_fast_div.py -k "nvfp4 or native_scale"
     ;;
   nvwrite)
-    # write-nvfp4-folded-power.patch (fifty-third session, a subagent's static study): under FAST_DIV nvfp4's write
+    # write-nvfp4-folded-power-on-native.patch (fifty-third session, a subagent's static study): under FAST_DIV nvfp4's write
     # multiplies each group's power of two 2**-E into the e2m1 encode's three line factors (once a group) instead of
     # into every element (exact: 2**-E * k is a normal power of two). Static, warp instructions per token-head on
     # the path taken: nvfp4 197.8 -> 191.5, nvfp4_separate 195.0 -> 188.5 (-3%), registers and programs per SM
     # unchanged. Main, the patch, main again; then the compiled write tests
     W="nvfp4 nvfp4_separate --tokens 32768 256 --rounds 2"
     timeout 60 python3 benchmarks/time_writes.py $W 2>&1 | tee "$out/nvwrite_main.txt" | grep "^|"
-    variant write-nvfp4-folded-power "envelope-folded power of two" nvfp4 nvfp4_separate || exit 1
+    # (the patch is rebased on nvfp4-native-scales.patch, fifty-fourth session: with that merged it applies alone;
+    # before, main here is timed without nvscale and the variant with both)
+    P=write-nvfp4-folded-power-on-native
+    grep -q "decode's bit work takes about a dozen per code" generated/nvfp4/kernels.py || P=nvfp4-native-scales+$P
+    variant "$P" "envelope-folded power of two" nvfp4 nvfp4_separate || exit 1
     (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 60 python3 benchmarks/time_writes.py $W 2>&1 \
       | tee "$out/nvwrite_variant.txt" | grep "^|")
     timeout 60 python3 benchmarks/time_writes.py $W 2>&1 | tee "$out/nvwrite_main2.txt" | grep "^|"
