@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import re
 from pathlib import Path
 from typing import Any, Union
@@ -132,6 +133,19 @@ def _error_loc(err: dict, data: Any) -> tuple:
     return loc
 
 
+def _misspelling_hint(err: dict, errors: list[dict]) -> str:
+    """For an unknown field beside a missing required one of the same mapping: the likely intended name."""
+    loc = tuple(err.get("loc", ()))
+    if err.get("type") != "extra_forbidden" or not loc or not isinstance(loc[-1], str):
+        return ""
+    missing = [
+        e["loc"][-1] for e in errors
+        if e.get("type") == "missing" and tuple(e.get("loc", ()))[:-1] == loc[:-1] and isinstance(e["loc"][-1], str)
+    ]
+    close = difflib.get_close_matches(loc[-1], missing, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}, which is required?" if close else ""
+
+
 def validate_data(data: Any, path: str, positions: dict[tuple, Position] | None = None) -> FormatSpec:
     """Validate parsed spec data; the first error becomes a SpecError with the field's position."""
     positions = positions or {}
@@ -141,9 +155,11 @@ def validate_data(data: Any, path: str, positions: dict[tuple, Position] | None 
         return FormatSpec.model_validate(data)
     except ValidationError as exc:
         errors = exc.errors()
-        # report the most specific error first: the deepest location
-        err = max(errors, key=lambda e: len(e.get("loc", ())))
+        # report the most specific error first: the deepest location; at equal depth an unknown field before a
+        # missing one, since a misspelled field is both and the unknown one is where the typo is
+        err = max(errors, key=lambda e: (len(e.get("loc", ())), e.get("type") == "extra_forbidden"))
         loc = _error_loc(err, data)
+        hint = _misspelling_hint(err, errors)
         pos = _locate(loc, positions)
         field = ".".join(str(x) for x in loc) or None
         others = [e for e in errors if e is not err]
@@ -153,6 +169,7 @@ def validate_data(data: Any, path: str, positions: dict[tuple, Position] | None 
         else:
             more = f" (and {len(others)} more error(s))" if others else ""
         msg = re.sub(r"^'\w+\.[\w.]+': ", "", _explain(err))  # a whole-spec rule's field: the error's own now
+        msg += hint
         raise SpecError(
             msg + more, path=path, line=pos[0] if pos else None, column=pos[1] if pos else None, field=field,
         ) from None

@@ -124,6 +124,24 @@ def test_unknown_key_in_flow_mapping(tmp_path):
     assert_field(err, "key.scale.bogus")
 
 
+# a misspelled required field is both an unknown field and a missing one: the error must point at the typo, where
+# the user wrote it, and name the field meant (each case: the shipped spec with one key misspelled)
+@pytest.mark.parametrize("right, wrong, field", [
+    ("    granularity:", "    granulrity:", "key.scale.granulrity"),
+    ("value:", "valeu:", "valeu"),
+    ("  element:", "  elemnt:", "key.elemnt"),
+])
+def test_misspelled_required_field_points_at_the_typo(tmp_path, right, wrong, field):
+    text = (SPECS / "q8_0.yaml").read_text(encoding="utf-8")
+    assert text.count("\n" + right) == 1, "test bug: the key to misspell is not unique"
+    text = text.replace("\n" + right, "\n" + wrong)
+    p = write(tmp_path, "typo.yaml", text)
+    err = spec_error(p)
+    assert_at(err, p, line_of(text, wrong), col_of(text, wrong.strip()))
+    assert_field(err, field)
+    assert f"did you mean '{right.strip().rstrip(':')}'" in err.message, err.message
+
+
 ENUM = """\
 name: enum_case
 key:
