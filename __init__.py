@@ -17,6 +17,15 @@ from .codegen.version import KVGEN_VERSION as __version__
 from .runtime.format import Format, KVCache
 from .runtime.loader import load, shipped_names
 from .runtime.model_cache import ModelKVCache, model_cache
+from .runtime.kernels import _choose_mode
+
+# Triton picks interpreted or compiled when it is first imported; without a GPU, kvgen's kernels can only run
+# interpreted, so choose that now, while kvgen is imported before triton (e.g. before transformers, which imports
+# it). Where triton came first, nothing changes here and the first kernel load says what to do.
+import sys as _sys
+
+if "triton" not in _sys.modules:
+    _choose_mode()
 
 
 def __getattr__(name):

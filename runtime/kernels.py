@@ -35,7 +35,7 @@ def _choose_mode() -> None:
         if "triton" in sys.modules:
             raise KvgenError("there is no GPU, so kvgen's kernels must run in Triton's CPU interpreter, but triton "
                              "was imported before kvgen could select it: set TRITON_INTERPRET=1 in the environment "
-                             "(or import kvgen's kernels before triton)")
+                             "(or import kvgen before triton)")
         os.environ["TRITON_INTERPRET"] = "1"
 
 

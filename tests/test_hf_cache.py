@@ -103,3 +103,30 @@ def test_kivi_block_size_must_hold_whole_groups():
     model = tiny_model(torch.bfloat16)
     with pytest.raises(ValueError, match="block_size"):
         KvgenCache("kivi_2bit", model.config, block_size=16)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is chosen on machines without a GPU")
+def test_importing_kvgen_first_selects_the_interpreter_without_a_gpu():
+    # the README's recipe, in a fresh process with no TRITON_INTERPRET: kvgen, then transformers (which imports
+    # triton), then a generation through a kvgen cache
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import kvgen\n"
+        "from kvgen.hf_cache import KvgenCache\n"
+        "import torch, triton\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "torch.manual_seed(0)\n"
+        f"cfg = LlamaConfig(**{CONFIG!r})\n"
+        "model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()\n"
+        "ids = torch.tensor([[5, 17, 42, 99]])\n"
+        "out = model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0,\n"
+        "                     past_key_values=KvgenCache('int8_per_token_head', cfg))\n"
+        "print('generated', out.shape[1])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "generated 6" in r.stdout, r.stdout
