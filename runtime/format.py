@@ -107,12 +107,14 @@ class Format:
 
     def page_bytes(self, block_size: int, num_kv_heads: int, head_size: int) -> int:
         """Bytes one block of one layer takes (all cache tensors; static scales are per layer, not per page)."""
+        self._check_page_shape(block_size, num_kv_heads, head_size)
         return self.layout.page_bytes(block_size, num_kv_heads, head_size)
 
     def page_layout(self, block_size: int, num_kv_heads: int, head_size: int) -> dict:
         """Where every field lives, from the generated layout: ``{"fields": {name: {"tensor", "base" (its byte start
         in the page), "cell", "offset" (in the cell), "bytes", "pad" (zero bytes after it)}}, "regions": {tensor:
         [cell bytes per region]}, "page_bytes": {tensor: bytes}}``."""
+        self._check_page_shape(block_size, num_kv_heads, head_size)
         return self.layout.page_layout(block_size, num_kv_heads, head_size)
 
     def static_scale_kind(self, side: str) -> Optional[Granularity]:
@@ -123,6 +125,18 @@ class Format:
         if sc.global_scale:
             return Granularity.per_tensor
         return sc.granularity if sc.granularity.is_static else None
+
+    def _check_page_shape(self, block_size: int, num_kv_heads: int, head_size: int) -> None:
+        """A page's shape as allocate() takes it: positive integers, a head size the kernels take, and for a
+        residual-window format whole key token groups per block."""
+        for name, val in (("block_size", block_size), ("num_kv_heads", num_kv_heads), ("head_size", head_size)):
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {val!r}")
+        self._check_head_size(head_size)
+        residual = self.layout.RESIDUAL
+        if residual is not None and block_size % residual["group"]:
+            raise ValueError(f"block_size: {block_size} is not a multiple of the key token group "
+                             f"{residual['group']} of format {self.name}")
 
     def _check_head_size(self, head_size: int) -> None:
         if head_size < 16:
@@ -152,19 +166,14 @@ class Format:
         Formats with a residual window (KIVI) also hold ``k_residual``/``v_residual`` ``[max_seqs, R + G, H, D]``:
         ``max_seqs`` is required for them (the number of sequences that can be live at once).
         """
-        for name, val in (("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads),
-                          ("head_size", head_size)):
-            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-                raise ValueError(f"{name}: expected a positive integer, got {val!r}")
-        self._check_head_size(head_size)
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks: expected a positive integer, got {num_blocks!r}")
+        self._check_page_shape(block_size, num_kv_heads, head_size)
         residual = self.layout.RESIDUAL
         if residual is not None:
             if isinstance(max_seqs, bool) or not isinstance(max_seqs, int) or max_seqs < 1:
                 raise ValueError(f"max_seqs: format {self.name} keeps a full-precision window per sequence; pass "
                                  f"the number of sequences live at once (a positive integer), got {max_seqs!r}")
-            if block_size % residual["group"]:
-                raise ValueError(f"block_size: {block_size} is not a multiple of the key token group "
-                                 f"{residual['group']} of format {self.name}")
         elif max_seqs is not None:
             raise ValueError(f"max_seqs: format {self.name} has no residual window; leave max_seqs out")
         shapes = self.layout.tensor_shapes(num_blocks, block_size, num_kv_heads, head_size)

@@ -253,6 +253,24 @@ def test_allocate_rejects_bad_shapes(int8, kwargs, arg):
     raises_named(arg, lambda: int8.allocate(**a))
 
 
+@pytest.mark.parametrize("kwargs, arg", [
+    (dict(block_size=-16), "block_size"), (dict(num_kv_heads=0), "num_kv_heads"), (dict(head_size=0), "head_size"),
+    (dict(head_size=8), "head_size"), (dict(block_size=16.0), "block_size"),
+])
+@pytest.mark.parametrize("method", ["page_bytes", "page_layout"])
+def test_page_size_rejects_what_allocate_rejects(int8, method, kwargs, arg):
+    a = dict(block_size=BS, num_kv_heads=H, head_size=HS)
+    a.update(kwargs)
+    raises_named(arg, lambda: getattr(int8, method)(**a))
+    raises_named(arg, lambda: int8.allocate(NB, **a))
+
+
+def test_page_size_rejects_a_head_size_off_the_scale_block():
+    q4_0 = kvgen.load("q4_0")
+    raises_named("head_size", lambda: q4_0.page_bytes(BS, H, 48))
+    raises_named("head_size", lambda: q4_0.allocate(NB, BS, H, 48))
+
+
 def test_allocate_rejects_a_device_it_cannot_use(int8):
     raises_named("device", lambda: int8.allocate(NB, BS, H, HS, device="gpu0"))
     if not torch.cuda.is_available():  # torch's own error here is an AssertionError that names no argument
