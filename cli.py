@@ -16,8 +16,8 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "generated"
 
 
 class _Group(click.Group):
-    """Turn kvgen's own errors, and files it cannot read or write, into one line on stderr (exit 1); --debug shows
-    the traceback."""
+    """Turn kvgen's own errors, and files it cannot read or write, into one line on stderr (exit 1; 2 for an
+    option's value the command cannot take); --debug shows the traceback."""
 
     def invoke(self, ctx):
         try:
@@ -29,7 +29,7 @@ class _Group(click.Group):
             if isinstance(exc, OSError) and exc.filename is not None:
                 msg = f"{exc.filename}: {exc.strerror or exc}"
             err_console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False)
-            sys.exit(1)
+            sys.exit(getattr(exc, "exit_code", 1))
 
 
 @click.group(cls=_Group)

@@ -17,7 +17,7 @@ from .consoles import console, err_console
 
 
 class _PlanCommand(click.Command):
-    """kvgen's errors as one line on stderr (exit 1), also when the command runs outside kvgen's group;
+    """kvgen's errors as one line on stderr (exit 1, 2 for an option's value), also when the command runs outside kvgen's group;
     the group's --debug still shows the traceback."""
 
     def invoke(self, ctx):
@@ -28,7 +28,7 @@ class _PlanCommand(click.Command):
             if root.params.get("debug") or (root.obj or {}).get("debug"):
                 raise
             err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
-            sys.exit(1)
+            sys.exit(exc.exit_code)
 
 
 def _kinds(p) -> str:
@@ -73,10 +73,10 @@ def plan(config_path, formats, gpu_memory, skip_layers, block_size, tp, context,
           --block-size 32 --gpu-memory 141GB --tp 2 --png capacity.png
       kvgen plan --config llama-3.1-8b.json --format nvfp4 --gpu-memory 80GiB --json
     """
-    from .planner import PlanError, draw_capacity_png, make_plan, parse_size, read_config
+    from .planner import PlanOptionError, draw_capacity_png, make_plan, parse_size, read_config
 
     if more_skip and not skip_layers:
-        raise PlanError(f"unexpected argument {more_skip[0]!r} (layer lists follow --skip-layers)")
+        raise PlanOptionError(f"unexpected argument {more_skip[0]!r} (layer lists follow --skip-layers)")
     skip = list(skip_layers) + list(more_skip)
     budget = parse_size(gpu_memory, "--gpu-memory")
     shape = read_config(config_path)

@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional, Sequence, Union
 
-from .codegen.errors import KvgenError
+from .codegen.errors import KvgenError, OptionError, SpecError
 
 __all__ = [
     "ModelShape", "Plan", "PlanError", "capacity_curve", "draw_capacity_png", "kv_heads_per_rank", "make_plan",
@@ -54,6 +54,10 @@ __all__ = [
 
 class PlanError(KvgenError):
     """A plan that cannot be made: a bad config, size, tensor-parallel degree, block size or layer list."""
+
+
+class PlanOptionError(PlanError, OptionError):
+    """A plan option's value that cannot be taken (the command line exits with 2)."""
 
 
 # ---------------------------------------------------------------------------------------------------- sizes
@@ -74,14 +78,14 @@ def parse_size(text: Union[str, int, float], option: str = "--gpu-memory") -> in
     else:
         m = _SIZE_RE.match(str(text))
         if not m:
-            raise PlanError(f"{option}: {text!r} is not a size (examples: 80GiB, 141GB, 512MiB, 8e10)")
+            raise PlanOptionError(f"{option}: {text!r} is not a size (examples: 80GiB, 141GB, 512MiB, 8e10)")
         value, unit = float(m.group(1)), m.group(2).lower()
         if unit not in _UNITS:
-            raise PlanError(f"{option}: unknown unit {m.group(2)!r} in {text!r} (use B, kB, MB, GB, TB, KiB, MiB, "
+            raise PlanOptionError(f"{option}: unknown unit {m.group(2)!r} in {text!r} (use B, kB, MB, GB, TB, KiB, MiB, "
                             f"GiB or TiB)")
     size = int(value * _UNITS[unit])
     if size <= 0:
-        raise PlanError(f"{option}: {text!r} is not a positive size")
+        raise PlanOptionError(f"{option}: {text!r} is not a positive size")
     return size
 
 
@@ -131,11 +135,11 @@ def read_config(config: Union[str, Path, dict], name: Optional[str] = None) -> M
         try:
             top = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
-            raise PlanError(f"--config: {where}: no such file") from None
+            raise PlanOptionError(f"--config: {where}: no such file") from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise PlanError(f"--config: {where}: not a JSON config ({exc})") from None
+            raise PlanOptionError(f"--config: {where}: not a JSON config ({exc})") from None
         if not isinstance(top, dict):
-            raise PlanError(f"--config: {where}: not a JSON object")
+            raise PlanOptionError(f"--config: {where}: not a JSON object")
     cfg = top.get("text_config") if isinstance(top.get("text_config"), dict) else top
     if cfg is not top:
         where += ": text_config"
@@ -192,17 +196,17 @@ def read_config(config: Union[str, Path, dict], name: Optional[str] = None) -> M
 def kv_heads_per_rank(shape: ModelShape, tp: int) -> int:
     """KV heads one tensor-parallel rank holds (vLLM's rule; see the module docstring)."""
     if tp < 1:
-        raise PlanError(f"--tp: {tp} must be at least 1")
+        raise PlanOptionError(f"--tp: {tp} must be at least 1")
     if shape.num_attention_heads % tp:
-        raise PlanError(f"--tp: {shape.num_attention_heads} attention heads do not split over {tp} ranks "
+        raise PlanOptionError(f"--tp: {shape.num_attention_heads} attention heads do not split over {tp} ranks "
                         f"(vLLM needs num_attention_heads divisible by tp)")
     if tp >= shape.num_kv_heads:
         if tp % shape.num_kv_heads:
-            raise PlanError(f"--tp: {tp} is not a multiple of the {shape.num_kv_heads} KV heads "
+            raise PlanOptionError(f"--tp: {tp} is not a multiple of the {shape.num_kv_heads} KV heads "
                             f"(each head must be replicated on the same number of ranks)")
         return 1
     if shape.num_kv_heads % tp:
-        raise PlanError(f"--tp: {shape.num_kv_heads} KV heads do not split evenly over {tp} ranks")
+        raise PlanOptionError(f"--tp: {shape.num_kv_heads} KV heads do not split evenly over {tp} ranks")
     return shape.num_kv_heads // tp
 
 
@@ -214,15 +218,15 @@ def resolve_skip_layers(shape: ModelShape, items: Iterable[Union[str, int]]) -> 
             if isinstance(tok, int) or tok.lstrip("-").isdigit():
                 i = int(tok)
                 if not 0 <= i < shape.num_layers:
-                    raise PlanError(f"--skip-layers: layer {i} is out of range (the model has {shape.num_layers} "
+                    raise PlanOptionError(f"--skip-layers: layer {i} is out of range (the model has {shape.num_layers} "
                                     f"layers: 0 to {shape.num_layers - 1})")
                 out.add(i)
             elif tok.lower() in ("sliding_window", "sliding"):
                 if not shape.sliding_layers:
-                    raise PlanError("--skip-layers: sliding_window given, but the model has no sliding-window layers")
+                    raise PlanOptionError("--skip-layers: sliding_window given, but the model has no sliding-window layers")
                 out.update(shape.sliding_layers)
             else:
-                raise PlanError(f"--skip-layers: {tok!r} is neither 'sliding_window' nor a layer index")
+                raise PlanOptionError(f"--skip-layers: {tok!r} is neither 'sliding_window' nor a layer index")
     return tuple(sorted(out))
 
 
@@ -266,14 +270,16 @@ def _load(name):
 
     try:
         return load(name)
-    except KvgenError as exc:
+    except SpecError as exc:  # a bad spec file: exit 1, as every command's
         raise PlanError(f"--format: {exc}") from None
+    except KvgenError as exc:  # no such format
+        raise PlanOptionError(f"--format: {exc}") from None
 
 
 def _page(fmt, block_size: int, heads: int, head_size: int) -> int:
     res = fmt.layout.RESIDUAL
     if res and block_size % res["group"]:
-        raise PlanError(f"--block-size: {block_size} is not a multiple of {fmt.name}'s token group {res['group']}")
+        raise PlanOptionError(f"--block-size: {block_size} is not a multiple of {fmt.name}'s token group {res['group']}")
     try:
         return fmt.page_bytes(block_size, heads, head_size)
     except ValueError as exc:
@@ -293,9 +299,9 @@ def make_plan(shape: ModelShape, format_name: str, budget: Union[int, str], *, b
     if isinstance(budget, str):
         budget = parse_size(budget)
     if block_size < 1:
-        raise PlanError(f"--block-size: {block_size} must be at least 1")
+        raise PlanOptionError(f"--block-size: {block_size} must be at least 1")
     if context < 1:
-        raise PlanError(f"--context: {context} must be at least 1")
+        raise PlanOptionError(f"--context: {context} must be at least 1")
     heads = kv_heads_per_rank(shape, tp)
     skip = resolve_skip_layers(shape, skip_layers)
     fmt = _load(format_name)
@@ -304,7 +310,7 @@ def make_plan(shape: ModelShape, format_name: str, budget: Union[int, str], *, b
     quant_layers = [i for i in range(shape.num_layers) if i not in skip]
     if skip:
         if shape.dtype not in ("bf16", "fp16"):
-            raise PlanError(f"--skip-layers: the model dtype ({shape.dtype}) has no kvgen format; skipped layers "
+            raise PlanOptionError(f"--skip-layers: the model dtype ({shape.dtype}) has no kvgen format; skipped layers "
                             f"stay in bf16 or fp16")
         skip_fmt = _load(shape.dtype)
         kinds.append(dict(format=skip_fmt.name, layers=list(skip), num_layers=len(skip),

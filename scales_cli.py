@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 from rich.markup import escape
 
-from .codegen.errors import KvgenError
+from .codegen.errors import KvgenError, OptionError
 from .consoles import console, err_console
 
 
@@ -85,13 +85,13 @@ def calibrate(samples, format_name, observer, percentile, per_head, out, tp_size
     from .scales import JSON_DTYPES
 
     if Path(out).suffix.lower() not in (".safetensors", ".json"):
-        raise KvgenError(f"{out}: output must end in .safetensors or .json")
+        raise OptionError(f"--out: {out}: must end in .safetensors or .json")
     spec = _load_format_spec(format_name)
     if per_head is None:
         per_head = all(spec.side(s).scale is not None and spec.side(s).scale.granularity.value == "per_head"
                        for s in ("key", "value"))
     if per_head and Path(out).suffix.lower() == ".json":
-        raise KvgenError(f"{out}: the scale JSON holds one scale per layer; write per-head scales to .safetensors "
+        raise OptionError(f"--out: {out}: the scale JSON holds one scale per layer; write per-head scales to .safetensors "
                          "(or pass --per-tensor)")
     data = load_samples(samples)
     scales = run(data, spec, observer=observer, per_head=per_head, percentile=percentile, progress=True)

@@ -8,6 +8,14 @@ from typing import Optional
 class KvgenError(Exception):
     """Base class of every error kvgen raises on purpose."""
 
+    exit_code = 1  # what the command line exits with
+
+
+class OptionError(KvgenError):
+    """A command-line option's value the command cannot take (a usage error: the command line exits with 2)."""
+
+    exit_code = 2
+
 
 class SpecError(KvgenError, ValueError):
     """A spec that cannot be built: names the file, the line and column, and the field."""

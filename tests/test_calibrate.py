@@ -176,3 +176,13 @@ def test_cli(tmp_path):
     assert isinstance(r.exception, kvgen.KvgenError) and "per-head" in str(r.exception)
     r = CliRunner().invoke(calibrate_cmd, ["--help"])
     assert r.exit_code == 0 and "Example:" in r.output
+
+
+def test_cli_output_suffix_is_a_usage_error(tmp_path):
+    # the output's suffix is checked before any sample is read; through kvgen's group: one line, exit 2
+    from kvgen.cli import main as cli_main
+
+    r = CliRunner().invoke(cli_main, ["calibrate", str(tmp_path / "missing.npz"), "--format", "fp8_e4m3",
+                                      "-o", str(tmp_path / "kv.txt")])
+    assert r.exit_code == 2, r.output
+    assert "--out" in r.stderr and "kv.txt" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

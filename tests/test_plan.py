@@ -275,8 +275,9 @@ def test_cli_png(tmp_path):
     (["--format", "fp8_e4m3", "--gpu-memory", "80GiB", "7"], "unexpected argument"),
 ])
 def test_cli_errors_are_one_line(args, needle):
+    # each an option's value the command cannot take: a usage error, exit 2 (README, "Exit codes")
     r = run("--config", LLAMA, *args)
-    assert r.exit_code == 1, r.output
+    assert r.exit_code == 2, r.output
     assert needle in r.output and r.output.count("\n") <= 2, r.output
 
 
@@ -285,6 +286,14 @@ def test_cli_missing_config_field(tmp_path):
     cfg.write_text(json.dumps({"num_attention_heads": 8, "hidden_size": 512}))
     r = run("--config", cfg, "--format", "fp8_e4m3", "--gpu-memory", "1GiB")
     assert r.exit_code == 1 and "num_hidden_layers" in r.output, r.output
+
+
+def test_cli_bad_spec_as_format_is_exit_1(tmp_path):
+    # a bad spec file exits 1 like every command's, not as a usage error
+    spec = tmp_path / "bad.yaml"
+    spec.write_text("kvgen_spec: 1\nname: bad\nkey:\n  element: int9\nvalue:\n  element: bf16\n")
+    r = run("--config", LLAMA, "--format", str(spec), "--gpu-memory", "1GiB")
+    assert r.exit_code == 1 and f"{spec}:4" in r.output, r.output
 
 
 def test_help_has_example():
