@@ -2,7 +2,7 @@
 
     from kvgen.hf_cache import KvgenCache
     cache = KvgenCache("int8_per_token_head", model.config, max_tokens=4096)
-    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
+    out = model.generate(**inputs, cache=cache, max_new_tokens=32)  # past_key_values= in older transformers
 
 Every layer keeps its keys and values in a kvgen paged cache: new tokens are written by the format's generated
 reshape-and-cache kernel through a slot mapping (each batch row owns its blocks), on the model's GPU when the kernels
