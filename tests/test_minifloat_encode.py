@@ -71,3 +71,47 @@ def test_envelope_lines_are_the_binades():
     assert [c - 1.5 * 2 ** 23 for _, c in lines] == [0, 2, 4]
     assert _minifloat("fp8_e4m3").params["envelope"] == []
     assert _minifloat("fp8_e5m2").params["envelope"] == []
+
+
+@triton.jit
+def _encode_times(q_ptr, p_ptr, out_ptr, n, encode_times: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    q = tl.load(q_ptr + i, mask=i < n, other=0.0)
+    p = tl.load(p_ptr + i, mask=i < n, other=1.0)
+    tl.store(out_ptr + i, encode_times(q, p, q), mask=i < n)
+
+
+def test_e2m1_encode_with_a_power_of_two_folded_in():
+    """encode_signed_times(q, p, q) (the scaled fast division's encode: the power of two p = 2**-E folded into the
+    lines' factors) gives the reference's code of the fp32 product q * p, for p over the range the write can take
+    ([2**-61, 2**61]): q near every grid point and tie of the scaled grid, products below fp32's normal range
+    (rounded to subnormals or to 0 on their own), past its top (inf), inf q, and NaN q compiled (saturated, q's
+    sign; the interpreter's minimum keeps NaN). Products by powers of two are exact in the interpreter's fma too."""
+    rng = np.random.default_rng(1)
+    pows = np.array([-61, -40, -24, -3, 0, 1, 7, 40, 61])
+    base = hard_values()
+    qs, ps = [], []
+    for e in pows:
+        p = np.float32(2.0 ** float(e))
+        qs.append((base.astype(np.float64) / float(p)).astype(np.float32))  # the grid scaled back: ties survive
+        qs.append(rng.integers(0, 0xFF800000, 1 << 14, dtype=np.int64).astype(np.uint32).view(np.float32))
+        ps += [np.full(qs[-2].size, p, np.float32), np.full(qs[-1].size, p, np.float32)]
+    q, p = np.concatenate(qs), np.concatenate(ps)
+    with np.errstate(over="ignore", invalid="ignore"):
+        v = q * p  # fp32: exact, or rounded into the subnormals, or inf
+    device = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available() else "cpu"
+    if device == "cpu":  # the interpreter's minimum keeps NaN (compiled, min drops it): NaN q on the GPU only
+        q, p, v = q[~np.isnan(q)], p[~np.isnan(q)], v[~np.isnan(q)]
+    nan = np.isnan(v)
+    out = torch.empty(q.size, dtype=torch.uint8, device=device)
+    block = 1024
+    module = kvgen.load("nvfp4")._kernels.module
+    _encode_times[(triton.cdiv(q.size, block),)](torch.from_numpy(q).to(device), torch.from_numpy(p).to(device),
+                                                 out, q.size, module.k_encode_signed_times, block)
+    got = out.cpu().numpy()
+    # a NaN product (a NaN q) saturates with q's sign, as encode_signed's does; otherwise the reference's code
+    want = element_codes(ElementType.fp4_e2m1, np.where(nan, np.float32(0), v))
+    want = np.where(nan, 7 | ((q.view(np.uint32) >> 28) & 8).astype(np.uint8), want)
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, (f"{bad.size} of {q.size} differ, e.g. q {q[bad[:4]].tolist()} p {p[bad[:4]].tolist()} -> "
+                           f"{got[bad[:4]].tolist()}, reference {want[bad[:4]].tolist()}")

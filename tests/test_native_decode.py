@@ -157,6 +157,31 @@ def test_native_decode_matches_portable(extra_formats):
             check_byte_decode(fmt, side)
 
 
+@on_gpu
+def test_native_scale_decode_matches_portable(extra_formats):
+    """Scale codecs with a hardware type (fp8 e4m3 block / channel scales: native_scale_decode) decode in compiled
+    attention and dequantize kernels and writes by the hardware's conversion: every code gives the portable decode's
+    value (NaN codes NaN)."""
+    seen = 0
+    for name in list(kvgen.shipped_names()) + list(extra_formats):
+        fmt = load(name, extra_formats)
+        for side in ("k", "v"):
+            decode = getattr(fmt._kernels.module, f"{side}_scale_decode_native", None)
+            if decode is None:
+                continue
+            seen += 1
+            codes = (torch.arange(ROWS * COLS, device="cuda") % 256).to(torch.uint8).reshape(ROWS, COLS)
+            codes = codes[:, torch.randperm(COLS, device="cuda")].contiguous()
+            native = torch.empty(ROWS, COLS, dtype=torch.float32, device="cuda")
+            portable = torch.empty_like(native)
+            _decode_both[(1,)](codes, native, portable, decode, ROWS, COLS)
+            same = (native == portable) | (native.isnan() & portable.isnan())
+            assert bool(same.all()), (f"{name} {side}: native scale decode differs for codes "
+                                      f"{codes[~same][:8].tolist()}: {native[~same][:8].tolist()} vs "
+                                      f"{portable[~same][:8].tolist()}")
+    assert seen >= 4  # nvfp4 and nvfp4_separate, both sides
+
+
 def check_byte_decode(fmt, side):
     name, module = fmt.name, fmt._kernels.module
     spec = fmt.spec.side("key" if side == "k" else "value")

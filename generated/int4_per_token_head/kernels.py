@@ -46,6 +46,19 @@ ROTATE_BACK_BY_DOT = {"k": True, "v": True}
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def max_nan(a, b):
+    # a reduction's combine: the larger, or NaN where either is NaN (tl.max drops NaN; compiled, the combine is one
+    # max.NaN per element)
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def min_nan(a, b):
+    # a reduction's combine: the smaller, or NaN where either is NaN (compiled: one min.NaN per element)
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Division of codes by their group's scale (render.fast_division). ptxas expands every div.rn.f32 into MUFU.RCP, a
 # Newton step of the reciprocal, q0 = x * r, one correction q0 + r * (x - s * q0) (FFMAs), and FCHK with a branch to
@@ -329,18 +342,28 @@ def reshape_and_cache_kernel(
     # ---- key ----
     # rotate: x' = FWHT_b(x * signs), b = 2**K_LOG_B (unnormalized, fixed butterfly order)
     x_key = fwht_inplace(x_key * tl.load(k_signs_ptr + d, mask=dmask, other=0.0)[None, :], BLOCK_T, HEAD_PAD, K_LOG_B)
-    x_key = tl.where(x_key == x_key, x_key, 0.0)  # key codes have no NaN: NaN is stored as 0.0 would be
     # dynamic scale per group of HEAD_PAD elements: scale = max((max - min) / 15, 1e-06) stored as fp32
     k_xg = tl.reshape(x_key, [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
-    # only finite values set the range (NaN and +-inf do not), and not the padding past HEAD_SIZE
-    if NATIVE_CASTS:
-        k_fy = tl.fma(k_xg, 0.0, k_xg)  # x where finite, else NaN
-        k_lo = tl.min(k_fy, axis=2)
-        k_hi = tl.max(k_fy, axis=2)
-    else:
-        k_fm = tl.abs(k_xg) < float("inf")  # only finite values set the range
-        k_lo = tl.min(tl.where(k_fm, k_xg, float("inf")), axis=2)
-        k_hi = tl.max(tl.where(k_fm, k_xg, float("-inf")), axis=2)
+    k_fast = False
+    if FAST_DIV:
+        # compiled (render.finite_first): each group's range over every value first, NaN and infinities included (one
+        # min.NaN and max.NaN per element), and one test of the whole tile: where every range is finite and at most
+        # 983040.0, every value is finite and every scale lies where div_corrected gives div_rn's codes
+        k_lo = tl.reduce(k_xg, 2, min_nan)
+        k_hi = tl.reduce(k_xg, 2, max_nan)
+        k_fast = tl.reduce(max_nan(k_hi, 0.0) - min_nan(k_lo, 0.0), None, max_nan) <= 983040.0
+    if not k_fast:  # a value is NaN or infinite, or a range is wide (rare), or interpreted
+        x_key = tl.where(x_key == x_key, x_key, 0.0)  # key codes have no NaN: NaN is stored as 0.0 would be
+        k_xg = tl.reshape(x_key, [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
+        # only finite values set the range (NaN and +-inf do not)
+        if NATIVE_CASTS:
+            k_fy = tl.fma(k_xg, 0.0, k_xg)  # x where finite, else NaN
+            k_lo = tl.min(k_fy, axis=2)
+            k_hi = tl.max(k_fy, axis=2)
+        else:
+            k_fm = tl.abs(k_xg) < float("inf")  # only finite values set the range
+            k_lo = tl.min(tl.where(k_fm, k_xg, float("inf")), axis=2)
+            k_hi = tl.max(tl.where(k_fm, k_xg, float("-inf")), axis=2)
     # the range always includes 0 (so the zero padding does not move it): lo = min(min x, 0), hi = max(max x, 0)
     k_lo = tl.minimum(k_lo, 0.0)
     k_hi = tl.maximum(k_hi, 0.0)
@@ -352,11 +375,8 @@ def reshape_and_cache_kernel(
     # zero point, rounded and clamped like a code
     k_zcode = k_encode(tl.math.div_rn(-k_lo, k_eff_g))
     k_eff = tl.reshape(tl.broadcast_to(k_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
-    if FAST_DIV:  # compiled: x / s through each group's reciprocal where every scale of the tile allows it
-        if (tl.min(k_eff_g) >= 9.313225746154785e-10) & (tl.max(k_eff_g) <= 131072.0):
-            k_v = div_fast(x_key, k_eff, tl.reshape(tl.broadcast_to(recip_fast(k_eff_g, True)[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD]), True)
-        else:
-            k_v = tl.math.div_rn(x_key, k_eff)
+    if k_fast:  # compiled, every value of the tile finite and every scale in range: div_fast's guard is moot
+        k_v = div_corrected(x_key, k_eff, tl.reshape(tl.broadcast_to(recip_fast(k_eff_g, True)[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD]))
     else:
         k_v = tl.math.div_rn(x_key, k_eff)  # x / s
     k_v = k_v + tl.reshape(tl.broadcast_to(k_zcode.to(tl.float32)[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
@@ -379,18 +399,28 @@ def reshape_and_cache_kernel(
     # ---- value ----
     # rotate: x' = FWHT_b(x * signs), b = 2**V_LOG_B (unnormalized, fixed butterfly order)
     x_value = fwht_inplace(x_value * tl.load(v_signs_ptr + d, mask=dmask, other=0.0)[None, :], BLOCK_T, HEAD_PAD, V_LOG_B)
-    x_value = tl.where(x_value == x_value, x_value, 0.0)  # value codes have no NaN: NaN is stored as 0.0 would be
     # dynamic scale per group of HEAD_PAD elements: scale = max((max - min) / 15, 1e-06) stored as fp32
     v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
-    # only finite values set the range (NaN and +-inf do not), and not the padding past HEAD_SIZE
-    if NATIVE_CASTS:
-        v_fy = tl.fma(v_xg, 0.0, v_xg)  # x where finite, else NaN
-        v_lo = tl.min(v_fy, axis=2)
-        v_hi = tl.max(v_fy, axis=2)
-    else:
-        v_fm = tl.abs(v_xg) < float("inf")  # only finite values set the range
-        v_lo = tl.min(tl.where(v_fm, v_xg, float("inf")), axis=2)
-        v_hi = tl.max(tl.where(v_fm, v_xg, float("-inf")), axis=2)
+    v_fast = False
+    if FAST_DIV:
+        # compiled (render.finite_first): each group's range over every value first, NaN and infinities included (one
+        # min.NaN and max.NaN per element), and one test of the whole tile: where every range is finite and at most
+        # 983040.0, every value is finite and every scale lies where div_corrected gives div_rn's codes
+        v_lo = tl.reduce(v_xg, 2, min_nan)
+        v_hi = tl.reduce(v_xg, 2, max_nan)
+        v_fast = tl.reduce(max_nan(v_hi, 0.0) - min_nan(v_lo, 0.0), None, max_nan) <= 983040.0
+    if not v_fast:  # a value is NaN or infinite, or a range is wide (rare), or interpreted
+        x_value = tl.where(x_value == x_value, x_value, 0.0)  # value codes have no NaN: NaN is stored as 0.0 would be
+        v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
+        # only finite values set the range (NaN and +-inf do not)
+        if NATIVE_CASTS:
+            v_fy = tl.fma(v_xg, 0.0, v_xg)  # x where finite, else NaN
+            v_lo = tl.min(v_fy, axis=2)
+            v_hi = tl.max(v_fy, axis=2)
+        else:
+            v_fm = tl.abs(v_xg) < float("inf")  # only finite values set the range
+            v_lo = tl.min(tl.where(v_fm, v_xg, float("inf")), axis=2)
+            v_hi = tl.max(tl.where(v_fm, v_xg, float("-inf")), axis=2)
     # the range always includes 0 (so the zero padding does not move it): lo = min(min x, 0), hi = max(max x, 0)
     v_lo = tl.minimum(v_lo, 0.0)
     v_hi = tl.maximum(v_hi, 0.0)
@@ -402,11 +432,8 @@ def reshape_and_cache_kernel(
     # zero point, rounded and clamped like a code
     v_zcode = v_encode(tl.math.div_rn(-v_lo, v_eff_g))
     v_eff = tl.reshape(tl.broadcast_to(v_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])
-    if FAST_DIV:  # compiled: x / s through each group's reciprocal where every scale of the tile allows it
-        if (tl.min(v_eff_g) >= 9.313225746154785e-10) & (tl.max(v_eff_g) <= 131072.0):
-            v_v = div_fast(x_value, v_eff, tl.reshape(tl.broadcast_to(recip_fast(v_eff_g, True)[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD]), True)
-        else:
-            v_v = tl.math.div_rn(x_value, v_eff)
+    if v_fast:  # compiled, every value of the tile finite and every scale in range: div_fast's guard is moot
+        v_v = div_corrected(x_value, v_eff, tl.reshape(tl.broadcast_to(recip_fast(v_eff_g, True)[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD]))
     else:
         v_v = tl.math.div_rn(x_value, v_eff)  # x / s
     v_v = v_v + tl.reshape(tl.broadcast_to(v_zcode.to(tl.float32)[:, :, None], [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD]), [BLOCK_T, HEAD_PAD])

@@ -131,6 +131,24 @@ def k_encode_signed(v, sign_of):
 
 
 @triton.jit
+def k_encode_signed_times(q, p, sign_of):
+    # envelope-folded power of two: encode_signed(q * p, sign_of) for p a power of two whose multiples by the
+    # lines' factors are normal fp32 (render.fast_division's "scaled" 2**-E: [2**-61, 2**61]), the multiply by p
+    # folded into each line's factor (once per group: p is a group's value spread over its elements), one fp32
+    # multiply per element less. The same codes: where q * p is normal or 0, it is exact, and so is its product
+    # with a line's factor, which the fma takes exactly either way; where |q * p| < 2**-126 (rounded, or not) every
+    # line rounds to its constant (the fma's addend 1.5 * 2**23 has ulp 1), magnitude 0; inf or NaN q (or a product
+    # past fp32's range) saturates as q * p would. The sign is sign_of's, as encode_signed's.
+    a = tl.abs(q)
+    m = tl.fma(a, p * 2.0, 12582912.0)
+    m = tl.minimum(m, tl.fma(a, p * 1.0, 12582914.0))
+    m = tl.minimum(m, tl.fma(a, p * 0.5, 12582916.0))
+    m = tl.minimum(m, 12582919.0)  # saturate at 6.0
+    sign = (sign_of.to(tl.uint32, bitcast=True) >> 28) & 8
+    return (m.to(tl.uint32, bitcast=True) | sign).to(tl.uint8)
+
+
+@triton.jit
 def k_decode(code):
     # fp4_e2m1 code -> fp32: normal codes rebuild the fp32 bit pattern, subnormals scale the mantissa
     c = code.to(tl.uint32)
@@ -238,6 +256,14 @@ def k_scale_decode(code):
 
 
 @triton.jit
+def k_scale_decode_native(code, NATIVE: tl.constexpr):
+    if NATIVE:  # compiled: the hardware's conversion through fp16 (exact, NaN included; the interpreter's is not), one
+        # instruction per two codes where decode's bit work takes about a dozen per code (block scales of a paged step)
+        return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return k_scale_decode(code)
+
+
+@triton.jit
 def v_encode(v):
     return v_encode_signed(v, v)
 
@@ -259,6 +285,24 @@ def v_encode_signed(v, sign_of):
     m = tl.fma(a, 2.0, 12582912.0)
     m = tl.minimum(m, tl.fma(a, 1.0, 12582914.0))
     m = tl.minimum(m, tl.fma(a, 0.5, 12582916.0))
+    m = tl.minimum(m, 12582919.0)  # saturate at 6.0
+    sign = (sign_of.to(tl.uint32, bitcast=True) >> 28) & 8
+    return (m.to(tl.uint32, bitcast=True) | sign).to(tl.uint8)
+
+
+@triton.jit
+def v_encode_signed_times(q, p, sign_of):
+    # envelope-folded power of two: encode_signed(q * p, sign_of) for p a power of two whose multiples by the
+    # lines' factors are normal fp32 (render.fast_division's "scaled" 2**-E: [2**-61, 2**61]), the multiply by p
+    # folded into each line's factor (once per group: p is a group's value spread over its elements), one fp32
+    # multiply per element less. The same codes: where q * p is normal or 0, it is exact, and so is its product
+    # with a line's factor, which the fma takes exactly either way; where |q * p| < 2**-126 (rounded, or not) every
+    # line rounds to its constant (the fma's addend 1.5 * 2**23 has ulp 1), magnitude 0; inf or NaN q (or a product
+    # past fp32's range) saturates as q * p would. The sign is sign_of's, as encode_signed's.
+    a = tl.abs(q)
+    m = tl.fma(a, p * 2.0, 12582912.0)
+    m = tl.minimum(m, tl.fma(a, p * 1.0, 12582914.0))
+    m = tl.minimum(m, tl.fma(a, p * 0.5, 12582916.0))
     m = tl.minimum(m, 12582919.0)  # saturate at 6.0
     sign = (sign_of.to(tl.uint32, bitcast=True) >> 28) & 8
     return (m.to(tl.uint32, bitcast=True) | sign).to(tl.uint8)
@@ -372,6 +416,14 @@ def v_scale_decode(code):
 
 
 @triton.jit
+def v_scale_decode_native(code, NATIVE: tl.constexpr):
+    if NATIVE:  # compiled: the hardware's conversion through fp16 (exact, NaN included; the interpreter's is not), one
+        # instruction per two codes where decode's bit work takes about a dozen per code (block scales of a paged step)
+        return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return v_scale_decode(code)
+
+
+@triton.jit
 def load_groups(ptr, tok64, stride_t, tok_ok, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                 G: tl.constexpr):
     # a write's [BLOCK_T, HEAD_PAD] input rows (0 past num_tokens and HEAD_SIZE) for block scales of G elements, read
@@ -479,7 +531,7 @@ def reshape_and_cache_kernel(
     k_s = tl.math.div_rn(k_s, k_g)  # / global
     k_s = tl.maximum(k_s, 0.001953125)  # the spec's min, or the scale dtype's smallest value
     k_scode = k_scale_encode_native(k_s, NATIVE_CASTS)
-    k_eff_g = k_scale_decode(k_scode) * k_g
+    k_eff_g = k_scale_decode_native(k_scode, NATIVE_CASTS) * k_g
     k_eff = tl.reshape(tl.broadcast_to(k_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD])
     if FAST_DIV:
         # compiled (render.fast_division, "scaled"): with each group's scale s = s' * 2**E, s' in [1, 2), x / s is
@@ -492,10 +544,12 @@ def reshape_and_cache_kernel(
         # 1 / s' rounded once per group by div_rn: recip_fast (inline rcp.approx) here made every code saturate on
         # sm_90, though right on its own (benchmarks/RESULTS.md, forty-first session)
         k_rs = tl.math.div_rn(1.0, k_sn)
-        k_v = div_corrected(x_key, tl.reshape(tl.broadcast_to(k_sn[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD]), tl.reshape(tl.broadcast_to(k_rs[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD])) * tl.reshape(tl.broadcast_to(k_pw[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD])
+        # the quotient by s' only: the power of two goes into the encode's lines (encode_signed_times)
+        k_v = div_corrected(x_key, tl.reshape(tl.broadcast_to(k_sn[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD]), tl.reshape(tl.broadcast_to(k_rs[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD]))
+        k_codes = k_encode_signed_times(k_v, tl.reshape(tl.broadcast_to(k_pw[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD]), x_key)  # the sign of x: s > 0
     else:
         k_v = tl.math.div_rn(x_key, k_eff)  # x / s
-    k_codes = k_encode_signed(k_v, x_key)  # the sign of x: s > 0
+        k_codes = k_encode_signed(k_v, x_key)  # the sign of x: s > 0
     k_row = k_cache_ptr + blk * K_DATA_PAGE + K_DATA_BASE + (off * NUM_KV_HEADS + head) * K_DATA_CELL
     # 2 codes per byte, element i at bit (i % 2) * 4 of byte i // 2
     k_sh = (d % 2) * 4
@@ -528,7 +582,7 @@ def reshape_and_cache_kernel(
     v_s = tl.math.div_rn(v_s, v_g)  # / global
     v_s = tl.maximum(v_s, 0.001953125)  # the spec's min, or the scale dtype's smallest value
     v_scode = v_scale_encode_native(v_s, NATIVE_CASTS)
-    v_eff_g = v_scale_decode(v_scode) * v_g
+    v_eff_g = v_scale_decode_native(v_scode, NATIVE_CASTS) * v_g
     v_eff = tl.reshape(tl.broadcast_to(v_eff_g[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD])
     if FAST_DIV:
         # compiled (render.fast_division, "scaled"): with each group's scale s = s' * 2**E, s' in [1, 2), x / s is
@@ -541,10 +595,12 @@ def reshape_and_cache_kernel(
         # 1 / s' rounded once per group by div_rn: recip_fast (inline rcp.approx) here made every code saturate on
         # sm_90, though right on its own (benchmarks/RESULTS.md, forty-first session)
         v_rs = tl.math.div_rn(1.0, v_sn)
-        v_v = div_corrected(x_value, tl.reshape(tl.broadcast_to(v_sn[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD]), tl.reshape(tl.broadcast_to(v_rs[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD])) * tl.reshape(tl.broadcast_to(v_pw[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD])
+        # the quotient by s' only: the power of two goes into the encode's lines (encode_signed_times)
+        v_v = div_corrected(x_value, tl.reshape(tl.broadcast_to(v_sn[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD]), tl.reshape(tl.broadcast_to(v_rs[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD]))
+        v_codes = v_encode_signed_times(v_v, tl.reshape(tl.broadcast_to(v_pw[:, :, None], [BLOCK_T, HEAD_PAD // 16, 16]), [BLOCK_T, HEAD_PAD]), x_value)  # the sign of x: s > 0
     else:
         v_v = tl.math.div_rn(x_value, v_eff)  # x / s
-    v_codes = v_encode_signed(v_v, x_value)  # the sign of x: s > 0
+        v_codes = v_encode_signed(v_v, x_value)  # the sign of x: s > 0
     v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
     # 2 codes per byte, element i at bit (i % 2) * 4 of byte i // 2
     v_sh = (d % 2) * 4
@@ -851,7 +907,7 @@ def paged_attention_kernel(
                     k_scode = ((k_sword >> k_sshift.to(tl.uint32)[None, :]) & 255).to(tl.uint8)  # little-endian
                 else:
                     k_scode = tl.load(k_srow[:, None] + k_gi[None, :], mask=k_gmask, other=0)
-                k_bs = k_scale_decode(k_scode)
+                k_bs = k_scale_decode_native(k_scode, NATIVE_CASTS)
                 # every fp8_e4m3 scale times 0.0078125 and its products with the codes are fp16 values: no power of two
                 # per position; the dot's result takes 128.0 back (k_fix)
                 k_ratio = k_bs * 0.0078125
@@ -899,7 +955,7 @@ def paged_attention_kernel(
                     v_scode = ((v_sword >> v_sshift.to(tl.uint32)[None, :]) & 255).to(tl.uint8)  # little-endian
                 else:
                     v_scode = tl.load(v_srow[:, None] + v_gi[None, :], mask=v_gmask, other=0)
-                v_bs = v_scale_decode(v_scode)
+                v_bs = v_scale_decode_native(v_scode, NATIVE_CASTS)
                 # every fp8_e4m3 scale times 0.0078125 and its products with the codes are fp16 values: no power of two
                 # per position; the dot's result takes 128.0 back (v_fix)
                 v_ratio = v_bs * 0.0078125
@@ -956,7 +1012,7 @@ def paged_attention_kernel(
                     k_scode = ((k_sword >> k_sshift.to(tl.uint32)[None, :]) & 255).to(tl.uint8)  # little-endian
                 else:
                     k_scode = tl.load(k_srow[:, None] + k_gi[None, :], mask=k_gmask, other=0)
-                k_bs = k_scale_decode(k_scode)
+                k_bs = k_scale_decode_native(k_scode, NATIVE_CASTS)
                 # every fp8_e4m3 scale times 0.0078125 and its products with the codes are fp16 values: no power of two
                 # per position; the dot's result takes 128.0 back (k_fix)
                 k_ratio = k_bs * 0.0078125
@@ -1001,7 +1057,7 @@ def paged_attention_kernel(
                     v_scode = ((v_sword >> v_sshift.to(tl.uint32)[None, :]) & 255).to(tl.uint8)  # little-endian
                 else:
                     v_scode = tl.load(v_srow[:, None] + v_gi[None, :], mask=v_gmask, other=0)
-                v_bs = v_scale_decode(v_scode)
+                v_bs = v_scale_decode_native(v_scode, NATIVE_CASTS)
                 # every fp8_e4m3 scale times 0.0078125 and its products with the codes are fp16 values: no power of two
                 # per position; the dot's result takes 128.0 back (v_fix)
                 v_ratio = v_bs * 0.0078125
@@ -1058,7 +1114,7 @@ def paged_attention_kernel(
                     k_scode = ((k_sword >> k_sshift.to(tl.uint32)[None, :]) & 255).to(tl.uint8)  # little-endian
                 else:
                     k_scode = tl.load(k_srow[:, None] + k_gi[None, :], mask=k_gmask, other=0)
-                k_bs = k_scale_decode(k_scode)
+                k_bs = k_scale_decode_native(k_scode, NATIVE_CASTS)
                 # every fp8_e4m3 scale times 0.0078125 and its products with the codes are fp16 values: no power of two
                 # per position; the dot's result takes 128.0 back (k_fix)
                 k_ratio = k_bs * 0.0078125
@@ -1106,7 +1162,7 @@ def paged_attention_kernel(
                     v_scode = ((v_sword >> v_sshift.to(tl.uint32)[None, :]) & 255).to(tl.uint8)  # little-endian
                 else:
                     v_scode = tl.load(v_srow[:, None] + v_gi[None, :], mask=v_gmask, other=0)
-                v_bs = v_scale_decode(v_scode)
+                v_bs = v_scale_decode_native(v_scode, NATIVE_CASTS)
                 # every fp8_e4m3 scale times 0.0078125 and its products with the codes are fp16 values: no power of two
                 # per position; the dot's result takes 128.0 back (v_fix)
                 v_ratio = v_bs * 0.0078125
@@ -1164,7 +1220,7 @@ def paged_attention_kernel(
                     k_scode = ((k_sword >> k_sshift.to(tl.uint32)[None, :]) & 255).to(tl.uint8)  # little-endian
                 else:
                     k_scode = tl.load(k_srow[:, None] + k_gi[None, :], mask=k_gmask, other=0)
-                k_bs = k_scale_decode(k_scode)
+                k_bs = k_scale_decode_native(k_scode, NATIVE_CASTS)
                 # every fp8_e4m3 scale times 0.0078125 and its products with the codes are fp16 values: no power of two
                 # per position; the dot's result takes 128.0 back (k_fix)
                 k_ratio = k_bs * 0.0078125
@@ -1212,7 +1268,7 @@ def paged_attention_kernel(
                     v_scode = ((v_sword >> v_sshift.to(tl.uint32)[None, :]) & 255).to(tl.uint8)  # little-endian
                 else:
                     v_scode = tl.load(v_srow[:, None] + v_gi[None, :], mask=v_gmask, other=0)
-                v_bs = v_scale_decode(v_scode)
+                v_bs = v_scale_decode_native(v_scode, NATIVE_CASTS)
                 # every fp8_e4m3 scale times 0.0078125 and its products with the codes are fp16 values: no power of two
                 # per position; the dot's result takes 128.0 back (v_fix)
                 v_ratio = v_bs * 0.0078125
@@ -1265,7 +1321,7 @@ def paged_attention_kernel(
                 k_scode = ((k_sword >> k_sshift.to(tl.uint32)[None, :]) & 255).to(tl.uint8)  # little-endian
             else:
                 k_scode = tl.load(k_srow[:, None] + k_gi[None, :], mask=k_gmask, other=0)
-            k_bs = k_scale_decode(k_scode)
+            k_bs = k_scale_decode_native(k_scode, NATIVE_CASTS)
             # every fp8_e4m3 scale times 0.0078125 and its products with the codes are fp16 values: no power of two
             # per position; the dot's result takes 128.0 back (k_fix)
             k_ratio = k_bs * 0.0078125
@@ -1313,7 +1369,7 @@ def paged_attention_kernel(
                 v_scode = ((v_sword >> v_sshift.to(tl.uint32)[None, :]) & 255).to(tl.uint8)  # little-endian
             else:
                 v_scode = tl.load(v_srow[:, None] + v_gi[None, :], mask=v_gmask, other=0)
-            v_bs = v_scale_decode(v_scode)
+            v_bs = v_scale_decode_native(v_scode, NATIVE_CASTS)
             # every fp8_e4m3 scale times 0.0078125 and its products with the codes are fp16 values: no power of two
             # per position; the dot's result takes 128.0 back (v_fix)
             v_ratio = v_bs * 0.0078125
@@ -1467,7 +1523,9 @@ def dequantize_kernel(
             k_scode = ((k_sword >> k_sshift.to(tl.uint32)[None, :]) & 255).to(tl.uint8)  # little-endian
         else:
             k_scode = tl.load(k_srow[:, None] + k_gi[None, :], mask=k_gmask, other=0)
-        k_tile = tl.reshape(tl.reshape(k_tile, [BLOCK_N, HEAD_PAD // 16, 16]) * (k_scale_decode(k_scode) * k_g)[:, :, None], [BLOCK_N, HEAD_PAD])
+        # the block scales' codes to fp32 by the hardware's conversion where compiled (scale_decode_native; exact, as
+        # every fp8_e4m3 value is an fp16): the same scales as the bit work the interpreter runs
+        k_tile = tl.reshape(tl.reshape(k_tile, [BLOCK_N, HEAD_PAD // 16, 16]) * (k_scale_decode_native(k_scode, NATIVE_CASTS) * k_g)[:, :, None], [BLOCK_N, HEAD_PAD])
         v_row = v_cache_ptr + blk * V_DATA_PAGE + V_DATA_BASE + (off * NUM_KV_HEADS + head) * V_DATA_CELL
         # 2 codes per byte: load the bytes, split them and interleave the codes back in element order
         v_db = tl.arange(0, HEAD_PAD // 2)
@@ -1495,7 +1553,9 @@ def dequantize_kernel(
             v_scode = ((v_sword >> v_sshift.to(tl.uint32)[None, :]) & 255).to(tl.uint8)  # little-endian
         else:
             v_scode = tl.load(v_srow[:, None] + v_gi[None, :], mask=v_gmask, other=0)
-        v_tile = tl.reshape(tl.reshape(v_tile, [BLOCK_N, HEAD_PAD // 16, 16]) * (v_scale_decode(v_scode) * v_g)[:, :, None], [BLOCK_N, HEAD_PAD])
+        # the block scales' codes to fp32 by the hardware's conversion where compiled (scale_decode_native; exact, as
+        # every fp8_e4m3 value is an fp16): the same scales as the bit work the interpreter runs
+        v_tile = tl.reshape(tl.reshape(v_tile, [BLOCK_N, HEAD_PAD // 16, 16]) * (v_scale_decode_native(v_scode, NATIVE_CASTS) * v_g)[:, :, None], [BLOCK_N, HEAD_PAD])
         out_row = ((seq * out_blocks + n // BLOCK_SIZE).to(tl.int64) * OUT_PAGE + (off * NUM_KV_HEADS + head) * OUT_CELL)
         out_mask = live[:, None] & dmask[None, :]
         tl.store(out_ptr + out_row[:, None] + OUT_K_BASE + d[None, :], dense_bits(k_tile, OUT_BF16, NATIVE_CASTS), mask=out_mask)
