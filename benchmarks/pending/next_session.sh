@@ -14,12 +14,6 @@
 #   bash benchmarks/pending/next_session.sh kivicases  # kivi_2bit's stream cases at 2 KV heads, head sizes 32 / 64 (12; 7 not yet run on this tree), the lane-reduction fault (~120 s?)
 #   bash benchmarks/pending/next_session.sh sepspecs   # fp8 / int8 asym per token-head, mixed_k8_v4, q8_0, q4_0 with separate scales (unshipped specs) against their cells (~500 s?)
 #   bash benchmarks/pending/next_session.sh kivitiles  # KIVI's decode tiles after the code orders (4 programs per SM at 128 registers; 128 positions a step) (~200 s?)
-#   bash benchmarks/pending/next_session.sh kivisub    # kivi-subnormal-codes.patch timed against main, then KIVI's GPU tests and stream cases on it (~400 s?)
-#   bash benchmarks/pending/next_session.sh packint    # packsub and intdecode together, timed and GPU-tested in one call (~500 s?)
-#   bash benchmarks/pending/next_session.sh packsub    # packed-subnormal-codes.patch (kivisub's plus int4 per token-head's decode) timed and GPU-tested (~400 s?)
-#   bash benchmarks/pending/next_session.sh int4write  # write-int4-next.patch: int4 per token-head's write with its guards skipped on finite tiles, timed and GPU-tested (~250 s?)
-#   bash benchmarks/pending/next_session.sh nvscale    # nvfp4-native-scales.patch: nvfp4's block scales through the hardware's fp8 conversion in decode, timed and GPU-tested (~300 s?)
-#   bash benchmarks/pending/next_session.sh nvwrite    # write-nvfp4-folded-power-on-native.patch (on nvscale): nvfp4's write with each group's power of two folded into the e2m1 encode, timed and GPU-tested (~150 s?)
 #   bash benchmarks/pending/next_session.sh intdecode  # int-decode-in-place.patch: packed integer codes decoded in place (q4_0, mixed_k8_v4, int4, KIVI), timed and GPU-tested (~300 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100; stale since: rebase first)
 #   bash benchmarks/pending/next_session.sh rcpfault   # recip_fast's fault in nvfp4's write, for a Triton upgrade (ran s42, H100: ~15 s)
@@ -64,13 +58,16 @@
 # removed; kivicases now checks this tree); s53 (H100, benchmarks/results_2026-12-07_h100_s53.md) ran kivicodes /
 # kivicodestests (kivi-code-orders.patch merged: KIVI decode 7-30% faster), packcodes (level: removed), packblocks
 # (1.2-1.5x slower: removed) and int4sep (shipped as specs/int4_per_token_head_separate.yaml); those five steps and
-# their patches removed (git history: the s53 merge's parent, c898c61).
+# their patches removed (git history: the s53 merge's parent, c898c61); s54 (H100,
+# benchmarks/results_2026-12-07_h100_s54.md) ran packint (packsub and intdecode together: the subnormal codes
+# rejected, their patches removed, git history at 4cc24fd), nvscale, int4write and nvwrite (the three patches merged);
+# those six steps and kivisub removed.
 #
 # Steps in priority order; each prints how long it took.
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivisub, packint, packsub, int4write, nvscale, nvwrite, intdecode, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, intdecode, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -232,130 +229,6 @@ case "$step" in
     timeout 300 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit --configs rt 64/4/2/128 64/4/3/128 128/4/2/168 \
       --programs-per-sm 4 8 --shapes 64x8192 4x65536 256x1024 --cuda-graphs 2>&1 | tee "$out/kivitiles.txt" | grep "^|"
     ;;
-  kivisub)
-    # kivi-subnormal-codes.patch (fifty-third session, a subagent's static study): KIVI's folded decode steps take
-    # their unsigned codes as the fp16 subnormals code * 2**-24 (the byte decode without its fp16 subtractions), the
-    # dots' results times 2**24 after: the same products and sums scaled by a power of two, so bit-identical if the
-    # tensor cores keep fp16 subnormal inputs (a GPU question: the GPU tests below answer it). Static (sm_90, 64 x
-    # 8192): kivi_2bit 13.4 -> 12.8, kivi_4bit 14.7 -> 13.6 instructions per position, registers and programs per SM
-    # unchanged. Main, the patch, main again; then KIVI's GPU tests (the key-fold tests compiled) and stream cases
-    S="64x8192 4x65536 256x1024 16x8192hs256"
-    timeout 80 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit --configs rt --shapes $S --cuda-graphs 2>&1 \
-      | tee "$out/kivisub_main.txt" | grep "^|"
-    variant kivi-subnormal-codes "kivi-subnormal-codes" kivi_2bit kivi_4bit || exit 1
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 80 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit \
-      --configs rt --shapes $S --cuda-graphs 2>&1 | tee "$out/kivisub_variant.txt" | grep "^|")
-    timeout 80 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit --configs rt --shapes $S --cuda-graphs 2>&1 \
-      | tee "$out/kivisub_main2.txt" | grep "^|"
-    variant_tests kivisub tests/test_kivi.py tests/test_kivi_reference.py tests/test_golden.py -k kivi
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 100 python3 benchmarks/pending/kivi_layout_cases.py \
-      --heads 2 --head-sizes 128 2>&1 | tee "$out/kivisub_cases.txt" | grep -v "^kivi.* ok$")
-    ;;
-  packint)
-    # packsub and intdecode in one call (fifty-fourth session; they apply together): packed-subnormal-codes.patch
-    # for int4 per token-head (both layouts) and KIVI, int-decode-in-place.patch for q4_0 and mixed_k8_v4 (in int4 and
-    # KIVI the subnormal decode takes over). Static (sm_90, 64 x 8192, instructions per position): q4_0 9.68 -> 9.2,
-    # mixed_k8_v4 7.98 -> 7.8, int4 per token-head 9.5 -> 8.3, separate 9.2 -> 8.1, kivi_2bit 13.4 -> 12.8, kivi_4bit
-    # 14.7 -> 13.6. The GPU tests first (whether the tensor cores keep fp16 subnormal inputs decides it), then main,
-    # both patches, main again at two shapes
-    S="64x8192 4x65536"
-    F="int4_per_token_head specs/int4_per_token_head_separate.yaml kivi_2bit kivi_4bit q4_0 mixed_k8_v4"
-    variant packed-subnormal-codes+int-decode-in-place "in-place nibble decode" int4_per_token_head \
-      int4_per_token_head_separate kivi_2bit kivi_4bit q4_0 mixed_k8_v4 || exit 1
-    for f in int4_per_token_head int4_per_token_head_separate kivi_2bit kivi_4bit; do
-      grep -q k_decode_dot_subnormal "/tmp/variant/$f/kernels.py" || { echo "packint: $f lacks packsub" >&2; exit 1; }
-    done
-    variant_tests packint tests/test_packed_subnormal.py tests/test_native_decode.py tests/test_golden.py \
-      tests/test_conformance.py tests/test_kivi.py -k "int4 or kivi or subnormal or q4_0 or mixed or native"
-    echo "tests done after $(( $(date +%s) - start )) s"
-    timeout 90 python3 benchmarks/tune_tiles.py $F --configs rt --shapes $S --cuda-graphs 2>&1 \
-      | tee "$out/packint_main.txt" | grep "^|"
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 90 python3 benchmarks/tune_tiles.py $F --configs rt \
-      --shapes $S --cuda-graphs 2>&1 | tee "$out/packint_variant.txt" | grep "^|")
-    timeout 90 python3 benchmarks/tune_tiles.py $F --configs rt --shapes $S --cuda-graphs 2>&1 \
-      | tee "$out/packint_main2.txt" | grep "^|"
-    ;;
-  packsub)
-    # packed-subnormal-codes.patch (fifty-third session, a subagent's static study; a superset of
-    # kivi-subnormal-codes.patch, whose KIVI kernels it renders byte for byte): also int4 per token-head's decode
-    # (both layouts) takes its unsigned codes and zero points as fp16 subnormals, 2**24 multiplied into the row's
-    # scale (keys; hoisted out of the loop) or the weights' top (values). Static (sm_90, 64 x 8192): int4 per
-    # token-head 9.5 -> 8.3, its separate layout 9.2 -> 8.1 instructions per position, same registers and programs
-    # per SM; prefill 15.1 -> 14.6 and 14.7 -> 14.1. Main, the patch, main again; then the GPU tests, among them
-    # tests/test_packed_subnormal.py (compiled: the inline PTX and the tensor cores' fp16 subnormal inputs)
-    S="64x8192 4x65536 256x1024 4x8192q2048"
-    F="int4_per_token_head specs/int4_per_token_head_separate.yaml kivi_2bit kivi_4bit"
-    timeout 80 python3 benchmarks/tune_tiles.py $F --configs rt --shapes $S --cuda-graphs 2>&1 \
-      | tee "$out/packsub_main.txt" | grep "^|"
-    variant packed-subnormal-codes "k_decode_dot_subnormal" int4_per_token_head int4_per_token_head_separate \
-      kivi_2bit kivi_4bit || exit 1
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 80 python3 benchmarks/tune_tiles.py $F --configs rt \
-      --shapes $S --cuda-graphs 2>&1 | tee "$out/packsub_variant.txt" | grep "^|")
-    timeout 80 python3 benchmarks/tune_tiles.py $F --configs rt --shapes $S --cuda-graphs 2>&1 \
-      | tee "$out/packsub_main2.txt" | grep "^|"
-    variant_tests packsub tests/test_packed_subnormal.py tests/test_native_decode.py tests/test_golden.py \
-      tests/test_conformance.py tests/test_fast_dots.py tests/test_kivi.py -k "int4 or kivi or subnormal"
-    ;;
-  int4write)
-    # write-int4-next.patch (fifty-third session, a subagent's static study): on a GPU with fast division, a rotated
-    # side with a guarded fast division and an integer zero point takes each row's range with NaN-propagating
-    # min / max first; where every range of the tile is finite and within qmax * 2**17 / 2 it skips the NaN select,
-    # the finite filter and div_fast's guard (the same quotients, the same bytes), else runs the old sequence.
-    # Static, warp instructions per token-head on the path taken: int4 per token-head 315.5 -> 280.2, its separate
-    # layout 302.5 -> 266.8 (same programs per SM). Main, the patch, main again (writes of 32768 and 256 tokens);
-    # then the GPU tests (edge values, NaN / inf groups, fast division, conformance)
-    W="int4_per_token_head specs/int4_per_token_head_separate.yaml --tokens 32768 256 --rounds 2"
-    timeout 60 python3 benchmarks/time_writes.py $W 2>&1 | tee "$out/int4write_main.txt" | grep "^|"
-    variant write-int4-next "div_fast's guard is moot" int4_per_token_head int4_per_token_head_separate || exit 1
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 60 python3 benchmarks/time_writes.py $W 2>&1 \
-      | tee "$out/int4write_variant.txt" | grep "^|")
-    timeout 60 python3 benchmarks/time_writes.py $W 2>&1 | tee "$out/int4write_main2.txt" | grep "^|"
-    variant_tests int4write tests/test_numerics.py tests/test_fast_div.py tests/test_conformance.py \
-      tests/test_golden.py tests/test_write_plan.py -k "int4 or fast_division"
-    ;;
-  nvscale)
-    # nvfp4-native-scales.patch (fifty-third session, a subagent's static study): the attention loop's e4m3 block
-    # scales decoded by the hardware's conversion (exact: every e4m3 value is an fp16) instead of integer bit work
-    # (about 17 instructions a key scale). Static (sm_90, 64 x 8192): nvfp4 11.8 -> 9.3, nvfp4_separate 11.9 -> 9.5
-    # instructions per position, the same 128 registers, 42 KiB and 4 programs per SM; a second study took the same
-    # decode to the write (228 -> 222 / 220 warp instructions per token-head) and the dequantize kernel (72 -> 65 per
-    # position-head); the other formats' kernels unchanged. Main, the patch, main again (decode, then the writes);
-    # then nvfp4's GPU tests (the compiled path: the CPU tests run the old one)
-    S="64x8192 4x65536 256x1024 4x8192q2048 16x8192hs256"
-    timeout 80 python3 benchmarks/tune_tiles.py nvfp4 nvfp4_separate --configs rt --shapes $S --cuda-graphs 2>&1 \
-      | tee "$out/nvscale_main.txt" | grep "^|"
-    variant nvfp4-native-scales "decode's bit work takes about a dozen per code" nvfp4 nvfp4_separate || exit 1
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 80 python3 benchmarks/tune_tiles.py nvfp4 nvfp4_separate \
-      --configs rt --shapes $S --cuda-graphs 2>&1 | tee "$out/nvscale_variant.txt" | grep "^|")
-    timeout 80 python3 benchmarks/tune_tiles.py nvfp4 nvfp4_separate --configs rt --shapes $S --cuda-graphs 2>&1 \
-      | tee "$out/nvscale_main2.txt" | grep "^|"
-    W="nvfp4 nvfp4_separate --tokens 32768 256 --rounds 2"
-    timeout 60 python3 benchmarks/time_writes.py $W 2>&1 | tee "$out/nvscale_writes_main.txt" | grep "^|"
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 60 python3 benchmarks/time_writes.py $W 2>&1 \
-      | tee "$out/nvscale_writes_variant.txt" | grep "^|")
-    variant_tests nvscale tests/test_conformance.py tests/test_golden.py tests/test_native_decode.py \
-      tests/test_stacked_blocks.py tests/test_value_split.py tests/test_numerics.py tests/test_fast_dots.py \
-      tests/test_dequantize_first.py tests/test_fast_div.py -k "nvfp4 or native_scale"
-    ;;
-  nvwrite)
-    # write-nvfp4-folded-power-on-native.patch (fifty-third session, a subagent's static study): under FAST_DIV nvfp4's write
-    # multiplies each group's power of two 2**-E into the e2m1 encode's three line factors (once a group) instead of
-    # into every element (exact: 2**-E * k is a normal power of two). Static, warp instructions per token-head on
-    # the path taken: nvfp4 197.8 -> 191.5, nvfp4_separate 195.0 -> 188.5 (-3%), registers and programs per SM
-    # unchanged. Main, the patch, main again; then the compiled write tests
-    W="nvfp4 nvfp4_separate --tokens 32768 256 --rounds 2"
-    timeout 60 python3 benchmarks/time_writes.py $W 2>&1 | tee "$out/nvwrite_main.txt" | grep "^|"
-    # (the patch is rebased on nvfp4-native-scales.patch, fifty-fourth session: with that merged it applies alone;
-    # before, main here is timed without nvscale and the variant with both)
-    P=write-nvfp4-folded-power-on-native
-    grep -q "decode's bit work takes about a dozen per code" generated/nvfp4/kernels.py || P=nvfp4-native-scales+$P
-    variant "$P" "envelope-folded power of two" nvfp4 nvfp4_separate || exit 1
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 60 python3 benchmarks/time_writes.py $W 2>&1 \
-      | tee "$out/nvwrite_variant.txt" | grep "^|")
-    timeout 60 python3 benchmarks/time_writes.py $W 2>&1 | tee "$out/nvwrite_main2.txt" | grep "^|"
-    variant_tests nvwrite tests/test_fast_div.py tests/test_minifloat_encode.py tests/test_conformance.py \
-      tests/test_numerics.py tests/test_golden.py -k "nvfp4 or e2m1 or scaled"
-    ;;
   intdecode)
     # int-decode-in-place.patch (fifty-third session, a subagent's static study): the compiled byte decode of packed
     # 2- and 4-bit integer codes leaves each code at its bit position under an fp16 high byte whose step is 2**-s
@@ -412,7 +285,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivisub, packint, packsub, int4write, nvscale, nvwrite, intdecode, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, intdecode, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
