@@ -14,6 +14,7 @@
 #   bash benchmarks/pending/next_session.sh kivicases  # kivi_2bit's stream cases at 2 KV heads, head sizes 32 / 64 (12; 7 not yet run on this tree), the lane-reduction fault (~120 s?)
 #   bash benchmarks/pending/next_session.sh sepspecs   # fp8 / int8 asym per token-head, mixed_k8_v4, q8_0, q4_0 with separate scales (unshipped specs) against their cells (~500 s?)
 #   bash benchmarks/pending/next_session.sh kivitiles  # KIVI's decode tiles after the code orders (4 programs per SM at 128 registers; 128 positions a step) (~200 s?)
+#   bash benchmarks/pending/next_session.sh kivinext   # kivi-decode-next(-ktok).patch: KIVI's group scores without the terms' permute, timed and GPU-tested (~400 s?)
 #   bash benchmarks/pending/next_session.sh intdecode  # int-decode-in-place.patch: packed integer codes decoded in place (q4_0, mixed_k8_v4, int4, KIVI), timed and GPU-tested (~300 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100; stale since: rebase first)
 #   bash benchmarks/pending/next_session.sh rcpfault   # recip_fast's fault in nvfp4's write, for a Triton upgrade (ran s42, H100: ~15 s)
@@ -67,7 +68,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, intdecode, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivinext, intdecode, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -229,6 +230,29 @@ case "$step" in
     timeout 300 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit --configs rt 64/4/2/128 64/4/3/128 128/4/2/168 \
       --programs-per-sm 4 8 --shapes 64x8192 4x65536 256x1024 --cuda-graphs 2>&1 | tee "$out/kivitiles.txt" | grep "^|"
     ;;
+  kivinext)
+    # kivi-decode-next.patch (fifty-fourth session, a subagent's static study): group_scores takes the code-major
+    # column order on the query and ratios before the products (hoisted) and stacks its two fp16 terms by a select,
+    # so the terms' tile is stored row by row, read back in 16-byte loads; the same products and dot. Static (sm_90,
+    # 64 x 8192, instructions per position): kivi_2bit 13.41 -> 13.13, kivi_4bit 14.66 -> 14.31 (head size 256
+    # 24.0 / 24.3 -> 23.5 / 23.8), registers and programs per SM unchanged. kivi-decode-next-ktok.patch on top: the
+    # step's largest key scale in one reduction (3 of 26 barriers a step): kivi_4bit 14.13, kivi_2bit worse (13.33 at
+    # its 168-register cap). Main, the first patch, its KIVI GPU tests, both patches, main again
+    S="64x8192 4x65536 256x1024 16x8192hs256"
+    timeout 80 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit --configs rt --shapes $S --cuda-graphs 2>&1 \
+      | tee "$out/kivinext_main.txt" | grep "^|"
+    variant kivi-decode-next "two terms stacked by a select" kivi_2bit kivi_4bit || exit 1
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 80 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit \
+      --configs rt --shapes $S --cuda-graphs 2>&1 | tee "$out/kivinext_variant.txt" | grep "^|")
+    variant_tests kivinext tests/test_kivi.py tests/test_kivi_reference.py tests/test_tiles.py \
+      "tests/test_conformance.py::test_kivi_decode_256" -k "kivi"
+    variant kivi-decode-next+kivi-decode-next-ktok "one reduction over every scale of the step" kivi_2bit kivi_4bit \
+      || exit 1
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 80 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit \
+      --configs rt --shapes $S --cuda-graphs 2>&1 | tee "$out/kivinext_ktok.txt" | grep "^|")
+    timeout 80 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit --configs rt --shapes $S --cuda-graphs 2>&1 \
+      | tee "$out/kivinext_main2.txt" | grep "^|"
+    ;;
   intdecode)
     # int-decode-in-place.patch (fifty-third session, a subagent's static study): the compiled byte decode of packed
     # 2- and 4-bit integer codes leaves each code at its bit position under an fp16 high byte whose step is 2**-s
@@ -285,7 +309,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, intdecode, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivinext, intdecode, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
