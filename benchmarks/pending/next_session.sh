@@ -15,6 +15,7 @@
 #   bash benchmarks/pending/next_session.sh sepspecs   # fp8 / int8 asym per token-head, mixed_k8_v4, q8_0, q4_0 with separate scales (unshipped specs) against their cells (~500 s?)
 #   bash benchmarks/pending/next_session.sh kivitiles  # KIVI's decode tiles after the code orders (4 programs per SM at 128 registers; 128 positions a step) (~200 s?)
 #   bash benchmarks/pending/next_session.sh kivinext   # kivi-decode-next(-ktok).patch: KIVI's group scores without the terms' permute, timed and GPU-tested (~400 s?)
+#   bash benchmarks/pending/next_session.sh int4more   # write-int4-more.patch: int4 per token-head's finite tiles round in one add and one clamp; 8 tokens per program (~250 s?)
 #   bash benchmarks/pending/next_session.sh intdecode  # int-decode-in-place.patch: packed integer codes decoded in place (q4_0, mixed_k8_v4, int4, KIVI), timed and GPU-tested (~300 s?)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100; stale since: rebase first)
 #   bash benchmarks/pending/next_session.sh rcpfault   # recip_fast's fault in nvfp4's write, for a Triton upgrade (ran s42, H100: ~15 s)
@@ -68,7 +69,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivinext, intdecode, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivinext, int4more, intdecode, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -253,6 +254,29 @@ case "$step" in
     timeout 80 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit --configs rt --shapes $S --cuda-graphs 2>&1 \
       | tee "$out/kivinext_main2.txt" | grep "^|"
     ;;
+  int4more)
+    # write-int4-more.patch (fifty-fourth session, a subagent's static study after write-int4-next's merge): int4 per
+    # token-head's finite tiles round their codes by one add of zp + 0.5 and one clamp (no lower clamp, no mask;
+    # render.fast_encode) and divide the zero point through the codes' reciprocal. Static, path a finite tile takes
+    # (tile test not counted): 268.0 -> 244.8 warp instructions per token-head, separate 254.5 -> 231.5; registers
+    # 79 -> 77 / 71 -> 69; programs per SM unchanged. Main, the patch, main again (writes of 32768 and 256 tokens);
+    # both trees at the rule's tiles against 8 tokens per program (static: 208.6 / 191.4 at 128 / 116 registers);
+    # then the GPU tests (among them test_finite_tiles_write_the_same_bytes: rotated code boundaries)
+    W="int4_per_token_head specs/int4_per_token_head_separate.yaml --tokens 32768 256 --rounds 2"
+    timeout 60 python3 benchmarks/time_writes.py $W 2>&1 | tee "$out/int4more_main.txt" | grep "^|"
+    variant write-int4-more "rounding of the finite tiles' codes" int4_per_token_head int4_per_token_head_separate \
+      || exit 1
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 60 python3 benchmarks/time_writes.py $W 2>&1 \
+      | tee "$out/int4more_variant.txt" | grep "^|")
+    timeout 60 python3 benchmarks/time_writes.py $W 2>&1 | tee "$out/int4more_main2.txt" | grep "^|"
+    timeout 50 python3 benchmarks/tune_writes.py int4_per_token_head int4_per_token_head_separate --configs 4/1 8/1 \
+      --tokens 32768 2>&1 | tee "$out/int4more_tiles_main.txt" | grep "^|\|^tree"
+    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 50 python3 benchmarks/tune_writes.py int4_per_token_head \
+      int4_per_token_head_separate --configs 4/1 8/1 --tokens 32768 2>&1 | tee "$out/int4more_tiles_variant.txt" \
+      | grep "^|\|^tree")
+    variant_tests int4more tests/test_numerics.py tests/test_fast_div.py tests/test_conformance.py tests/test_golden.py \
+      tests/test_write_arithmetic.py tests/test_write_plan.py -k "int4 or fast_div or fast_encode"
+    ;;
   intdecode)
     # int-decode-in-place.patch (fifty-third session, a subagent's static study): the compiled byte decode of packed
     # 2- and 4-bit integer codes leaves each code at its bit position under an fp16 high byte whose step is 2**-s
@@ -309,7 +333,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivinext, intdecode, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivinext, int4more, intdecode, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
