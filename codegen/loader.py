@@ -21,6 +21,21 @@ MAX_NODES = 10_000
 MAX_DEPTH = 32
 
 
+# PyYAML's wording for the mistakes spec authors make most, in plainer words (its own stays in brackets)
+_YAML_PROBLEMS = {
+    "mapping values are not allowed here": "a 'key: value' where this line cannot have one (check its indentation "
+                                           "against the lines above, or quote a value that holds ': ')",
+    "expected <block end>, but found '<block mapping start>'": "this line's indentation matches no key above it",
+    "expected <block end>, but found '<block sequence start>'": "this list's indentation matches no key above it",
+    "found character '\\t' that cannot start any token": "a tab; YAML indents with spaces only",
+}
+
+
+def _plain_yaml_problem(problem: str) -> str:
+    plain = _YAML_PROBLEMS.get(problem)
+    return f"{plain} ({problem})" if plain else problem
+
+
 def _compose_with_positions(text: str, path: str) -> tuple[Any, dict[tuple, Position]]:
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -35,7 +50,7 @@ def _compose_with_positions(text: str, path: str) -> tuple[Any, dict[tuple, Posi
         mark = getattr(exc, "problem_mark", None)
         problem = getattr(exc, "problem", None) or str(exc)
         raise SpecError(
-            f"not valid YAML: {problem}",
+            f"not valid YAML: {_plain_yaml_problem(problem)}",
             path=path,
             line=mark.line + 1 if mark else None,
             column=mark.column + 1 if mark else None,

@@ -414,6 +414,20 @@ def test_tab_indentation_reports_the_line(tmp_path):
     p = write(tmp_path, "t.yaml", text)
     err = spec_error(p)
     assert_at(err, p, 5)
+    assert "spaces only" in err.message, err.message
+
+
+# a key indented off the keys above it: the error is on that line and says it is the indentation
+@pytest.mark.parametrize("right, wrong", [("\n    dtype: fp16", "\n   dtype: fp16"),
+                                          ("\n  rounding:", "\n   rounding:")])
+def test_misindented_key_says_indentation(tmp_path, right, wrong):
+    text = (SPECS / "q8_0.yaml").read_text(encoding="utf-8")
+    assert text.count(right) == 1, "test bug: the key to shift is not unique"
+    text = text.replace(right, wrong)
+    p = write(tmp_path, "indent.yaml", text)
+    err = spec_error(p)
+    assert_at(err, p, line_of(text, wrong.strip()))
+    assert "indentation" in err.message, err.message
 
 
 @pytest.mark.parametrize("text", ["", "\n\n", "# only a comment\n"])
