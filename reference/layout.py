@@ -146,7 +146,9 @@ def _scale_align(side: SideSpec) -> int:
 
 def _scale_storage(side: SideSpec) -> StorageDType:
     assert side.scale is not None
-    if side.zero_point is None and side.scale.dtype in SCALE_STORAGE:
+    # a zero point in its own field makes the tensor bytes; one in the fp32 scale's low bits keeps it fp32 words
+    beside = side.zero_point is not None and side.zero_point.storage == "beside_scale"
+    if not beside and side.scale.dtype in SCALE_STORAGE:
         return SCALE_STORAGE[side.scale.dtype]
     return StorageDType.uint8
 

@@ -448,3 +448,23 @@ def test_error_bound_holds_and_is_tight(name: str, side_dict: Optional[dict]) ->
     # not vacuous: some element comes close to its bound (with a rotation the bound is the worst case of a sum of
     # b errors, a random sum stays well below it)
     assert worst > (0.2 if rotated else 0.9), worst
+
+
+@pytest.mark.parametrize("name", [n for n in __import__("kvgen").shipped_names() if not n.startswith("kivi")])
+def test_reference_tensors_are_what_allocate_gives(name):
+    # the reference derives each cache tensor's shape and dtype from the spec; the runtime allocates from the
+    # generated layout: the two must agree tensor by tensor (same bytes alone would hide a dtype that differs).
+    # KIVI's pages have their own reference layout (reference/kivi.py, tests/test_kivi_reference.py)
+    import torch
+
+    import kvgen
+
+    fmt = kvgen.load(name)
+    block = 16
+    cache = fmt.allocate(2, block, 3, 64)
+    names = {torch.uint8: "uint8", torch.int8: "int8", torch.float16: "fp16", torch.bfloat16: "bf16",
+             torch.float32: "fp32"}
+    got = {t: (tuple(cache.tensors[t].shape), names[cache.tensors[t].dtype])
+           for t in cache.tensors if t not in ("k_scale", "v_scale")}
+    want = {t: (tuple(shape), dtype) for t, (shape, dtype) in R.tensor_shapes(fmt.spec, 2, block, 3, 64).items()}
+    assert got == want
