@@ -42,7 +42,8 @@ class KVCache:
 
     ``tensors`` maps names to torch tensors (docs/SEMANTICS.md, "page layout"): the storage, ``kv_cache`` (or
     ``k_cache``/``v_cache`` for a split layout; ``k_scale_cache``/``v_scale_cache`` for separate scales), of shape
-    ``[num_blocks, block_size, num_kv_heads, cell]`` in the storage dtype where the tensor holds one region, else
+    ``[num_blocks, block_size, num_kv_heads, cell bytes / the storage dtype's size]`` where the tensor holds one
+    region, else
     ``[num_blocks, page]`` (page-end scales, KIVI's key groups); the static scales ``k_scale``/``v_scale`` (fp32,
     ``[1]`` per tensor or per layer for a global scale, ``[num_kv_heads]`` per head); and for a residual window
     ``k_residual``/``v_residual`` ``[max_seqs, R + G, num_kv_heads, head_size]``.
