@@ -134,7 +134,8 @@ def _spec(fmt: Any):
     raise TypeError(f"fmt: expected a kvgen Format, FormatSpec or format name, got {type(fmt).__name__}")
 
 
-def _static_sides(spec) -> None:
+def check_static_sides(spec) -> None:
+    """Raise a CalibrationError unless both sides of the format take static scales."""
     for side_name in ("key", "value"):
         side = spec.side(side_name)
         if side.scale is None or not side.scale.granularity.is_static:
@@ -197,7 +198,7 @@ def calibrate(samples: dict[int, tuple[np.ndarray, np.ndarray]], fmt: Any, obser
     ``range / qmax`` of the side's element; ``progress`` shows a rich progress bar over layers.
     """
     spec = _spec(fmt)
-    _static_sides(spec)
+    check_static_sides(spec)
     if observer not in OBSERVERS:
         raise CalibrationError(f"observer {observer!r}: expected one of {', '.join(OBSERVERS)}")
     if not (0 < float(percentile) <= 100):

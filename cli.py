@@ -9,7 +9,7 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from .codegen.errors import KvgenError, StaleError
+from .codegen.errors import KvgenError, OptionError, StaleError, UnknownFormat
 from .consoles import console, err_console
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "generated"
@@ -418,7 +418,10 @@ def demo(format_name, seqs, context):
     """
     from .demo import run_demo
 
-    run_demo(console, format_name, seqs, context)
+    try:
+        run_demo(console, format_name, seqs, context)
+    except UnknownFormat as exc:
+        raise OptionError(f"--format: {exc}") from None
     from .runtime.loader import shipped_names
 
     console.print(_formats_table(shipped_names(), 16, 8, 128))

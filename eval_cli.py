@@ -19,7 +19,8 @@ from .runtime.kernels import DOT_PRECISIONS
 
 
 class _EvalCommand(click.Command):
-    """kvgen's errors as one line on stderr (exit 1), also outside kvgen's group; the group's --debug re-raises."""
+    """kvgen's errors as one line on stderr (exit 1, 2 for an option's value), also outside kvgen's group; the
+    group's --debug re-raises."""
 
     def invoke(self, ctx):
         try:
@@ -29,7 +30,7 @@ class _EvalCommand(click.Command):
             if root.params.get("debug") or (root.obj or {}).get("debug"):
                 raise
             err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
-            sys.exit(1)
+            sys.exit(exc.exit_code)
 
 
 def _fmt_bytes(b: float) -> str:

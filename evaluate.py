@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
-from .codegen.errors import KvgenError
+from .codegen.errors import KvgenError, OptionError
 
 NUM_KV_HEADS = 8
 NUM_Q_HEADS = 32
@@ -43,6 +43,10 @@ LOGIT_STD = 3.0
 
 class EvalError(KvgenError):
     """A format that cannot be evaluated (unknown name, or something the reference does not define)."""
+
+
+class EvalArgumentError(EvalError, OptionError):
+    """An argument (a command-line option) eval cannot take: on the command line a usage error, exit 2."""
 
 
 # --- formats -------------------------------------------------------------------------------------------------------
@@ -62,7 +66,7 @@ def resolve_format(name_or_path: str) -> EvalFormat:
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml"):
         if not p.is_file():
-            raise EvalError(f"no such spec file: {name_or_path}")
+            raise EvalArgumentError(f"no such spec file: {name_or_path}")
         spec = load_spec(p)
         return EvalFormat(spec.name, spec, str(p))
     from .runtime.loader import load
@@ -255,7 +259,7 @@ BACKENDS = ("auto", "reference", "kernels")
 def resolve_backend(backend: str) -> str:
     """``auto``: the kernels where a GPU is present, else the reference."""
     if backend not in BACKENDS:
-        raise EvalError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+        raise EvalArgumentError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend == "auto":
         import torch
 
@@ -285,24 +289,25 @@ def evaluate(formats: Optional[Sequence[str]] = None, contexts: Iterable[int] = 
     backend = resolve_backend(backend)
     from .runtime.kernels import DOT_PRECISIONS
     if dot_precision not in DOT_PRECISIONS:
-        raise EvalError(f"dot_precision: expected one of {', '.join(DOT_PRECISIONS)}, got {dot_precision!r}")
+        raise EvalArgumentError(f"dot_precision: expected one of {', '.join(DOT_PRECISIONS)}, got {dot_precision!r}")
     if dot_precision != "auto" and backend != "kernels":
-        raise EvalError(f"dot_precision: {dot_precision!r} applies to the kernels backend (--backend kernels); "
-                        "the reference attends in float64")
+        raise EvalArgumentError(f"dot_precision: {dot_precision!r} applies to the kernels backend (--backend kernels); "
+                                "the reference attends in float64")
     from .evaluate_kernels import QUERY_DTYPES
     if query_dtype not in QUERY_DTYPES:
-        raise EvalError(f"query_dtype: expected one of {', '.join(QUERY_DTYPES)}, got {query_dtype!r}")
+        raise EvalArgumentError(f"query_dtype: expected one of {', '.join(QUERY_DTYPES)}, got {query_dtype!r}")
     if (query_dtype != "fp32" or dequantize_first) and backend != "kernels":
-        raise EvalError("query_dtype / dequantize_first apply to the kernels backend (--backend kernels); the "
-                        "reference attends in float64")
+        raise EvalArgumentError("query_dtype / dequantize_first apply to the kernels backend (--backend kernels); the "
+                                "reference attends in float64")
     if dequantize_first and dot_precision == "quantized":
-        raise EvalError("dequantize_first: runs on dequantized values; dot_precision 'quantized' computes on the "
-                        "codes (use auto, fast or ieee)")
+        raise EvalArgumentError("dequantize_first: runs on dequantized values; dot_precision 'quantized' computes "
+                                "on the codes (use auto, fast or ieee)")
     if not (dequantize_first is False or dequantize_first is True or dequantize_first in ("bf16", "fp16")):
-        raise EvalError(f"dequantize_first: expected False, True, 'bf16' or 'fp16', got {dequantize_first!r}")
+        raise EvalArgumentError(f"dequantize_first: expected False, True, 'bf16' or 'fp16', got {dequantize_first!r}")
     if dequantize_first is True and query_dtype == "fp32":
-        raise EvalError("dequantize_first: True takes the query's type for the dense cache, which needs bf16 or "
-                        "fp16 queries (--query-dtype bf16 or fp16), or name the type (--dense-dtype bf16 or fp16)")
+        raise EvalArgumentError("dequantize_first: True takes the query's type for the dense cache, which needs "
+                                "bf16 or fp16 queries (--query-dtype bf16 or fp16), or name the type (--dense-dtype "
+                                "bf16 or fp16)")
     names = list(formats) if formats else list(shipped_names())
     fmts = [resolve_format(n) for n in names]
     contexts = list(contexts)

@@ -17,8 +17,8 @@ from .consoles import console, err_console
 
 
 class _PlanCommand(click.Command):
-    """kvgen's errors as one line on stderr (exit 1, 2 for an option's value), also when the command runs outside kvgen's group;
-    the group's --debug still shows the traceback."""
+    """kvgen's errors as one line on stderr (exit 1, 2 for an option's value), also when the command runs outside
+    kvgen's group; the group's --debug still shows the traceback."""
 
     def invoke(self, ctx):
         try:

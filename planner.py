@@ -81,8 +81,8 @@ def parse_size(text: Union[str, int, float], option: str = "--gpu-memory") -> in
             raise PlanOptionError(f"{option}: {text!r} is not a size (examples: 80GiB, 141GB, 512MiB, 8e10)")
         value, unit = float(m.group(1)), m.group(2).lower()
         if unit not in _UNITS:
-            raise PlanOptionError(f"{option}: unknown unit {m.group(2)!r} in {text!r} (use B, kB, MB, GB, TB, KiB, MiB, "
-                            f"GiB or TiB)")
+            raise PlanOptionError(f"{option}: unknown unit {m.group(2)!r} in {text!r} (use B, kB, MB, GB, TB, KiB, "
+                                  f"MiB, GiB or TiB)")
     size = int(value * _UNITS[unit])
     if size <= 0:
         raise PlanOptionError(f"{option}: {text!r} is not a positive size")
@@ -199,11 +199,11 @@ def kv_heads_per_rank(shape: ModelShape, tp: int) -> int:
         raise PlanOptionError(f"--tp: {tp} must be at least 1")
     if shape.num_attention_heads % tp:
         raise PlanOptionError(f"--tp: {shape.num_attention_heads} attention heads do not split over {tp} ranks "
-                        f"(vLLM needs num_attention_heads divisible by tp)")
+                              f"(vLLM needs num_attention_heads divisible by tp)")
     if tp >= shape.num_kv_heads:
         if tp % shape.num_kv_heads:
             raise PlanOptionError(f"--tp: {tp} is not a multiple of the {shape.num_kv_heads} KV heads "
-                            f"(each head must be replicated on the same number of ranks)")
+                                  f"(each head must be replicated on the same number of ranks)")
         return 1
     if shape.num_kv_heads % tp:
         raise PlanOptionError(f"--tp: {shape.num_kv_heads} KV heads do not split evenly over {tp} ranks")
@@ -219,11 +219,12 @@ def resolve_skip_layers(shape: ModelShape, items: Iterable[Union[str, int]]) -> 
                 i = int(tok)
                 if not 0 <= i < shape.num_layers:
                     raise PlanOptionError(f"--skip-layers: layer {i} is out of range (the model has {shape.num_layers} "
-                                    f"layers: 0 to {shape.num_layers - 1})")
+                                          f"layers: 0 to {shape.num_layers - 1})")
                 out.add(i)
             elif tok.lower() in ("sliding_window", "sliding"):
                 if not shape.sliding_layers:
-                    raise PlanOptionError("--skip-layers: sliding_window given, but the model has no sliding-window layers")
+                    raise PlanOptionError("--skip-layers: sliding_window given, but the model has no sliding-window "
+                                          "layers")
                 out.update(shape.sliding_layers)
             else:
                 raise PlanOptionError(f"--skip-layers: {tok!r} is neither 'sliding_window' nor a layer index")
@@ -279,7 +280,8 @@ def _load(name):
 def _page(fmt, block_size: int, heads: int, head_size: int) -> int:
     res = fmt.layout.RESIDUAL
     if res and block_size % res["group"]:
-        raise PlanOptionError(f"--block-size: {block_size} is not a multiple of {fmt.name}'s token group {res['group']}")
+        raise PlanOptionError(f"--block-size: {block_size} is not a multiple of {fmt.name}'s token group "
+                              f"{res['group']}")
     try:
         return fmt.page_bytes(block_size, heads, head_size)
     except ValueError as exc:
@@ -311,7 +313,7 @@ def make_plan(shape: ModelShape, format_name: str, budget: Union[int, str], *, b
     if skip:
         if shape.dtype not in ("bf16", "fp16"):
             raise PlanOptionError(f"--skip-layers: the model dtype ({shape.dtype}) has no kvgen format; skipped layers "
-                            f"stay in bf16 or fp16")
+                                  f"stay in bf16 or fp16")
         skip_fmt = _load(shape.dtype)
         kinds.append(dict(format=skip_fmt.name, layers=list(skip), num_layers=len(skip),
                           page_bytes=_page(skip_fmt, block_size, heads, shape.head_size)))

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 from rich.markup import escape
 
-from .codegen.errors import KvgenError, OptionError
+from .codegen.errors import KvgenError, OptionError, UnknownFormat
 from .consoles import console, err_console
 
 
@@ -86,13 +86,19 @@ def calibrate(samples, format_name, observer, percentile, per_head, out, tp_size
 
     if Path(out).suffix.lower() not in (".safetensors", ".json"):
         raise OptionError(f"--out: {out}: must end in .safetensors or .json")
-    spec = _load_format_spec(format_name)
+    from .calibrate import CalibrationError, check_static_sides
+
+    try:
+        spec = _load_format_spec(format_name)
+        check_static_sides(spec)
+    except (UnknownFormat, CalibrationError) as exc:  # a format this command cannot take: a usage error
+        raise OptionError(f"--format: {exc}") from None
     if per_head is None:
         per_head = all(spec.side(s).scale is not None and spec.side(s).scale.granularity.value == "per_head"
                        for s in ("key", "value"))
     if per_head and Path(out).suffix.lower() == ".json":
-        raise OptionError(f"--out: {out}: the scale JSON holds one scale per layer; write per-head scales to .safetensors "
-                         "(or pass --per-tensor)")
+        raise OptionError(f"--out: {out}: the scale JSON holds one scale per layer; write per-head scales to "
+                          ".safetensors (or pass --per-tensor)")
     data = load_samples(samples)
     scales = run(data, spec, observer=observer, per_head=per_head, percentile=percentile, progress=True)
     dtype = JSON_DTYPES.get(spec.key.element.value, spec.key.element.value)

@@ -17,6 +17,13 @@ class OptionError(KvgenError):
     exit_code = 2
 
 
+class UnknownFormat(KvgenError):
+    """A format name that is neither shipped nor a generated directory nor a spec file (on the command line: a
+    usage error, exit 2)."""
+
+    exit_code = 2
+
+
 class SpecError(KvgenError, ValueError):
     """A spec that cannot be built: names the file, the line and column, and the field."""
 

@@ -14,12 +14,12 @@ from .format import Format
 
 try:
     from ..codegen import build as build_mod
-    from ..codegen.errors import KvgenError, StaleError
+    from ..codegen.errors import KvgenError, StaleError, UnknownFormat
     from ..codegen.loader import load_spec, validate_data
     from ..codegen.version import KVGEN_VERSION, generator_fingerprint
 except ImportError:
     from codegen import build as build_mod
-    from codegen.errors import KvgenError, StaleError
+    from codegen.errors import KvgenError, StaleError, UnknownFormat
     from codegen.loader import load_spec, validate_data
     from codegen.version import KVGEN_VERSION, generator_fingerprint
 
@@ -119,5 +119,5 @@ def load(name_or_path: Union[str, os.PathLike]) -> Format:
     if (SHIPPED / key / "__init__.py").is_file():
         return load_directory(SHIPPED / key)
     names = ", ".join(shipped_names()) or "(none built: run `kvgen build specs/`)"
-    raise KvgenError(f"no format named {key!r}: not a shipped format ({names}), a generated directory or a "
-                     "spec .yaml file")
+    raise UnknownFormat(f"no format named {key!r}: not a shipped format ({names}), a generated directory or a "
+                        "spec .yaml file")

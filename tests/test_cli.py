@@ -182,7 +182,7 @@ def test_show_prints_storage_dtype_and_shape():
 
 def test_show_unknown_name_is_one_line_error():
     r = run_kvgen("show", "no_such_format_xyz")
-    assert r.returncode == 1
+    assert r.returncode == 2  # a format name that names nothing: a usage error (README, "Exit codes")
     assert r.stdout == ""
     err = r.stderr.strip()
     assert len(err.splitlines()) == 1, err
@@ -210,7 +210,7 @@ def test_show_text_with_brackets_does_not_crash(tmp_path):
     weird = tmp_path / "[/x]" / "missing_format_dir"
     r = runner.invoke(cli_main, ["show", str(weird)])
     assert isinstance(r.exception, SystemExit), repr(r.exception)
-    assert r.exit_code == 1 and str(weird) in r.stderr
+    assert r.exit_code == 2 and str(weird) in r.stderr  # a name that names nothing: a usage error
 
 
 def test_demo_bf16():
@@ -225,7 +225,7 @@ def test_demo_bf16():
 
 def test_demo_unknown_format_is_one_line_error():
     r = CliRunner().invoke(cli_main, ["demo", "--format", "no_such_format_xyz"])
-    assert r.exit_code == 1
+    assert r.exit_code == 2  # a format name that names nothing: a usage error (README, "Exit codes")
     assert isinstance(r.exception, SystemExit)
     assert "no_such_format_xyz" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
@@ -341,3 +341,17 @@ def test_show_gives_each_regions_byte_start():
     assert r.exit_code == 0, r.output
     starts = {f: int(line_with(r.stdout, f" {f} ").split("│")[3]) for f in ("k_data", "k_scale", "v_data", "v_scale")}
     assert starts == {"k_data": 0, "k_scale": 8192, "v_data": 9216, "v_scale": 17408}, r.stdout
+
+
+@pytest.mark.parametrize("args, named", [
+    (["demo", "--format", "no_such_format"], "--format"),
+    (["calibrate", "{d}/acts.npz", "-f", "no_such_format", "-o", "{d}/kv.json"], "--format"),
+    (["calibrate", "{d}/acts.npz", "-f", "int8_per_token_head", "-o", "{d}/kv.json"], "--format"),
+    (["eval", "bf16", "--backend", "reference", "--query-dtype", "bf16"], "query_dtype"),
+    (["test", "no_such_format", "--examples", "1", "--device", "cpu"], "no_such_format"),
+])
+def test_a_value_an_option_cannot_take_exits_2(tmp_path, args, named):
+    # README, "Exit codes": 2 for a usage error, among them an option's value the command cannot take; one line
+    r = CliRunner().invoke(cli_main, [a.format(d=tmp_path) for a in args])
+    assert r.exit_code == 2, (r.exit_code, r.output)
+    assert named in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

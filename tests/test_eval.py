@@ -105,7 +105,7 @@ def test_cli_table_and_spec_path(tmp_path):
 
 def test_cli_unknown_format_is_one_line():
     res = CliRunner().invoke(eval_cmd, ["no_such_format", "--seeds", "1"])
-    assert res.exit_code == 1
+    assert res.exit_code == 2
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "no_such_format" in lines[0] and "error" in lines[0]
 
@@ -166,7 +166,7 @@ def test_dot_precision_needs_the_kernel_backend():
         E.evaluate(["int8_per_token_head"], contexts=[160], seeds=1, backend="reference", dot_precision="quantized")
     res = CliRunner().invoke(eval_cmd, ["int8_per_token_head", "--seeds", "1", "--backend", "reference",
                                         "--dot-precision", "quantized"])
-    assert res.exit_code == 1 and "--backend kernels" in res.stderr
+    assert res.exit_code == 2 and "--backend kernels" in res.stderr  # an option's value eval cannot take
 
 
 def test_dequantize_first_costs_a_16_bit_rounding():
@@ -191,7 +191,7 @@ def test_dequantize_first_needs_the_kernel_backend_and_16_bit_queries():
                    query_dtype="bf16", dot_precision="quantized")
     res = CliRunner().invoke(eval_cmd, ["int8_per_token_head", "--seeds", "1", "--backend", "kernels",
                                         "--dequantize-first", "--query-dtype", "fp32"])
-    assert res.exit_code == 1 and "--query-dtype bf16" in res.stderr and "--dense-dtype" in res.stderr
+    assert res.exit_code == 2 and "--query-dtype bf16" in res.stderr and "--dense-dtype" in res.stderr
     with pytest.raises(E.EvalError, match="expected False, True, 'bf16' or 'fp16', got 1"):
         E.evaluate(["int8_per_token_head"], contexts=[160], seeds=1, backend="kernels", dequantize_first=1)
     res = CliRunner().invoke(eval_cmd, ["int8_per_token_head", "--context", "64", "--seeds", "1", "--backend",
