@@ -127,6 +127,12 @@ def attention_ranges(block_table: torch.Tensor, seq_lens: torch.Tensor, query_st
                                  f"[0, {num_blocks})")
 
 
+def positive_int(name: str, x: int) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+        raise ValueError(f"{name}: expected a positive integer, got {x!r}")
+    return x
+
+
 def optional_positive_int(name: str, x: Optional[int]) -> Optional[int]:
     if x is None:
         return None

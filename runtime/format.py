@@ -43,8 +43,7 @@ class KVCache:
     ``tensors`` maps names to torch tensors (docs/SEMANTICS.md, "page layout"): the storage, ``kv_cache`` (or
     ``k_cache``/``v_cache`` for a split layout; ``k_scale_cache``/``v_scale_cache`` for separate scales), of shape
     ``[num_blocks, block_size, num_kv_heads, cell bytes / the storage dtype's size]`` where the tensor holds one
-    region, else
-    ``[num_blocks, page]`` (page-end scales, KIVI's key groups); the static scales ``k_scale``/``v_scale`` (fp32,
+    region, else ``[num_blocks, page]`` (page-end scales, KIVI's key groups); the static scales ``k_scale``/``v_scale`` (fp32,
     ``[1]`` per tensor or per layer for a global scale, ``[num_kv_heads]`` per head); and for a residual window
     ``k_residual``/``v_residual`` ``[max_seqs, R + G, num_kv_heads, head_size]``.
     """
@@ -131,8 +130,7 @@ class Format:
         """A page's shape as allocate() takes it: positive integers, a head size the kernels take, and for a
         residual-window format whole key token groups per block."""
         for name, val in (("block_size", block_size), ("num_kv_heads", num_kv_heads), ("head_size", head_size)):
-            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-                raise ValueError(f"{name}: expected a positive integer, got {val!r}")
+            checks.positive_int(name, val)
         self._check_head_size(head_size)
         residual = self.layout.RESIDUAL
         if residual is not None and block_size % residual["group"]:
@@ -167,8 +165,7 @@ class Format:
         Formats with a residual window (KIVI) also hold ``k_residual``/``v_residual`` ``[max_seqs, R + G, H, D]``:
         ``max_seqs`` is required for them (the number of sequences that can be live at once).
         """
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks: expected a positive integer, got {num_blocks!r}")
+        checks.positive_int("num_blocks", num_blocks)
         self._check_page_shape(block_size, num_kv_heads, head_size)
         residual = self.layout.RESIDUAL
         if residual is not None:
