@@ -10,6 +10,8 @@ and a page-size calculator; ``kvgen.load`` gives a format object that allocates,
     out = fmt.attend(query, cache, block_table, seq_lens, query_start_loc)
 """
 
+import sys as _sys
+
 from .codegen.errors import BuildError, KvgenError, NotSupportedYet, SpecError, StaleError
 from .codegen.loader import load_spec
 from .codegen.spec import FormatSpec
@@ -22,8 +24,6 @@ from .runtime.kernels import _choose_mode
 # Triton picks interpreted or compiled when it is first imported; without a GPU, kvgen's kernels can only run
 # interpreted, so choose that now, while kvgen is imported before triton (e.g. before transformers, which imports
 # it). Where triton came first, nothing changes here and the first kernel load says what to do.
-import sys as _sys
-
 if "triton" not in _sys.modules:
     _choose_mode()
 
