@@ -42,7 +42,7 @@ import numpy as np
 from ._schema import CacheLayout, FormatSpec, Placement, ScaleDType, SideSpec, StorageDType
 from .codes import ELEMENT_BITS, SCALE_BYTES
 from .quant import (StaticScale, as_float32, data_bytes, decode_side, encode_side, is_dynamic, require_side,
-                    scale_field_bytes, zp_bytes, zp_field_bytes)
+                    scale_field_bytes, takes_layer_scale, zp_bytes, zp_field_bytes)
 
 STORAGE_BYTES: dict[StorageDType, int] = {
     StorageDType.uint8: 1,
@@ -376,8 +376,14 @@ def field_views(spec: FormatSpec, cache: Union[Cache, np.ndarray], block_size: i
 # --- write / read ---------------------------------------------------------------------------------------------------
 
 
-def _side_scale(name: str, k_scale: StaticScale, v_scale: StaticScale) -> StaticScale:
-    return k_scale if name == "key" else v_scale
+def _side_scale(side: SideSpec, name: str, k_scale: StaticScale, v_scale: StaticScale,
+                cache: Mapping[str, np.ndarray]) -> StaticScale:
+    """The side's static (or global) scale: the argument, else the cache's own ``k_scale`` / ``v_scale`` entry (the
+    runtime's ``KVCache.tensors`` carry them), else None (1.0)."""
+    arg, key = (k_scale, "k_scale") if name == "key" else (v_scale, "v_scale")
+    if arg is None and key in cache and takes_layer_scale(side):
+        arg = np.asarray(cache[key], dtype=np.float32)
+    return arg
 
 
 def _infer_block_size(lay: Mapping[str, TensorLayout], sizes: dict[str, int], num_kv_heads: int) -> int:
@@ -397,7 +403,8 @@ def write(spec: FormatSpec, cache: Union[Cache, np.ndarray], key: np.ndarray, va
 
     ``cache``: ``{tensor name: array}`` as :func:`new_cache` makes it (or any C-contiguous arrays holding the same
     bytes; a bare array is taken as ``kv_cache``). ``k_scale`` / ``v_scale``: the static scales of static sides, the
-    global scales of ``global_scale`` sides (``None`` = 1.0); None for other sides. ``block_size`` is inferred from
+    global scales of ``global_scale`` sides; left out, the cache's own ``k_scale`` / ``v_scale`` entries (as
+    ``KVCache.tensors`` holds them), else 1.0; None for other sides. ``block_size`` is inferred from
     the page sizes when left out. Slots < 0 are skipped; a slot past the cache raises IndexError.
     """
     cache = _as_dict(spec, cache)
@@ -423,7 +430,7 @@ def write(spec: FormatSpec, cache: Union[Cache, np.ndarray], key: np.ndarray, va
     pages = {n: _pages(cache[n], num_blocks) for n in lay}
     for name, x in (("key", key), ("value", value)):
         side, p = spec.side(name), SIDE_PREFIX[name]
-        enc = encode_side(side, x, _side_scale(name, k_scale, v_scale))
+        enc = encode_side(side, x, _side_scale(side, name, k_scale, v_scale, cache))
         for field, values in ((f"{p}_data", enc.data), (f"{p}_scale", enc.scale), (f"{p}_zp", enc.zp)):
             if values is None:
                 continue
@@ -493,5 +500,5 @@ def read(spec: FormatSpec, cache: Union[Cache, np.ndarray], k_scale: StaticScale
     for name in SIDES:
         side, p = spec.side(name), SIDE_PREFIX[name]
         out.append(decode_side(side, views[f"{p}_data"], views.get(f"{p}_scale"), views.get(f"{p}_zp"),
-                               _side_scale(name, k_scale, v_scale), head_size=head_size))
+                               _side_scale(side, name, k_scale, v_scale, cache), head_size=head_size))
     return out[0], out[1]

@@ -309,6 +309,29 @@ def test_read_static_scales_and_storage_views() -> None:
     assert store[0, 0, 0, 0] == 3.0 and store[0, 0, 1, 63] == 3.0
 
 
+def test_read_and_write_take_the_caches_own_static_scales() -> None:
+    """A cache dict with ``k_scale`` / ``v_scale`` entries (as KVCache.tensors holds them) is read and written with
+    those scales when no argument overrides them; per-head scales the same way."""
+    spec = shipped("fp8_e4m3")
+    x = np.full((1, 2, 32), 3.0, np.float32)
+    cache = {"kv_cache": R.new_cache_bytes(spec, 1, 16, 2, 32),
+             "k_scale": np.array([2.0], np.float32), "v_scale": np.array([0.5], np.float32)}
+    R.write(spec, cache, x, x, np.array([5]))
+    # the bytes of the test above: K 3 / 2 = 1.5 -> 0x3C; V 3 / 0.5 = 6 -> 0x4C
+    assert cache["kv_cache"][0, 5, 0, 0] == 0x3C and cache["kv_cache"][0, 5, 0, 32] == 0x4C
+    k, v = R.read(spec, cache)
+    assert k[0, 5, 1, 0] == 3.0 and v[0, 5, 1, 31] == 3.0
+    k1, _ = R.read(spec, cache, k_scale=1.0)  # an argument wins: 1.5 read back as 1.5
+    assert k1[0, 5, 1, 0] == 1.5
+    per_head = shipped("fp8_e4m3_per_head")
+    cache = {"kv_cache": R.new_cache_bytes(per_head, 1, 16, 2, 32),
+             "k_scale": np.array([2.0, 4.0], np.float32), "v_scale": np.array([1.0, 1.0], np.float32)}
+    R.write(per_head, cache, x, x, np.array([0]))
+    k, _ = R.read(per_head, cache)
+    # head 1: 3 / 4 = 0.75 = 1.5 * 2**-1 = 0 0110 100 = 0x34 -> 3.0 back
+    assert cache["kv_cache"][0, 0, 1, 0] == 0x34 and k[0, 0, 1, 0] == 3.0 and k[0, 0, 0, 0] == 3.0
+
+
 # --- attention ------------------------------------------------------------------------------------------------------
 
 def test_paged_attention_by_hand() -> None:
