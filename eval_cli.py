@@ -74,7 +74,7 @@ def eval_cmd(specs, contexts, seeds, as_json, png, backend, dot_precision, query
     head) mix a few keys plus noise, so attention is peaked. Per format and context, averaged over seeds: relative
     L2 error and cosine of the attention output against fp32 K/V, top-8 agreement of the attended positions, and
     the relative Frobenius error of K and V. Static scales are calibrated (absmax / qmax); KIVI formats keep their
-    newest 128..159 tokens in bf16, as they do in a real cache.
+    residual window (the newest R..R+G-1 tokens: 128..159 in bf16 for the shipped ones), as a real cache does.
 
     \b
     Example:
@@ -136,12 +136,22 @@ def eval_cmd(specs, contexts, seeds, as_json, png, backend, dot_precision, query
         t.add_row(name, _fmt_bytes(r["bytes_per_token_head"]), f"{r['context']:,}", f"{r['attn_rel_l2']:.2e}",
                   f"{r['cosine']:.6f}", f"{r['topk']:.3f}", f"{r['key_rel']:.2e}", f"{r['value_rel']:.2e}")
     console.print(t)
-    if any("quantized_fraction" in r for r in rows):
-        console.print("* KIVI: the newest 128..159 tokens stay in bf16 (the format's residual window); bytes exclude "
-                      "that per-sequence window", highlight=False)
+    windows = {}  # each KIVI format's window, in the rows' order
+    for r in rows:
+        if "residual_window" in r:
+            windows.setdefault(r["format"], r["residual_window"])
+    for text in dict.fromkeys(_window_text(w) for w in windows.values()):
+        names = [n for n, w in windows.items() if _window_text(w) == text]
+        console.print(f"* {', '.join(names)}: {text} (the format's residual window); bytes exclude that "
+                      "per-sequence window", highlight=False)
     fell_back = sorted({r["format"] for r in rows if dot_precision == "quantized" and r["dot_precision"] == "auto"})
     if fell_back:
         console.print(f"dot_precision=quantized: {', '.join(fell_back)} ha{'s' if len(fell_back) == 1 else 've'} no "
                       "int8 codes and ran auto", highlight=False)
     if png:
         console.print(f"chart written to {escape(png)}", highlight=False)
+
+
+def _window_text(window: dict) -> str:
+    lo, hi = window["tokens"]
+    return f"the newest {lo}..{hi} tokens stay in {window['dtype']}"

@@ -7,8 +7,8 @@ For each format and context length, and each seed:
   * K and V quantized and decoded by :mod:`kvgen.reference` (:func:`quantize_kv`): per side ``encode_side`` /
     ``decode_side``; a static (per_tensor / per_head) scale is calibrated from the data, ``absmax / qmax`` of the
     element; a global scale (NVFP4) is ``absmax / (qmax * max of the block-scale dtype)``. KIVI formats go through
-    ``kivi_write`` / ``kivi_read`` of one sequence, written in chunks, so the newest 128..159 tokens stay in the
-    bf16 residual window exactly as the format keeps them;
+    ``kivi_write`` / ``kivi_read`` of one sequence, written in chunks, so the newest R..R+G-1 tokens (128..159 for the
+    shipped KIVI specs) stay in the residual window's dtype exactly as the format keeps them;
   * attention in float64 on the unquantized (float32) and the decoded K / V, every query attending to every
     position (a decode step), and the metrics of :func:`attention_metrics`.
 
@@ -272,7 +272,8 @@ def evaluate(formats: Optional[Sequence[str]] = None, contexts: Iterable[int] = 
              dot_precision: str = "auto", query_dtype: str = "fp32", dequantize_first=False) -> list[dict]:
     """One row per (format, context): ``format``, ``source``, ``backend``, ``bytes_per_token_head``, ``context``,
     ``seeds``, ``dot_precision`` (what the attention ran with, see :func:`ran_with`), the mean of every metric over seeds, ``per_seed`` (each metric per seed), and for KIVI
-    ``quantized_fraction`` (the share of positions stored quantized; the rest are in the bf16 residual window).
+    ``quantized_fraction`` (the share of positions stored quantized; the rest are in the residual window) and
+    ``residual_window`` (the spec's ``{"tokens": [R, R + G - 1], "dtype": ...}``: how many newest tokens it keeps).
 
     ``backend``: ``reference`` attends in float64 on the reference-decoded K / V; ``kernels`` takes the attention
     output from the format's generated kernels (kvgen.evaluate_kernels: written by its reshape-and-cache kernel,
@@ -346,6 +347,7 @@ def evaluate(formats: Optional[Sequence[str]] = None, contexts: Iterable[int] = 
         if R.is_kivi(f.spec):
             p = R.kivi_params(f.spec)
             row["quantized_fraction"] = R.quantized_length(ctx, p.G, p.R) / ctx
+            row["residual_window"] = {"tokens": [p.R, p.R + p.G - 1], "dtype": str(getattr(p.residual_dtype, "value", p.residual_dtype))}
         row["per_seed"] = r["per_seed"]
         rows.append(row)
     rows.sort(key=lambda r: (r["bytes_per_token_head"], r["format"], r["context"]))

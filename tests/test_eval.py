@@ -103,6 +103,20 @@ def test_cli_table_and_spec_path(tmp_path):
     assert "int4_norot" in res.stdout and "136" in res.stdout
 
 
+def test_cli_kivi_footnote_names_each_specs_own_window(tmp_path):
+    """The table's KIVI footnote reads the window from the spec: G = 16, R = 32 in fp32 keeps the newest 32..47."""
+    text = (SPECS / "kivi_4bit.yaml").read_text().replace("name: kivi_4bit", "name: kivi_small_window")
+    text = text.replace("group_tokens: 32", "group_tokens: 16").replace("block: 32", "block: 16")
+    text = text.replace("residual: {tokens: 128, dtype: bf16}", "residual: {tokens: 32, dtype: fp32}")
+    spec = tmp_path / "kivi_small_window.yaml"
+    spec.write_text(text)
+    res = CliRunner().invoke(eval_cmd, [str(spec), "kivi_2bit", "--context", "64", "--seeds", "1"])
+    assert res.exit_code == 0, res.output
+    out = " ".join(res.stdout.split())
+    assert "kivi_small_window: the newest 32..47 tokens stay in fp32" in out
+    assert "kivi_2bit: the newest 128..159 tokens stay in bf16" in out
+
+
 def test_cli_unknown_format_is_one_line():
     res = CliRunner().invoke(eval_cmd, ["no_such_format", "--seeds", "1"])
     assert res.exit_code == 2
