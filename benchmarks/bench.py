@@ -229,6 +229,8 @@ def write_case(fmt, num_tokens: int, block_size: int, release_pool: bool = True,
     cell = fmt.page_bytes(block_size, HKV, D) / block_size
     moved = 2 * key.numel() * key.element_size() + num_tokens * cell
     meta = {} if not fmt.spec.streaming else _write_sequences(num_tokens, block_size, num_blocks, flush_len)
+    if meta:  # the slots the metadata gives the new tokens (write() checks them where the range checks run)
+        slots = sequence_slots(meta, block_size)
     if planned:
         plan = fmt.plan_write(key, cache, slots, **meta)
         fn = lambda: plan.run(cache, key, value)  # noqa: E731
@@ -253,6 +255,17 @@ def _write_sequences(num_tokens: int, block_size: int, num_blocks: int, flush_le
                 query_start_loc=torch.arange(seqs + 1, dtype=torch.int32, device=device) * q_len,
                 seq_lens=torch.full((seqs,), length, dtype=torch.int32, device=device), block_table=table,
                 max_query_len=q_len)
+
+
+def sequence_slots(meta: dict, block_size: int) -> torch.Tensor:
+    """The slot_mapping of a streaming write's metadata: each sequence's new rows at positions seq_len - q_len + i,
+    each at its block-table slot."""
+    qsl, lens, table = meta["query_start_loc"].tolist(), meta["seq_lens"].tolist(), meta["block_table"]
+    pos = torch.cat([torch.arange(n - (b - a), n, device=table.device)
+                     for a, b, n in zip(qsl[:-1], qsl[1:], lens)])
+    seq = torch.repeat_interleave(torch.arange(len(lens), device=table.device),
+                                  torch.tensor([b - a for a, b in zip(qsl[:-1], qsl[1:])], device=table.device))
+    return table[seq, pos // block_size].long() * block_size + pos % block_size
 
 
 def sdpa_case(num_seqs: int, ctx: int, head_size: int = D, q_len: int = 1):

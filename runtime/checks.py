@@ -98,6 +98,25 @@ def slots_in_range(slot_mapping: torch.Tensor, num_slots: int) -> None:
                          "(num_blocks * block_size)")
 
 
+def slots_match_positions(slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                          query_start_loc: torch.Tensor, block_size: int) -> None:
+    """A write placed by sequence metadata (KIVI): each row inside a sequence must carry the slot that the block
+    table gives its position (``seq_len - q_len + i``); rows outside every sequence are not looked at. Run after
+    :func:`attention_ranges` (the block-table entries it reads are in range)."""
+    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for s, (a, b) in enumerate(zip(qsl[:-1], qsl[1:])):
+        if b <= a:
+            continue
+        pos = torch.arange(lens[s] - (b - a), lens[s], device=block_table.device)
+        expect = block_table[s, pos // block_size].to(torch.int64) * block_size + pos % block_size
+        got = slot_mapping[a:b].to(torch.int64)
+        wrong = (got != expect).nonzero()
+        if wrong.numel():
+            i = int(wrong[0])
+            raise ValueError(f"slot_mapping: row {a + i} (sequence {s}, position {int(pos[i])}) has slot "
+                             f"{int(got[i])}, but block_table puts that position at slot {int(expect[i])}")
+
+
 def attention_ranges(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                      num_blocks: int, block_size: int, num_tokens: int, max_query_len: Optional[int] = None) -> None:
     qsl = query_start_loc.tolist()

@@ -332,7 +332,7 @@ class Format:
         lengths after this write), ``block_table`` (int32 ``[num_seqs, max_blocks]``) and ``seq_ids`` (int32
         ``[num_seqs]``, each sequence's row in the residual buffers, one row per sequence). Rows outside every
         sequence are skipped. Their tokens go where the metadata puts them (position ``seq_lens - new + i``, its
-        block from ``block_table``): ``slot_mapping`` is only range-checked there.
+        block from ``block_table``); ``slot_mapping`` must agree with them (checked where the range checks run).
         """
         launch, ptrs, _ = self._plan_write(cache, key, value, slot_mapping, seq_ids, query_start_loc, seq_lens,
                                            block_table, max_query_len)
@@ -402,15 +402,24 @@ class Format:
         max_query_len = self._check_sequences(cache, meta, key.shape[0], max_query_len)
         if meta["seq_lens"].shape[0] == 0:
             return None, None, None
+        self._check_slots_follow_positions(cache, slots, meta)
 
         def recheck_sequences(c):  # against the longest query the launch was sized for
             checks.slots_in_range(slots, c.num_slots)
             self._check_sequences(c, meta, key.shape[0], max_query_len)
+            self._check_slots_follow_positions(c, slots, meta)
 
         launch = self._kernels.plan_write_streaming(key, meta["query_start_loc"], meta["seq_lens"],
                                                     meta["block_table"], meta["seq_ids"], max_query_len, ptrs,
                                                     consts, self.layout.RESIDUAL)
         return launch, ptrs, (recheck_sequences, slots, *meta.values())
+
+    @staticmethod
+    def _check_slots_follow_positions(cache: KVCache, slots: torch.Tensor, meta: dict) -> None:
+        """Where the range checks run: a metadata-placed write's slot_mapping agrees with its positions."""
+        if checks.costly_checks_on(slots, meta["query_start_loc"], meta["seq_lens"], meta["block_table"]):
+            checks.slots_match_positions(slots, meta["block_table"], meta["seq_lens"], meta["query_start_loc"],
+                                         cache.block_size)
 
     def _check_sequences(self, cache: KVCache, meta: dict, num_tokens: int, max_query_len: Optional[int]) -> int:
         """Checks of the sequence metadata a residual-window format needs; returns the longest query."""

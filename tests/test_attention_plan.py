@@ -18,6 +18,12 @@ DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 BLOCK, HEADS, KV_HEADS, HEAD = 16, 4, 2, 64
 
 
+def prefill_slots(table, lens, block):
+    """Each position of each sequence at the slot its block-table row gives it, sequence after sequence."""
+    return torch.cat([table[s, torch.arange(n) // block].long() * block + torch.arange(n) % block
+                      for s, n in enumerate(lens)])
+
+
 def batch(fmt, lens, q_lens, layers=2, seed=0):
     """``layers`` caches of one geometry holding different keys and values, a query per layer and the batch
     tensors (sequences of ``lens`` tokens, ``q_lens`` new ones each)."""
@@ -43,7 +49,7 @@ def batch(fmt, lens, q_lens, layers=2, seed=0):
         key = torch.randn(total, KV_HEADS, HEAD, generator=g).to(torch.bfloat16)
         value = torch.randn(total, KV_HEADS, HEAD, generator=g).to(torch.bfloat16)
         if fmt.layout.RESIDUAL:  # one prefill of every sequence through the residual window
-            fmt.write(cache, key.to(DEVICE), value.to(DEVICE), torch.zeros(total, dtype=torch.int64, device=DEVICE),
+            fmt.write(cache, key.to(DEVICE), value.to(DEVICE), prefill_slots(table, lens, block).to(DEVICE),
                       seq_ids=seq_ids.to(DEVICE), seq_lens=seq_lens.to(DEVICE), block_table=table.to(DEVICE),
                       query_start_loc=torch.tensor([0] + list(torch.tensor(lens).cumsum(0)),
                                                    dtype=torch.int32).to(DEVICE),

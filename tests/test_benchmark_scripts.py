@@ -194,7 +194,9 @@ def test_flushing_write_steps_flush_a_group_each(monkeypatch):
         t.view(torch.uint8).fill_(0xFF)
     before = {name: t.view(torch.uint8).clone() for name, t in cache.tensors.items()}
     key = torch.randn(seqs, heads, head_size, dtype=torch.bfloat16)
-    slots = torch.full((seqs,), -1, dtype=torch.int64)
+    slots = bench.sequence_slots(meta, G)
+    # sequence s's one new token is its position R + G - 1, in block (R + G - 1) // G of its row
+    assert slots.tolist() == [int(table[s, (R + G - 1) // G]) * G + (R + G - 1) % G for s in range(seqs)]
     fmt.write(cache, key, key.clone(), slots, **meta)
     pages = cache.tensors["kv_cache"].view(torch.uint8).reshape(seqs * per_seq, -1)
     changed = (pages != before["kv_cache"].reshape(seqs * per_seq, -1)).any(dim=1)

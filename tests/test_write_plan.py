@@ -36,6 +36,14 @@ def inputs(tokens: int, layers: int, seed: int = 0) -> list:
             for _ in range(layers)]
 
 
+def position_slots(table, seq_lens, q_lens, block_size: int) -> torch.Tensor:
+    """The slot_mapping an engine passes with sequence metadata: new row i of sequence s (``q_lens[s]`` of
+    ``seq_lens[s]`` tokens) at position ``seq_lens[s] - q_lens[s] + i``, slot ``table[s, p // bs] * bs + p % bs``."""
+    rows = [int(table[s, p // block_size]) * block_size + p % block_size
+            for s, (n, q) in enumerate(zip(map(int, seq_lens), map(int, q_lens))) for p in range(n - q, n)]
+    return torch.tensor(rows, dtype=torch.int64, device=table.device)
+
+
 def same_bytes(a, b) -> bool:
     return all(torch.equal(a.tensors[k].view(torch.uint8), b.tensors[k].view(torch.uint8)) for k in a.tensors)
 
@@ -123,7 +131,7 @@ def test_a_kivi_plan_writes_like_write_through_the_residual_window():
         meta = dict(seq_ids=seq_ids, block_table=table,
                     seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
                     query_start_loc=torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32, device=DEVICE))
-        slots = torch.zeros(sum(q_lens), dtype=torch.int64, device=DEVICE)  # KIVI writes by sequence, not slot
+        slots = position_slots(table, seq_lens, q_lens, planned[0].block_size)
         layers = inputs(sum(q_lens), 2, seed=step)
         plan = fmt.plan_write(layers[0][0], planned[0], slots, max_query_len=max(q_lens), **meta)
         for cache, twin, (key, value) in zip(planned, written, layers):
@@ -135,7 +143,7 @@ def test_a_kivi_plan_writes_like_write_through_the_residual_window():
     seq_lens = torch.tensor([lens[0] + 3, lens[1] + 3], dtype=torch.int32, device=DEVICE)
     meta = dict(seq_ids=seq_ids, block_table=table, seq_lens=seq_lens,
                 query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE))
-    slots = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    slots = position_slots(table, seq_lens, [1, 1], planned[0].block_size)
     plan = fmt.plan_write(inputs(2, 1)[0][0], planned[0], slots, max_query_len=1, **meta)
     for step in range(group // 2 + 3):  # across a group boundary of the shorter sequence
         (key, value), = inputs(2, 1, seed=10 + step)
@@ -143,6 +151,7 @@ def test_a_kivi_plan_writes_like_write_through_the_residual_window():
         fmt.write(written[0], key, value, slots, max_query_len=1, **meta)
         assert same_bytes(planned[0], written[0])
         seq_lens += 1
+        slots.copy_(position_slots(table, seq_lens, [1, 1], planned[0].block_size))  # in place, as an engine does
 
 
 def test_a_run_names_what_does_not_match_the_plan():
@@ -203,4 +212,29 @@ def test_a_kivi_write_refuses_two_sequences_on_one_residual_row():
                                                                                          dtype=torch.int32))
     with pytest.raises(ValueError, match="^seq_ids: sequences 0 and 1 of the batch both append to residual row 1"):
         fmt.write(cache, key, value, torch.zeros(2, dtype=torch.int64), **meta)
+    assert all(torch.equal(t, before[k]) for k, t in cache.tensors.items())
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the sequence checks read host tensors (or run with KVGEN_DEBUG)")
+def test_a_kivi_write_refuses_slots_the_block_table_does_not_give():
+    """KIVI places tokens by the sequence metadata; a slot_mapping that disagrees with it (a caller's bookkeeping
+    bug) is refused naming the row, its position and both slots, and nothing is written."""
+    fmt = kvgen.load("kivi_2bit")
+    [cache] = caches(fmt, 12, 1)
+    bs = cache.block_size
+    before = {k: t.clone() for k, t in cache.tensors.items()}
+    (key, value), = inputs(3, 1)
+    table = torch.tensor([[4, 2], [7, 9]], dtype=torch.int32)
+    meta = dict(seq_ids=torch.tensor([0, 1], dtype=torch.int32), block_table=table,
+                seq_lens=torch.tensor([bs + 2, 1], dtype=torch.int32),
+                query_start_loc=torch.tensor([0, 2, 3], dtype=torch.int32))
+    # sequence 0's new positions bs and bs + 1 are in its second block (2): slots 2 * bs and 2 * bs + 1;
+    # sequence 1's position 0 is slot 7 * bs
+    good = torch.tensor([2 * bs, 2 * bs + 1, 7 * bs], dtype=torch.int64)
+    fmt.write(caches(fmt, 12, 1)[0], key, value, good, **meta)  # accepted
+    bad = good.clone()
+    bad[1] = 4 * bs + 1  # the first block's offset: the position's slot within the wrong block
+    with pytest.raises(ValueError, match=rf"^slot_mapping: row 1 \(sequence 0, position {bs + 1}\) has slot "
+                                         rf"{4 * bs + 1}, but block_table puts that position at slot {2 * bs + 1}"):
+        fmt.write(cache, key, value, bad, **meta)
     assert all(torch.equal(t, before[k]) for k, t in cache.tensors.items())
