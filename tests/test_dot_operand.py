@@ -303,7 +303,7 @@ def test_nvfp4_takes_fixed_block_ratios():
 
 def test_block_dots_only_for_two_term_block_sides():
     """Decode takes one dot per block on the codes (BLOCK_DOTS) only where the block ratios would need two fp16 terms
-    (fp16 scales: q8_0, q4_0, KIVI's values with their fp16 minima) and blocks hold 32+ elements; one-term block
+    (fp16 scales: q8_0, q4_0 in either layout, KIVI's values with their fp16 minima) and blocks hold 32+ elements; one-term block
     formats (MX), fixed ratios (NVFP4), KIVI's keys (per channel) and per-token scales keep their operand."""
     import kvgen
 
@@ -311,7 +311,8 @@ def test_block_dots_only_for_two_term_block_sides():
         spec = kvgen.load(name).spec
         for side_name, side in (("key", spec.key), ("value", spec.value)):
             ctx = side_context(side_name, side)[0]
-            want = name in ("q8_0", "q4_0") or (name.startswith("kivi") and side_name == "value")
+            want = name in ("q8_0", "q4_0", "q8_0_separate", "q4_0_separate") or (
+                name.startswith("kivi") and side_name == "value")
             assert ctx.block_dots == want, (name, side_name)
             if ctx.block_dots:
                 assert (ctx.dot, ctx.op_terms, ctx.tok) == ("fp16", 2, "block") and ctx.zp in ("none", "float"), name

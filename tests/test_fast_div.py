@@ -28,9 +28,9 @@ def test_fast_division_where_the_scales_allow():
         spec = kvgen.load(name).spec
         for side in {fast_division(spec.key), fast_division(spec.value)} - {""}:
             verdicts.setdefault(side, set()).add(name)
-    assert verdicts == {FAST_ALWAYS: {"q4_0", "kivi_2bit", "kivi_4bit"},
-                        FAST_GUARDED: {"int8_asym_per_token_head", "int4_per_token_head",
-                                       "int4_per_token_head_separate"},
+    assert verdicts == {FAST_ALWAYS: {"q4_0", "q4_0_separate", "kivi_2bit", "kivi_4bit"},
+                        FAST_GUARDED: {"int8_asym_per_token_head", "int8_asym_per_token_head_separate",
+                                       "int4_per_token_head", "int4_per_token_head_separate"},
                         FAST_SCALED: {"nvfp4", "nvfp4_separate"}}
 
 

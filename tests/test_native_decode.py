@@ -506,4 +506,4 @@ def test_biased_decoder_comes_with_its_subtraction(name):
         taken = source.count(f" + 1024).to({p}_tile.dtype)[:, None]")
         assert biased == taken, (name, p, biased, taken)
         # the shipped sides with a byte code and its zero point per row (a new such format belongs in this list)
-        assert (taken > 0) == (name in ("int8_asym_per_token_head",)), (name, p)
+        assert (taken > 0) == (name in ("int8_asym_per_token_head", "int8_asym_per_token_head_separate")), (name, p)

@@ -158,13 +158,14 @@ def test_decode_plans_fold_rows(name):
 
 
 def test_row_fold_kinds():
-    """Every shipped format's kernel has one kind of FOLD_ROWS: KIVI the key fold's, q8_0 / q4_0 the stacked
-    blocks', every other format the live rows' (one dot per side)."""
+    """Every shipped format's kernel has one kind of FOLD_ROWS: KIVI the key fold's, q8_0 / q4_0 (either layout) the
+    stacked blocks', every other format the live rows' (one dot per side)."""
     names = kvgen.shipped_names()
     assert {"kivi_2bit", "q8_0", "q4_0", "bf16", "nvfp4"} <= set(names)
     for name in names:
         module = kvgen.load(name)._kernels.module
-        want = "key" if name.startswith("kivi") else "blocks" if name in ("q8_0", "q4_0") else "live"
+        blocks = ("q8_0", "q4_0", "q8_0_separate", "q4_0_separate")
+        want = "key" if name.startswith("kivi") else "blocks" if name in blocks else "live"
         assert module.ROW_FOLD == want, (name, module.ROW_FOLD)
 
 

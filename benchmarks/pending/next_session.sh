@@ -12,7 +12,6 @@
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs (H200: s43's H100 had no slowdown), KIVI's flush profile
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
 #   bash benchmarks/pending/next_session.sh kivicases  # kivi_2bit's stream cases at 2 KV heads, head sizes 32 / 64 (12; 7 not yet run on this tree), the lane-reduction fault (~120 s?)
-#   bash benchmarks/pending/next_session.sh sepspecs   # fp8 / int8 asym per token-head, mixed_k8_v4, q8_0, q4_0 with separate scales (unshipped specs) against their cells (~500 s?)
 #   bash benchmarks/pending/next_session.sh kivitiles  # KIVI's decode tiles after the code orders (4 programs per SM at 128 registers; 128 positions a step) (~200 s?)
 #   bash benchmarks/pending/next_session.sh kivinext   # kivi-decode-next(-ktok).patch: KIVI's group scores without the terms' permute, timed and GPU-tested (~400 s?)
 #   bash benchmarks/pending/next_session.sh int4more   # write-int4-more.patch: int4 per token-head's finite tiles round in one add and one clamp; 8 tokens per program (~250 s?)
@@ -63,13 +62,14 @@
 # their patches removed (git history: the s53 merge's parent, c898c61); s54 (H100,
 # benchmarks/results_2026-12-07_h100_s54.md) ran packint (packsub and intdecode together: the subnormal codes
 # rejected, their patches removed, git history at 4cc24fd), nvscale, int4write and nvwrite (the three patches merged);
-# those six steps and kivisub removed.
+# those six steps and kivisub removed; s55 (H100, benchmarks/results_2026-12-07_h100_s55.md) ran tests (687 passed)
+# and sepspecs (the five separate-scale specs shipped; the step removed).
 #
 # Steps in priority order; each prints how long it took.
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivinext, int4more, intdecode, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, kivitiles, kivinext, int4more, intdecode, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -200,28 +200,6 @@ case "$step" in
     timeout 300 python3 benchmarks/pending/kivi_layout_cases.py --formats kivi_2bit --heads 2 --head-sizes 32 64 \
       2>&1 | tee "$out/kivicases.txt" | grep -v "^kivi.* ok$"
     ;;
-  sepspecs)
-    # three unshipped specs here (fifty-third session, static only), each a shipped inline cell's bytes with the fp32
-    # scales (int8 asym: and zero points) out of the cell, as int4_per_token_head_separate (H100: decode 607 -> 424 us
-    # at 64 x 8192) and int8_per_token_head_separate: their GPU conformance, decode against the cell at three shapes
-    # (the rules' tiles, then 128/4/2/168: the rules give 16-byte code rows three stages, 2 programs per SM), the
-    # writes. Static (sm_90, 64 x 8192, instructions per position / programs per SM): fp8 per token-head 9.4 / 3 ->
-    # 5.8 / 2 (5.7 / 3 at 128/4/2/168), mixed_k8_v4 8.0 / 3 -> 7.9 / 2 (7.7 / 3), int8 asym 10.1 / 3 -> 7.2 / 2 (7.2 / 3).
-    # And the block formats' fp16 scales out of their 8-byte aligned cells (their rules' tiles: the second column
-    # repeats them at 3 programs per SM): q8_0 11.1 -> 8.8 / 3, q4_0 9.7 -> 9.7 / 4 (copies 10 x 8 -> 2 x 8 + 8 x 16
-    # bytes). Ship those that read faster
-    for spec in fp8_per_token_head mixed_k8_v4 int8_asym_per_token_head q8_0 q4_0; do
-      SEP=benchmarks/pending/${spec}_separate.yaml
-      timeout 100 python3 -m kvgen.cli test "$SEP" --examples 10 2>&1 | tee -a "$out/sepspecs_test.txt" | tail -3
-      timeout 150 python3 benchmarks/tune_tiles.py $spec "$SEP" --configs rt 128/4/2/168 --programs-per-sm 3 \
-        --shapes 64x8192 4x65536 256x1024 --cuda-graphs 2>&1 | tee -a "$out/sepspecs_decode.txt" | grep "^|"
-    done
-    timeout 80 python3 benchmarks/time_writes.py fp8_per_token_head benchmarks/pending/fp8_per_token_head_separate.yaml \
-      mixed_k8_v4 benchmarks/pending/mixed_k8_v4_separate.yaml int8_asym_per_token_head \
-      benchmarks/pending/int8_asym_per_token_head_separate.yaml q8_0 benchmarks/pending/q8_0_separate.yaml q4_0 \
-      benchmarks/pending/q4_0_separate.yaml --tokens 32768 256 --rounds 2 2>&1 \
-      | tee "$out/sepspecs_writes.txt" | grep "^|"
-    ;;
   kivitiles)
     # KIVI's decode after the code orders (s53: kivi_2bit 861, kivi_4bit 902 us at 64 x 8192 on the H100, 1.21-1.27x
     # bf16, with 0.19-0.31x its bytes: its instructions and their latency set the pace, not the bytes). Static (sm_90,
@@ -333,7 +311,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, sepspecs, kivitiles, kivinext, int4more, intdecode, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, kivitiles, kivinext, int4more, intdecode, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
