@@ -68,11 +68,12 @@ def build(paths, out_dir, check):
     out = Path(out_dir) if out_dir else DEFAULT_OUT
     results = build_paths(paths, out, check=check)
     stale = [r for r in results if r.changed]
+    width = max((len(r.name) for r in results if r.name != "__init__"), default=0)
     for r in results:
         if r.name == "__init__":
             continue
         state = ("stale" if check else "written") if r.changed else "up to date"
-        console.print(f"  {r.name:<28} {state:<11} {r.out_dir}", highlight=False)
+        console.print(f"  {r.name:<{width}} {state:<11} {r.out_dir}", highlight=False)
     if check and stale:
         for r in stale:
             for name, diff in r.diffs.items():
@@ -126,10 +127,12 @@ def _formats_table(names, block_size, num_kv_heads, head_size) -> Table:
     from .runtime.loader import load
 
     t = Table(title=f"Page sizes at block size {block_size}, {num_kv_heads} KV heads, head size {head_size}")
-    t.add_column("format", no_wrap=True)
-    t.add_column("K+V B/tok/head", justify="right", no_wrap=True)
-    t.add_column("page B", justify="right", no_wrap=True)
-    t.add_column("vs bf16", justify="right", no_wrap=True)
+    names = list(names)
+    t.add_column("format", no_wrap=True, min_width=max(map(len, names), default=6))  # names never cut short
+    # at 80 columns the numbers' headers and "(block 32)" wrap so that the scales keep a column
+    t.add_column("K+V B/tok/head", justify="right", min_width=10)
+    t.add_column("page B", justify="right", min_width=6)
+    t.add_column("vs bf16", justify="right", min_width=5)
     t.add_column("scales", overflow="fold", min_width=12)
     base = None
     rows = []
@@ -374,9 +377,18 @@ def test_cmd(specs, examples, device, dequantize_first):
         t.add_column(p)
     failed = 0
     details = []
+    formats, given_as = [], {}
+    for spec in specs:  # every SPEC loads (or names its problem) before any case runs
+        fmt = load(spec)
+        if fmt.name in given_as and given_as[fmt.name] == spec:
+            raise OptionError(f"SPEC: {spec} is given twice")
+        if fmt.name in given_as:
+            raise OptionError(f"SPEC: {spec} and {given_as[fmt.name]} both define format '{fmt.name}': test them "
+                              "one at a time (or rename one)")
+        given_as[fmt.name] = spec
+        formats.append(fmt)
     with Progress(console=console, transient=True) as progress:
-        for spec in specs:
-            fmt = load(spec)
+        for fmt in formats:
             task = progress.add_task(f"{fmt.name}", total=examples)
             try:
                 report = check(fmt, examples, device, on_example=lambda n: progress.update(task, completed=n),

@@ -39,6 +39,29 @@ def run_kvgen(*args, columns=200, **env):
     return r
 
 
+def test_test_refuses_two_specs_of_one_name(tmp_path):
+    """Two SPECs defining one format name would print two rows of one name: refused before any case runs."""
+    text = (ROOT / "specs" / "q4_0.yaml").read_text()
+    (tmp_path / "a.yaml").write_text(text)
+    (tmp_path / "b.yaml").write_text(text.replace("scale = amax / 7", "scale = amax / 7 (a copy)"))
+    r = run_kvgen("test", tmp_path / "a.yaml", tmp_path / "b.yaml", "--examples", "1")
+    assert r.returncode == 2 and "both define format 'q4_0'" in r.stderr and "b.yaml" in r.stderr, r.stderr
+    r = run_kvgen("test", "q4_0", "q4_0", "--examples", "1")
+    assert r.returncode == 2 and "SPEC: q4_0 is given twice" in r.stderr, r.stderr
+
+
+def test_python_dash_m_kvgen_is_the_kvgen_command():
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "kvgen", "list", "--head-size", "64"], capture_output=True, text=True,
+                       env=dict(os.environ, COLUMNS="200", TRITON_INTERPRET="1"), timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Page sizes at block size 16, 8 KV heads, head size 64" in r.stdout and "q4_0_separate" in r.stdout
+    bad = subprocess.run([sys.executable, "-m", "kvgen", "show", "no_such_format"], capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 2 and "Usage: kvgen" not in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
 ALL = ["build", "validate", "list", "show", "demo", "test", "schema", "doctor", "plan", "import-scheme", "calibrate",
        "eval"]
 
