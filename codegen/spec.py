@@ -209,12 +209,12 @@ class ScaleSpec(_Strict):
                 object.__setattr__(self, "placement", Placement.inline)
         if g == Granularity.per_block and self.block is None:
             raise ValueError("granularity per_block needs 'block' (elements per scale, e.g. 16 or 32)")
+        if g != Granularity.per_block and self.block is not None:
+            raise ValueError(f"'block' only applies to granularity per_block, not {g.value}")
         if self.block is not None and self.block & (self.block - 1):
             raise ValueError(f"'block' must be a power of two (it divides the head size), got {self.block}")
         if self.global_scale and g.is_static:
             raise ValueError("'global_scale' is a second level above dynamic scales; a static scale needs none")
-        if g != Granularity.per_block and self.block is not None:
-            raise ValueError(f"'block' only applies to granularity per_block, not {g.value}")
         if g == Granularity.per_channel_group and self.group_tokens is None:
             raise ValueError("granularity per_channel_group needs 'group_tokens' (G)")
         if self.group_tokens is not None and self.group_tokens & (self.group_tokens - 1):

@@ -311,6 +311,29 @@ def test_token_group_that_is_not_a_power_of_two(tmp_path):
     assert "power of two" in err.message and "24" in err.message
 
 
+BLOCK_ON_TOKEN_HEAD = """\
+name: b24
+key:
+  element: int8
+  scale:
+    granularity: per_token_head
+    block: 24
+value:
+  element: int8
+  scale: {granularity: per_token_head}
+"""
+
+
+def test_block_on_a_granularity_without_blocks_says_so_first(tmp_path):
+    """'block' on a per-token-head scale is the mistake, whatever its value: the error says it only applies to
+    per_block rather than asking for a power of two."""
+    p = write(tmp_path, "b24.yaml", BLOCK_ON_TOKEN_HEAD)
+    err = spec_error(p)
+    assert err.field in ("key.scale", "key.scale.block"), str(err)
+    assert "'block' only applies to granularity per_block, not per_token_head" in err.message, str(err)
+    assert "power of two" not in err.message
+
+
 ZP_FLOAT = """\
 name: zp
 key:
