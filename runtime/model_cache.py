@@ -23,6 +23,10 @@ except ImportError:
 
 ScalePair = tuple  # (k_scale, v_scale): floats or per-head sequences
 
+# the arguments only a residual-window (KIVI) layer takes: in a model mixing such layers with skip layers, the
+# metadata passed for the model reaches the others without them
+SEQUENCE_ONLY = {"write": ("seq_ids", "query_start_loc", "seq_lens", "block_table"), "attend": ("seq_ids",)}
+
 
 class ModelKVCache:
     """Per-layer caches of one model sharing block ids. Build it with :func:`model_cache`."""
@@ -58,6 +62,7 @@ class ModelKVCache:
                 warnings.simplefilter("ignore")  # one warning for the whole model, below
                 self.layers.append(fmt.allocate(num_blocks, block_size, num_kv_heads, head_size, device=device,
                                                 **kwargs))
+        self._streaming = any(fmt.spec.streaming for fmt in self.formats)
         if missing:
             warnings.warn(f"kvgen: no K/V scales for layers {format_layers(missing)}; using 1.0 there. Load them from the "
                           "checkpoint (kvgen.scales.load_scales) or calibrate them (kvgen calibrate).", stacklevel=3)
@@ -79,13 +84,21 @@ class ModelKVCache:
         """Bytes per block lost to padding every layer's page to ``padded_page_bytes``."""
         return sum(self.padded_page_bytes - self.page_bytes(i) for i in range(len(self)))
 
+    def _layer_kwargs(self, fmt: Format, kwargs: dict, call: str) -> dict:
+        """``kwargs`` for one layer: a layer without a residual window, in a model with such layers, does without
+        their sequence arguments (a model without any keeps them, so that a stray one is still an error)."""
+        if not self._streaming or fmt.spec.streaming:
+            return kwargs
+        return {k: v for k, v in kwargs.items() if k not in SEQUENCE_ONLY[call]}
+
     def _check_layer(self, layer) -> None:
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < len(self.layers):
             raise ValueError(f"layer: {layer!r} is not a layer index in [0, {len(self.layers)})")
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, **kwargs) -> None:
         self._check_layer(layer)
-        self.formats[layer].write(self.layers[layer], key, value, slot_mapping, **kwargs)
+        fmt = self.formats[layer]
+        fmt.write(self.layers[layer], key, value, slot_mapping, **self._layer_kwargs(fmt, kwargs, "write"))
 
     def plan_write(self, key: torch.Tensor, slot_mapping: torch.Tensor, **kwargs) -> "ModelWritePlan":
         """One step's write for every layer: ``Format.plan_write`` once per distinct format (``key`` stands for
@@ -95,14 +108,17 @@ class ModelKVCache:
         by_format: dict[int, object] = {}
         for i, fmt in enumerate(self.formats):
             if id(fmt) not in by_format:
-                by_format[id(fmt)] = fmt.plan_write(key, self.layers[i], slot_mapping, **kwargs)
+                by_format[id(fmt)] = fmt.plan_write(key, self.layers[i], slot_mapping,
+                                                    **self._layer_kwargs(fmt, kwargs, "write"))
             plans[i] = by_format[id(fmt)]
         return ModelWritePlan(self, plans)
 
     def attend(self, layer: int, query: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                query_start_loc: torch.Tensor, **kwargs) -> torch.Tensor:
         self._check_layer(layer)
-        return self.formats[layer].attend(query, self.layers[layer], block_table, seq_lens, query_start_loc, **kwargs)
+        fmt = self.formats[layer]
+        return fmt.attend(query, self.layers[layer], block_table, seq_lens, query_start_loc,
+                          **self._layer_kwargs(fmt, kwargs, "attend"))
 
     def plan_attention(self, query: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                        query_start_loc: torch.Tensor, **kwargs) -> "ModelAttentionPlan":
@@ -114,7 +130,7 @@ class ModelKVCache:
         for i, fmt in enumerate(self.formats):
             if id(fmt) not in by_format:
                 by_format[id(fmt)] = fmt.plan_attention(query, self.layers[i], block_table, seq_lens,
-                                                        query_start_loc, **kwargs)
+                                                        query_start_loc, **self._layer_kwargs(fmt, kwargs, "attend"))
             plans[i] = by_format[id(fmt)]
         return ModelAttentionPlan(self, plans)
 
@@ -150,7 +166,8 @@ def model_cache(fmt: Union[str, Format], num_layers: int, num_blocks: int, block
     """A model cache with ``fmt`` on every layer except ``skip_layers``, which keep the model dtype (bf16 / fp16).
 
     ``scales``: per-layer static scales, e.g. from :func:`kvgen.scales.load_scales`; layers without them use 1.0
-    and one warning names them.
+    and one warning names them. With a residual-window format (KIVI), pass its sequence arguments (``seq_ids``, and
+    for writes the batch metadata) to the model's calls: the skip layers do without them.
     """
     if model_dtype not in ("bf16", "fp16"):
         raise ValueError(f"model_dtype: expected 'bf16' or 'fp16', got {model_dtype!r}")

@@ -117,3 +117,41 @@ def test_a_step_write_planned_for_every_layer_writes_like_write():
     assert not torch.equal(planned.layers[0].tensors["kv_cache"], planned.layers[2].tensors["kv_cache"])
     with pytest.raises(ValueError, match="^layer: -1 is not a layer index"):
         plan.run(-1, *layers[0])
+
+
+def test_kivi_with_skip_layers_takes_the_sequence_arguments_for_the_model():
+    """A KIVI model with a bf16 skip layer (what `kvgen plan --skip-layers` suggests): the sequence arguments passed
+    for the model reach the KIVI layers, the skip layer writes by slot and attends without seq_ids; planned runs
+    match the plain calls. A model without a residual-window layer still refuses seq_ids."""
+    m = kvgen.model_cache("kivi_2bit", 2, 4, 32, H, D, skip_layers=[1], max_seqs=2, device=DEVICE)
+    plain = kvgen.load("bf16")
+    g = torch.Generator().manual_seed(3)
+    table = torch.tensor([[2, 0], [3, 1]], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([7, 5], dtype=torch.int32, device=DEVICE)
+    qsl = torch.tensor([0, 7, 12], dtype=torch.int32, device=DEVICE)
+    slots = torch.cat([torch.arange(64, 71), torch.arange(96, 101)]).to(DEVICE)  # blocks 2 and 3 from offset 0
+    meta = dict(seq_ids=torch.tensor([1, 0], dtype=torch.int32, device=DEVICE), query_start_loc=qsl, seq_lens=lens,
+                block_table=table)
+    kv = [(torch.randn(12, H, D, generator=g).to(DEVICE), torch.randn(12, H, D, generator=g).to(DEVICE))
+          for _ in range(2)]
+    plan = m.plan_write(kv[0][0], slots, **meta)
+    for layer, (k, v) in enumerate(kv):
+        plan.run(layer, k, v)
+    twin = kvgen.model_cache("kivi_2bit", 2, 4, 32, H, D, skip_layers=[1], max_seqs=2, device=DEVICE)
+    for layer, (k, v) in enumerate(kv):
+        twin.write(layer, k, v, slots, **meta)
+        for name, t in m.layers[layer].tensors.items():
+            assert torch.equal(t.view(torch.uint8), twin.layers[layer].tensors[name].view(torch.uint8)), name
+    # the skip layer holds the bf16 keys at the slots
+    got = m.layers[1].tensors["kv_cache"].reshape(-1, H, 2 * D)[slots, :, :D].float()
+    assert torch.equal(got, kv[1][0].to(torch.bfloat16).float())
+    q = torch.randn(12, 2 * H, D, generator=g).to(DEVICE)
+    attn = m.plan_attention(q, table, lens, qsl, seq_ids=meta["seq_ids"], max_query_len=7)
+    for layer in range(2):
+        want = m.attend(layer, q, table, lens, qsl, seq_ids=meta["seq_ids"], max_query_len=7)
+        assert torch.equal(attn.run(layer, q), want)
+    assert torch.equal(m.attend(1, q, table, lens, qsl, seq_ids=meta["seq_ids"]),
+                       plain.attend(q, m.layers[1], table, lens, qsl))
+    fp8 = kvgen.model_cache("fp8_e4m3", 2, 4, 32, H, D, skip_layers=[1], scales={0: (1.0, 1.0)}, device=DEVICE)
+    with pytest.raises(ValueError, match="seq_ids"):
+        fp8.attend(1, q, table, lens, qsl, seq_ids=meta["seq_ids"])
