@@ -887,5 +887,7 @@ class WritePlan:
         _check_planned("value", value, self._key)
         if self._recheck is not None and checks.costly_checks_on(*self._recheck[1:]):
             self._recheck[0](cache)  # write()'s range checks of the slots and sequences, as they read now
+        if checks.costly_checks_on(key):  # and its check of this layer's static scales
+            self.format._check_static_scales(cache.tensors, "cache.tensors['{}']")
         if self._launch is not None:
             self.format._kernels.run_write(self._launch, key, value, ptrs, self._bound)

@@ -99,6 +99,25 @@ def test_a_run_checks_slots_updated_in_place_as_write_does():
         plan.run(cache, key, value)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the scale checks read host tensors (or run with KVGEN_DEBUG)")
+def test_a_run_checks_each_layers_static_scales_as_write_does():
+    """A run checks the static scales of the cache it writes (one plan serves layers of different scales): a scale
+    set to -1 in place is refused as write() refuses it, and nothing is written."""
+    fmt = kvgen.load("fp8_e4m3")
+    slots = torch.tensor([1, 2, 3], dtype=torch.int64)
+    good, bad = caches(fmt, 2, 2)
+    [(key, value)] = inputs(3, 1)
+    plan = fmt.plan_write(key, good, slots)
+    plan.run(good, key, value)
+    bad.tensors["k_scale"].fill_(-1.0)
+    before = bad.tensors["kv_cache"].clone()
+    with pytest.raises(ValueError, match=r"^cache.tensors\['k_scale'\]: scales must be finite and positive"):
+        fmt.write(bad, key, value, slots)
+    with pytest.raises(ValueError, match=r"^cache.tensors\['k_scale'\]: scales must be finite and positive"):
+        plan.run(bad, key, value)
+    assert torch.equal(bad.tensors["kv_cache"], before)
+
+
 def test_a_cache_given_new_storage_is_written_there():
     """Tensors an engine replaces in the cache, or gives new storage in place (set_), after planning are checked
     again and written through their new storage, not the planned one."""
