@@ -120,9 +120,9 @@ def slots_match_positions(slot_mapping: torch.Tensor, block_table: torch.Tensor,
 def attention_ranges(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                      num_blocks: int, block_size: int, num_tokens: int, max_query_len: Optional[int] = None) -> None:
     qsl = query_start_loc.tolist()
-    if qsl[0] != 0 or qsl[-1] != num_tokens:
-        raise ValueError(f"query_start_loc: must start at 0 and end at the number of query tokens {num_tokens}, "
-                         f"got {qsl[0]} ... {qsl[-1]}")
+    if qsl[0] != 0 or qsl[-1] > num_tokens:
+        raise ValueError(f"query_start_loc: must start at 0 and end at most at the number of query tokens "
+                         f"{num_tokens} (rows past its end are padding), got {qsl[0]} ... {qsl[-1]}")
     lens = seq_lens.tolist()
     longest = max((b - a for a, b in zip(qsl[:-1], qsl[1:])), default=0)
     if max_query_len is not None and max_query_len < longest:

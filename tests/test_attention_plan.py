@@ -200,3 +200,22 @@ def test_a_run_checks_batch_tensors_updated_in_place_as_attend_does(edit, arg):
     edit(meta)
     with pytest.raises(ValueError, match=f"^{arg}: "):
         plan.run(queries[0], caches[0])
+
+
+@pytest.mark.parametrize("name,kwargs", [("fp8_e4m3", {}), ("fp8_e4m3", {"num_splits": 2}),
+                                         ("fp8_e4m3", {"dequantize_first": True}), ("q4_0", {}), ("kivi_2bit", {})])
+def test_padding_rows_past_the_last_sequence_leave_the_real_rows_alone(name, kwargs):
+    """A CUDA-graph-padded batch: the query has rows past query_start_loc[-1]. They are padding: the real rows'
+    output is the unpadded batch's bit for bit, from attend() and from a plan (whose padded shape stays fixed)."""
+    fmt = kvgen.load(name)
+    [cache], [query], meta = batch(fmt, lens=[40, 23], q_lens=[2, 1], layers=1)
+    n = query.shape[0]
+    padded = torch.cat([query, torch.full((3, HEADS, HEAD), 7.0, dtype=query.dtype, device=DEVICE)])
+    want = fmt.attend(query, cache, **meta, **kwargs)
+    got = fmt.attend(padded, cache, **meta, **kwargs)
+    assert got.shape == padded.shape and torch.equal(got[:n], want)
+    plan = fmt.plan_attention(padded, cache, **meta, **kwargs)
+    assert torch.equal(plan.run(padded, cache)[:n], want)
+    if DEVICE == "cpu":  # the range checks run on host tensors: ending past the query's rows is refused
+        with pytest.raises(ValueError, match=r"^query_start_loc: must start at 0 and end at most at the number"):
+            fmt.attend(query[:n - 1], cache, **meta, **kwargs)

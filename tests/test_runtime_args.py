@@ -180,7 +180,7 @@ ATTEND_CASES = {
     "block_table_rows": ("block_table", dict(block_table=torch.tensor([[2, 0], [1, 3]], dtype=I32)), ("2",)),
     "block_table_1d": ("block_table", dict(block_table=torch.tensor([2, 0], dtype=I32)), ()),
     "query_start_loc_length": ("query_start_loc", dict(query_start_loc=torch.tensor([0, 1, 3], dtype=I32)), ()),
-    "query_start_loc_end": ("query_start_loc", dict(query_start_loc=torch.tensor([0, 2], dtype=I32)), ()),
+    "query_start_loc_end": ("query_start_loc", dict(query_start_loc=torch.tensor([0, 4], dtype=I32)), ("4",)),  # past the 3 rows
     "query_start_loc_start": ("query_start_loc", dict(query_start_loc=torch.tensor([1, 3], dtype=I32)), ()),
     "seq_lens_int64": ("seq_lens", dict(seq_lens=torch.tensor([20], dtype=torch.int64)), ("int64",)),
     "seq_len_below_query_count": ("seq_lens", dict(seq_lens=torch.tensor([2], dtype=I32)), ("2", "3")),
