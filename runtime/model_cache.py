@@ -122,17 +122,31 @@ class ModelKVCache:
 
     def plan_attention(self, query: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                        query_start_loc: torch.Tensor, **kwargs) -> "ModelAttentionPlan":
-        """One step's attention for every layer: ``Format.plan_attention`` once per distinct format (``query``
-        stands for every layer's), then ``plan.run(layer, query)`` per layer. Keyword arguments as for
-        ``Format.plan_attention``."""
+        """One step's attention for every layer: ``Format.plan_attention`` once per distinct format and sliding
+        window (``query`` stands for every layer's), then ``plan.run(layer, query)`` per layer. Keyword arguments as
+        for ``Format.plan_attention``; ``sliding_window`` may also be one entry per layer (None for a full layer), for
+        models that mix windowed and full attention."""
+        windows = self._layer_windows(kwargs.pop("sliding_window", None))
         plans: dict[int, object] = {}
-        by_format: dict[int, object] = {}
+        by_format: dict[tuple, object] = {}
         for i, fmt in enumerate(self.formats):
-            if id(fmt) not in by_format:
-                by_format[id(fmt)] = fmt.plan_attention(query, self.layers[i], block_table, seq_lens,
-                                                        query_start_loc, **self._layer_kwargs(fmt, kwargs, "attend"))
-            plans[i] = by_format[id(fmt)]
+            key = (id(fmt), windows[i])
+            if key not in by_format:
+                by_format[key] = fmt.plan_attention(query, self.layers[i], block_table, seq_lens, query_start_loc,
+                                                    sliding_window=windows[i],
+                                                    **self._layer_kwargs(fmt, kwargs, "attend"))
+            plans[i] = by_format[key]
         return ModelAttentionPlan(self, plans)
+
+    def _layer_windows(self, sliding_window) -> list:
+        """Each layer's sliding window from one value for all (None or an int) or a sequence of one per layer."""
+        if sliding_window is None or isinstance(sliding_window, int):
+            return [sliding_window] * len(self.layers)
+        windows = list(sliding_window)
+        if len(windows) != len(self.layers):
+            raise ValueError(f"sliding_window: {len(windows)} entries for {len(self.layers)} layers (give one "
+                             "window, or one per layer with None for a full-attention layer)")
+        return windows
 
 
 class ModelWritePlan:

@@ -155,3 +155,28 @@ def test_kivi_with_skip_layers_takes_the_sequence_arguments_for_the_model():
     fp8 = kvgen.model_cache("fp8_e4m3", 2, 4, 32, H, D, skip_layers=[1], scales={0: (1.0, 1.0)}, device=DEVICE)
     with pytest.raises(ValueError, match="seq_ids"):
         fp8.attend(1, q, table, lens, qsl, seq_ids=meta["seq_ids"])
+
+
+def test_a_model_plan_takes_a_sliding_window_per_layer():
+    """Models that mix windowed and full layers: one window per layer (None = full), one plan per distinct format
+    and window; each layer's run equals attend() with that layer's window."""
+    m = kvgen.model_cache("fp8_e4m3", 3, BLOCKS, BS, H, D, skip_layers=[2], scales={0: (0.5, 0.5), 1: (0.5, 0.5)},
+                          device=DEVICE)
+    g = torch.Generator().manual_seed(4)
+    table = torch.tensor([[2, 0, 4]], dtype=torch.int32, device=DEVICE)
+    slots = (table[0, torch.arange(11, device=DEVICE) // BS].long() * BS + torch.arange(11, device=DEVICE) % BS)
+    for layer in range(3):
+        m.write(layer, torch.randn(11, H, D, generator=g).to(DEVICE), torch.randn(11, H, D, generator=g).to(DEVICE),
+                slots)
+    lens = torch.tensor([11], dtype=torch.int32, device=DEVICE)
+    qsl = torch.tensor([0, 3], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(3, 2 * H, D, generator=g).to(DEVICE)
+    windows = [4, None, 4]
+    plan = m.plan_attention(q, table, lens, qsl, sliding_window=windows)
+    outs = [plan.run(layer, q) for layer in range(3)]
+    for layer, w in enumerate(windows):
+        assert torch.equal(outs[layer], m.attend(layer, q, table, lens, qsl, sliding_window=w))
+    # the window matters: layer 0 with and without it differ
+    assert not torch.equal(outs[0], m.attend(0, q, table, lens, qsl))
+    with pytest.raises(ValueError, match=r"^sliding_window: 2 entries for 3 layers"):
+        m.plan_attention(q, table, lens, qsl, sliding_window=[4, None])
