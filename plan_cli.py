@@ -125,7 +125,8 @@ def plan(config_path, formats, gpu_memory, skip_layers, block_size, tp, context,
     for p in plans:
         if p.residual_bytes_per_seq:
             console.print(f"* {p.format}: each sequence also keeps a {p.residual_bytes_per_seq:,} B full-precision "
-                          f"residual window (counted in the sequences column)", highlight=False)
+                          f"residual window: the blocks column is what fits beside the sequences column's windows "
+                          f"(allocate those blocks with max_seqs = that many sequences)", highlight=False)
         for note in p.notes:
             if "residual" not in note:
                 console.print(f"[yellow]note:[/] {escape(p.format)}: {escape(note)}", highlight=False)

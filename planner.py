@@ -29,7 +29,9 @@ Capacity: ``num_blocks = budget // bytes_per_block``; ``max_tokens = num_blocks 
 ``bytes_per_token = bytes_per_block / block_size``. Concurrent sequences at context C need ``ceil(C / block_size)``
 blocks each: ``max_seqs = num_blocks // ceil(C / block_size)``. KIVI formats also keep a full-precision residual
 window per sequence and quantized layer (``fmt.residual_bytes(heads_per_rank, head_size)``), so
-``max_seqs = budget // (ceil(C / block_size) * bytes_per_block + residual_per_seq)``.
+``max_seqs = budget // (ceil(C / block_size) * bytes_per_block + residual_per_seq)``, and the blocks are what the
+budget holds beside those max_seqs windows: ``num_blocks = (budget - max_seqs * residual_per_seq) //
+bytes_per_block`` (an engine allocates exactly ``num_blocks`` pages and ``max_seqs`` residual rows).
 Every layer holds the whole context: sliding-window layers are not trimmed to their window (vLLM's hybrid
 allocator can do that; this plan is the conservative, uniform-allocator figure).
 
@@ -289,9 +291,9 @@ def _page(fmt, block_size: int, heads: int, head_size: int) -> int:
 
 
 def _capacity(budget, block_size, context, per_block, residual):
-    num_blocks = budget // per_block
     blocks_per_seq = -(-context // block_size)
     max_seqs = budget // (blocks_per_seq * per_block + residual)
+    num_blocks = (budget - max_seqs * residual) // per_block  # beside max_seqs residual windows (KIVI)
     return num_blocks, num_blocks * block_size, blocks_per_seq, max_seqs
 
 
