@@ -7,6 +7,7 @@
 #   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~450 s)
 #   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~350 s?)
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~350 s?; prefill dequantize-first rows new)
+#   bash benchmarks/pending/next_session.sh bench3     # bench.py, the five separate-scale formats of s55 (~250 s?)
 #   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused near auto's counts: H200, hs 64 / 256, groups 1 / 8 (~550 s?)
 #   bash benchmarks/pending/next_session.sh crossover2 # head sizes 64 / 256 near the counts, nvfp4's (~400 s?)
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs (H200: s43's H100 had no slowdown), KIVI's flush profile
@@ -69,7 +70,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, kivitiles, kivinext, int4more, intdecode, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, bench3, crossover, crossover2, writes, writeprof, kivicases, kivitiles, kivinext, int4more, intdecode, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -178,6 +179,12 @@ case "$step" in
   bench2)
     timeout 560 python3 benchmarks/bench.py --cuda-graphs --out "$out/benchB" --formats bf16 mixed_k8_v4 mxfp8 \
       mxfp4 nvfp4 nvfp4_separate q4_0 kivi_2bit kivi_4bit 2>&1 | tee "$out/bench2.txt" | grep "^|"
+    ;;
+  bench3)
+    # the five separate-scale formats shipped in the fifty-fifth session (timed there on an H100 only)
+    timeout 560 python3 benchmarks/bench.py --cuda-graphs --out "$out/benchC" --formats bf16 \
+      fp8_per_token_head_separate int8_asym_per_token_head_separate mixed_k8_v4_separate q8_0_separate \
+      q4_0_separate 2>&1 | tee "$out/bench3.txt" | grep "^|"
     ;;
   writeprof)
     # the writes under 70% of copy bandwidth (H200 s27), profiled as they are: issue-bound (s13's profile: issue
