@@ -347,7 +347,8 @@ def evaluate(formats: Optional[Sequence[str]] = None, contexts: Iterable[int] = 
         if R.is_kivi(f.spec):
             p = R.kivi_params(f.spec)
             row["quantized_fraction"] = R.quantized_length(ctx, p.G, p.R) / ctx
-            row["residual_window"] = {"tokens": [p.R, p.R + p.G - 1], "dtype": str(getattr(p.residual_dtype, "value", p.residual_dtype))}
+            dtype = getattr(p.residual_dtype, "value", p.residual_dtype)
+            row["residual_window"] = {"tokens": [p.R, p.R + p.G - 1], "dtype": str(dtype)}
         row["per_seed"] = r["per_seed"]
         rows.append(row)
     rows.sort(key=lambda r: (r["bytes_per_token_head"], r["format"], r["context"]))
