@@ -55,9 +55,7 @@ def batch(fmt, lens, q_lens, layers=2, seed=0):
                                                    dtype=torch.int32).to(DEVICE),
                       max_query_len=max(lens))
         else:
-            slots = torch.cat([table[i, torch.arange(n) // block].long() * block + torch.arange(n) % block
-                               for i, n in enumerate(lens)])
-            fmt.write(cache, key.to(DEVICE), value.to(DEVICE), slots.to(DEVICE))
+            fmt.write(cache, key.to(DEVICE), value.to(DEVICE), prefill_slots(table, lens, block).to(DEVICE))
         caches.append(cache)
     queries = [torch.randn(int(qsl[-1]), HEADS, HEAD, generator=g).to(torch.bfloat16).to(DEVICE)
                for _ in range(layers)]
