@@ -37,11 +37,8 @@ def edge_tokens() -> np.ndarray:
 
 def as_input(x: np.ndarray, dtype: str, fmt) -> tuple[np.ndarray, torch.Tensor]:
     """The tokens as the write's input of ``dtype`` and, for the reference, that input's values in float32 (bf16
-    keeps NaN, +-inf and fp32's exponent range; compiled, the quantizing writes widen it by bits and clear NaN in
-    the same step). bf16 inputs are for quantized formats: an unquantized one stores the input's own type, whose
-    bf16 subnormals and NaN payloads the interpreter's casts do not keep (../shared/TRITON_NOTES.md)."""
-    if DEVICE == "cpu" and dtype == "bfloat16" and fmt.spec.key.scale is None and fmt.spec.value.scale is None:
-        pytest.skip("unquantized format: bf16 input bytes go through the interpreter's casts")
+    keeps NaN, +-inf and fp32's exponent range; the writes widen it by bits, so bf16 subnormals stay exact in the
+    interpreter too, whose bf16 cast mangles them: ../shared/TRITON_NOTES.md)."""
     xt = torch.from_numpy(x).to(getattr(torch, dtype))
     return xt.float().numpy(), xt.to(DEVICE)
 
@@ -124,6 +121,21 @@ def test_groups_without_finite_values_bytes(name, dtype):
     fmt = kvgen.load(name)
     x, xt = as_input(no_finite_tokens(), dtype, fmt)
     write_like_reference(fmt, x, xt, np.arange(8, dtype=np.int64), 2)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_every_bf16_subnormal_input_bytes(name):
+    """All 254 bf16 subnormal bit patterns (both signs), alone in their tokens and beside normal values: the bytes equal
+    the reference's (the interpreter's own bf16 cast turned 0x0003 into 0x0040 and 0x0001 into 0)."""
+    fmt = kvgen.load(name)
+    bits = np.concatenate([np.arange(1, 128), np.arange(1, 128) | 0x8000]).astype(np.uint16)
+    x = np.zeros((8, H, D), dtype=np.uint16)
+    x.reshape(-1)[: 4 * H * D] = np.resize(bits, 4 * H * D)  # tokens 0-3: subnormals only
+    x[4:] = np.resize(bits[::-1], (4, H, D))
+    x[4:, :, ::5] = 0x3F80  # tokens 4-7: subnormals beside 1.0
+    xt = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+    xt, x32 = xt.to(DEVICE), (x.astype(np.uint32) << 16).view(np.float32)
+    write_like_reference(fmt, x32, xt, np.arange(8, dtype=np.int64), 2)
 
 
 def write_like_reference(fmt, x: np.ndarray, xt: torch.Tensor, slots: np.ndarray, blocks: int) -> dict:

@@ -84,13 +84,19 @@ def div_fast(x, s, r, FAST: tl.constexpr):
 
 
 @triton.jit
-def widen(x, NATIVE: tl.constexpr, NAN_ZERO: tl.constexpr):
+def widen(x, NATIVE: tl.constexpr, NAN_ZERO: tl.constexpr, CAST: tl.constexpr = False):
     # a write's input in fp32, NaN as 0.0 where NAN_ZERO. Compiled, bf16 inputs widen by bits, two per register: the
     # low one shifted up, the high one masked in place (exact, as cvt.f32.bf16 is; ptxas moved the high half down and
     # up again, two instructions where one will do), NaN cleared first by a mask of the pair's numeric halves (one
-    # compare per pair, where a select per fp32 element followed). Sides that divide through fp64 keep the cast:
-    # ptxas folds it into one bf16 -> fp64 conversion
-    if NATIVE and x.dtype == tl.bfloat16:
+    # compare per pair, where a select per fp32 element followed). CAST sides (those that divide through fp64) keep
+    # the cast where compiled: ptxas folds it into one bf16 -> fp64 conversion. Elsewhere (the interpreter, GPUs
+    # before sm_89) bf16 widens by one shift: the interpreter's bf16 cast mangles subnormals (0x0003 -> 0x0040)
+    if not NATIVE and x.dtype == tl.bfloat16:
+        y = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        if NAN_ZERO:
+            y = tl.where(y == y, y, 0.0)
+        return y
+    if NATIVE and not CAST and x.dtype == tl.bfloat16:
         if NAN_ZERO:
             return tl.inline_asm_elementwise(
                 "{ .reg .b32 m, b; set.num.u32.bf16x2 m, $2, $2; and.b32 b, $2, m; shl.b32 $0, b, 16; "
