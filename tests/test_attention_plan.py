@@ -217,3 +217,19 @@ def test_padding_rows_past_the_last_sequence_leave_the_real_rows_alone(name, kwa
     if DEVICE == "cpu":  # the range checks run on host tensors: ending past the query's rows is refused
         with pytest.raises(ValueError, match=r"^query_start_loc: must start at 0 and end at most at the number"):
             fmt.attend(query[:n - 1], cache, **meta, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"num_splits": 2}, {"dequantize_first": True}])
+def test_a_batch_of_padding_sequences_only_runs_on_every_path(kwargs):
+    """A CUDA-graph warm-up batch: every sequence has 0 new and 0 KV tokens. attend() and a plan accept it on every
+    path (dequantize_first refused it, naming a max_query_len of 0 the caller never passed). Every row is padding,
+    whose output is unspecified (README), so only the call is checked."""
+    fmt = kvgen.load("int8_per_token_head")
+    [cache], _, meta = batch(fmt, lens=[5, 3], q_lens=[1, 1], layers=1)
+    meta = dict(meta, seq_lens=torch.zeros(2, dtype=torch.int32, device=DEVICE),
+                query_start_loc=torch.zeros(3, dtype=torch.int32, device=DEVICE))
+    query = torch.randn(3, HEADS, HEAD).to(torch.float16).to(DEVICE)
+    out = torch.empty_like(query)
+    assert fmt.attend(query, cache, **meta, **kwargs, out=out) is out
+    plan = fmt.plan_attention(query, cache, **meta, **kwargs)
+    assert plan.run(query, cache, out=out) is out
