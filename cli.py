@@ -15,6 +15,15 @@ from .consoles import console, err_console
 DEFAULT_OUT = Path(__file__).resolve().parent / "generated"
 
 
+def _require_kernel_mode() -> None:
+    """A usage error (exit 2) where no kernel can run: TRITON_INTERPRET=0 without a CUDA device."""
+    from .runtime.kernels import no_kernel_mode
+
+    why = no_kernel_mode()
+    if why:
+        raise OptionError(why)
+
+
 class _Group(click.Group):
     """Turn kvgen's own errors, and files it cannot read or write, into one line on stderr (exit 1; 2 for an
     option's value the command cannot take); --debug shows the traceback."""
@@ -302,19 +311,24 @@ def doctor():
     _choose_mode()  # before triton is imported: it decides interpreted or compiled at import
     import triton
 
+    from .runtime.kernels import interpreting, no_kernel_mode
+
     cuda = torch.cuda.is_available()
-    forced = os.environ.get("TRITON_INTERPRET")
-    interpreted = forced not in (None, "", "0") or not cuda
+    interpreted = interpreting()
+    why = no_kernel_mode()
     t = Table(title="kvgen doctor", show_header=False)
     t.add_column("what")
     t.add_column("value")
     for k, v in [("kvgen", KVGEN_VERSION), ("python", platform.python_version()), ("torch", torch.__version__),
                  ("triton", triton.__version__), ("numpy", numpy.__version__), ("pydantic", pydantic.VERSION),
                  ("CUDA device", torch.cuda.get_device_name() if cuda else "none"),
-                 ("kernels run", "Triton interpreter on the CPU (TRITON_INTERPRET=1)" if interpreted
+                 ("kernels run", "nowhere (TRITON_INTERPRET=0 without a CUDA device)" if why
+                  else "Triton interpreter on the CPU (TRITON_INTERPRET=1)" if interpreted
                   else "compiled by Triton on the GPU")]:
         t.add_row(k, escape(str(v)))
     console.print(t)
+    if why:
+        raise OptionError(why)
     if interpreted and tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
         console.print("[yellow]warning:[/] numpy >= 2.4 breaks Triton 3.6's interpreter; install numpy<2.4")
     from .demo import run_demo
@@ -430,6 +444,7 @@ def demo(format_name, seqs, context):
     """
     from .demo import run_demo
 
+    _require_kernel_mode()
     try:
         run_demo(console, format_name, seqs, context)
     except UnknownFormat as exc:

@@ -13,7 +13,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .codegen.errors import KvgenError
+from .codegen.errors import KvgenError, OptionError
 from .consoles import console, err_console
 from .runtime.kernels import DOT_PRECISIONS
 
@@ -97,6 +97,11 @@ def eval_cmd(specs, contexts, seeds, as_json, png, backend, dot_precision, query
     if dequantize_first and dense_dtype:
         dequantize_first = dense_dtype
     ctxs = list(dict.fromkeys(contexts)) or [1024, 4096]
+    if resolve_backend(backend) == "kernels":
+        from .runtime.kernels import no_kernel_mode
+
+        if no_kernel_mode():
+            raise OptionError(no_kernel_mode())
     total = len(names) * len(ctxs) * seeds
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=err_console, transient=True, disable=as_json) as prog:

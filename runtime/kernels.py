@@ -25,6 +25,15 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
 
 
+def no_kernel_mode() -> str | None:
+    """Why no kernel can run in this process, or None: TRITON_INTERPRET=0 asks for compiled kernels, which need a
+    CUDA device torch can see."""
+    if os.environ.get("TRITON_INTERPRET") == "0" and not torch.cuda.is_available():
+        return ("TRITON_INTERPRET=0 asks for compiled kernels, but torch sees no CUDA device: unset it to run the "
+                "kernels in Triton's interpreter on the CPU")
+    return None
+
+
 def _choose_mode() -> None:
     """Without a GPU, kernels can only run interpreted: say so before the first @triton.jit is decorated.
 
