@@ -75,7 +75,12 @@ def build(paths, out_dir, check):
     from .codegen.build import build_paths
 
     out = Path(out_dir) if out_dir else DEFAULT_OUT
-    results = build_paths(paths, out, check=check)
+    shipped = Path(__file__).resolve().parent / "specs"
+    # into kvgen's own generated/: the shipped names stay the shipped specs', and only the shipped specs/ own it
+    # (another directory checked against it does not make the shipped packages leftovers)
+    reserved = None if out_dir else {p.stem: p for p in shipped.glob("*.yaml")}
+    leftovers = bool(out_dir) or any(Path(p).resolve() == shipped for p in paths)
+    results = build_paths(paths, out, check=check, reserved=reserved, leftovers=leftovers)
     stale = [r for r in results if r.changed]
     width = max((len(r.name) for r in results if r.name != "__init__"), default=0)
     for r in results:
@@ -87,12 +92,16 @@ def build(paths, out_dir, check):
         for r in stale:
             for name, diff in r.diffs.items():
                 err_console.print(diff.rstrip() or f"{r.out_dir / name}: differs", highlight=False, markup=False)
-        packages = sum(r.name != "__init__" for r in stale)
+        orphans = [r for r in stale if r.spec_path is None and r.name != "__init__"]
+        packages = sum(r.name != "__init__" and r.spec_path is not None for r in stale)
         what = ([f"{packages} generated package(s) are stale"] if packages else []) + (
             [f"the package marker {out / '__init__.py'} is missing or different"]
             if any(r.name == "__init__" for r in stale) else [])
-        raise StaleError(" and ".join(what) + f": run `kvgen build {' '.join(paths)}"
-                         + (f" -o {out_dir}" if out_dir else "") + "`")
+        fix = [f"run `kvgen build {' '.join(paths)}" + (f" -o {out_dir}" if out_dir else "") + "`"] if what else []
+        if orphans:  # a rebuild leaves them: only removing them (or restoring their specs) does
+            what.append(f"{len(orphans)} package(s) no spec builds ({', '.join(r.name for r in orphans)})")
+            fix.append("remove those folders (or restore their specs)")
+        raise StaleError(" and ".join(what) + ": " + ", then ".join(fix))
     console.print(f"{len(results) - len(stale) if check else len(results)} format(s) "
                   + ("up to date" if check else "built"), highlight=False)
     if not out_dir and not check:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import keyword
 import re
 from typing import Annotated, Literal, Optional
 
@@ -363,6 +364,8 @@ class FormatSpec(_Strict):
                 f"{v!r} is not a valid format name: use lower case letters, digits and '_', starting with a letter "
                 "(at most 64 characters)"
             )
+        if keyword.iskeyword(v):
+            raise ValueError(f"{v!r} is a Python keyword: kvgen.generated.{v} could not be imported; pick another name")
         return v
 
     @field_validator("description", "origin")

@@ -188,7 +188,7 @@ def test_missing_nested_required_field_points_at_its_parent(tmp_path):
     assert "element" in str(err)
 
 
-@pytest.mark.parametrize("bad", ["Bad-Name", "1abc", "has space", "x" * 65])
+@pytest.mark.parametrize("bad", ["Bad-Name", "1abc", "has space", "x" * 65, "def", "class"])
 def test_invalid_name(tmp_path, bad):
     text = f"name: '{bad}'\nkey:\n  element: bf16\nvalue:\n  element: bf16\n"
     p = write(tmp_path, "name.yaml", text)
