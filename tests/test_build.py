@@ -400,3 +400,24 @@ def test_checking_a_users_spec_dir_against_the_install_names_no_shipped_package(
     r = cli("build", mine, "--check")
     assert r.exit_code == 0, r.output
     assert "no spec builds" not in r.output and "1 format(s) up to date" in r.stdout
+
+
+def test_the_wheel_holds_the_specs_templates_and_packages_and_no_setup_module(tmp_path):
+    """What `pip install .` installs: every shipped spec, every template, every generated package's modules and the
+    root modules under kvgen/, and not the repo's setup.py (importing kvgen.setup would run setuptools)."""
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__",
+                                                                ".hypothesis", "tests", "benchmarks", "docs"))
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                        str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    import zipfile
+
+    [wheel] = (tmp_path / "dist").glob("kvgen-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    want = {f"kvgen/specs/{s}.yaml" for s in SHIPPED}
+    want |= {f"kvgen/{p.relative_to(ROOT)}" for p in (ROOT / "codegen" / "templates").rglob("*.jinja")}
+    want |= {f"kvgen/generated/{s}/{m}.py" for s in SHIPPED for m in ("__init__", "layout", "kernels")}
+    want |= {f"kvgen/{m}" for m in ("__init__.py", "__main__.py", "cli.py", "generated/__init__.py")}
+    assert want <= names, sorted(want - names)[:5]
+    assert "kvgen/setup.py" not in names
