@@ -23,7 +23,11 @@ from typing import Optional, Union
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+try:
+    from transformers.cache_utils import Cache, DynamicLayer
+except ImportError as exc:  # an optional dependency: say which, and how to get it
+    raise ImportError("kvgen.hf_cache needs Hugging Face transformers (>= 5.0): pip install 'kvgen[hf]' "
+                      "(or pip install 'transformers>=5.0')") from exc
 
 from . import reference as R
 from .runtime.format import Format
