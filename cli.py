@@ -460,7 +460,10 @@ def demo(format_name, seqs, context):
         raise OptionError(f"--format: {exc}") from None
     from .runtime.loader import shipped_names
 
-    console.print(_formats_table(shipped_names(), 16, 8, 128))
+    names = shipped_names()
+    if format_name not in names:  # a spec file or a directory of the user's: its row first
+        names = [format_name] + names
+    console.print(_formats_table(names, 16, 8, 128))
 
 
 from .plan_cli import plan  # noqa: E402  (commands that live in their own modules)

@@ -22,7 +22,7 @@ def run_demo(console, format_name: str, num_seqs: int, context: int, seed: int =
     blocks_per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 2
     mode = "Triton interpreter (CPU)" if device == "cpu" else f"compiled Triton on {torch.cuda.get_device_name()}"
-    console.print(f"[bold]kvgen demo[/]: format [cyan]{fmt.name}[/] ({mode}); {num_seqs} sequences of "
+    console.print(f"[bold]kvgen demo[/]: format [cyan]{fmt.name}[/] ({mode}); {num_seqs} sequence{'s' if num_seqs != 1 else ''} of "
                   f"{seq_lens} tokens, {num_kv_heads} KV heads x {group} query heads each, head size {head_size}, "
                   f"block size {block_size}", highlight=False)
 

@@ -246,6 +246,18 @@ def test_demo_bf16():
     assert "bf16" in r.stdout
 
 
+def test_demo_of_a_users_spec_lists_its_page_sizes(tmp_path):
+    """The closing page-size table holds the demonstrated format too, not only the shipped ones."""
+    spec = tmp_path / "mine.yaml"
+    spec.write_text((ROOT / "specs" / "fp8_e4m3.yaml").read_text().replace("name: fp8_e4m3", "name: my_demo_fp8"))
+    r = invoke("demo", "--format", spec, "--seqs", "1", "--context", "20",
+               KVGEN_CACHE_DIR=str(tmp_path / "cache"))
+    assert r.exit_code == 0, r.output
+    assert "1 sequence of [20] tokens" in r.stdout
+    row = next(line for line in r.stdout.splitlines() if "my_demo_fp8" in line and "32,768" in line)
+    assert "128+128" in row
+
+
 def test_demo_unknown_format_is_one_line_error():
     r = CliRunner().invoke(cli_main, ["demo", "--format", "no_such_format_xyz"])
     assert r.exit_code == 2  # a format name that names nothing: a usage error (README, "Exit codes")
