@@ -251,7 +251,7 @@ def test_demo_of_a_users_spec_lists_its_page_sizes(tmp_path):
     spec = tmp_path / "mine.yaml"
     spec.write_text((ROOT / "specs" / "fp8_e4m3.yaml").read_text().replace("name: fp8_e4m3", "name: my_demo_fp8"))
     r = invoke("demo", "--format", spec, "--seqs", "1", "--context", "20",
-               KVGEN_CACHE_DIR=str(tmp_path / "cache"))
+               KVGEN_CACHE_DIR=str(tmp_path / "cache"), COLUMNS="200")
     assert r.exit_code == 0, r.output
     assert "1 sequence of [20] tokens" in r.stdout
     row = next(line for line in r.stdout.splitlines() if "my_demo_fp8" in line and "32,768" in line)
