@@ -7,9 +7,13 @@ or everywhere when ``KVGEN_DEBUG=1`` (or ``kvgen.runtime.checks.DEBUG = True``).
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 import os
 from typing import Iterable, Optional
 
+import numpy as np
 import torch
 
 DEBUG = os.environ.get("KVGEN_DEBUG", "") not in ("", "0")
@@ -131,6 +135,8 @@ def attention_ranges(block_table: torch.Tensor, seq_lens: torch.Tensor, query_st
     for s, (a, b) in enumerate(zip(qsl[:-1], qsl[1:])):
         if b < a:
             raise ValueError(f"query_start_loc: must not decrease (sequence {s}: {a} -> {b})")
+        if lens[s] < 0:
+            raise ValueError(f"seq_lens: sequence {s} has a negative length ({lens[s]})")
         if lens[s] < b - a:
             raise ValueError(f"seq_lens: sequence {s} has {lens[s]} KV tokens but {b - a} query tokens; "
                              "seq_lens counts the new tokens too")
@@ -146,15 +152,34 @@ def attention_ranges(block_table: torch.Tensor, seq_lens: torch.Tensor, query_st
                                  f"[0, {num_blocks})")
 
 
+def _as_int(x) -> Optional[int]:
+    """``x`` as a Python int where it is an integer (numpy's too), not a bool; else None."""
+    if isinstance(x, (bool, np.bool_)) or isinstance(x, torch.Tensor):
+        return None
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
+
+
 def positive_int(name: str, x: int) -> int:
-    if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+    v = _as_int(x)
+    if v is None or v < 1:
         raise ValueError(f"{name}: expected a positive integer, got {x!r}")
-    return x
+    return v
 
 
 def optional_positive_int(name: str, x: Optional[int]) -> Optional[int]:
     if x is None:
         return None
-    if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+    v = _as_int(x)
+    if v is None or v < 1:
         raise ValueError(f"{name}: expected a positive integer or None, got {x!r}")
-    return x
+    return v
+
+
+def finite_float(name: str, x) -> float:
+    """``x`` as a Python float where it is a finite real number (numpy's too), not a bool."""
+    if isinstance(x, (bool, np.bool_, torch.Tensor)) or not isinstance(x, numbers.Real) or not math.isfinite(x):
+        raise ValueError(f"{name}: expected a finite float, got {x!r}")
+    return float(x)

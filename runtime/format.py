@@ -619,8 +619,7 @@ class Format:
         max_query_len = checks.optional_positive_int("max_query_len", max_query_len)
         if sm_scale is None:
             sm_scale = 1.0 / math.sqrt(head_size)
-        if not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale):
-            raise ValueError(f"sm_scale: expected a finite float, got {sm_scale!r}")
+        sm_scale = checks.finite_float("sm_scale", sm_scale)
         if checks.costly_checks_on(block_table, seq_lens, query_start_loc):
             checks.attention_ranges(block_table, seq_lens, query_start_loc, cache.num_blocks, cache.block_size,
                                     num_tokens, max_query_len)

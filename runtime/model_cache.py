@@ -8,6 +8,7 @@ the same way), and ``padding_bytes`` what that costs per block.
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from typing import Iterable, Optional, Union
 
@@ -43,6 +44,13 @@ class ModelKVCache:
         if not isinstance(scales, dict):
             raise ValueError(f"scales: expected a dict of layer index -> (k_scale, v_scale), got "
                              f"{type(scales).__name__}")
+        bad = [k for k in scales if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < len(self.formats)]
+        if bad:
+            raise ValueError(f"scales: keys {bad!r} are not layer indices in [0, {len(self.formats)})")
+        if scales and not any(fmt.static_scale_kind(side) is not None for fmt in self.formats
+                              for side in ("key", "value")):
+            raise ValueError(f"scales: no layer's format takes static scales ({self.formats[0].name} computes its "
+                             "scales on write); pass none")
         missing = []
         self.layers: list[KVCache] = []
         for i, fmt in enumerate(self.formats):
@@ -140,7 +148,7 @@ class ModelKVCache:
 
     def _layer_windows(self, sliding_window) -> list:
         """Each layer's sliding window from one value for all (None or an int) or a sequence of one per layer."""
-        if sliding_window is None or isinstance(sliding_window, int):
+        if sliding_window is None or isinstance(sliding_window, numbers.Integral):  # numpy's ints too
             return [sliding_window] * len(self.layers)
         windows = list(sliding_window)
         if len(windows) != len(self.layers):
@@ -180,7 +188,8 @@ def model_cache(fmt: Union[str, Format], num_layers: int, num_blocks: int, block
     """A model cache with ``fmt`` on every layer except ``skip_layers``, which keep the model dtype (bf16 / fp16).
 
     ``scales``: per-layer static scales, e.g. from :func:`kvgen.scales.load_scales`; layers without them use 1.0
-    and one warning names them. With a residual-window format (KIVI), pass its sequence arguments (``seq_ids``, and
+    and one warning names them; a skip layer's entry is not used (its cache holds the model dtype), and a format
+    that computes its scales on write takes none. With a residual-window format (KIVI), pass its sequence arguments (``seq_ids``, and
     for writes the batch metadata) to the model's calls: the skip layers do without them.
     """
     if model_dtype not in ("bf16", "fp16"):
@@ -189,7 +198,7 @@ def model_cache(fmt: Union[str, Format], num_layers: int, num_blocks: int, block
         raise ValueError(f"num_layers: expected a positive integer, got {num_layers!r}")
     fmt = load(fmt) if not isinstance(fmt, Format) else fmt
     skip = set(skip_layers)
-    bad = [i for i in skip if not isinstance(i, int) or not 0 <= i < num_layers]
+    bad = [i for i in skip if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers]
     if bad:
         raise ValueError(f"skip_layers: {bad} are not layer indices in [0, {num_layers})")
     plain = load(model_dtype)

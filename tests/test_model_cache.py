@@ -68,6 +68,15 @@ def test_bad_arguments_name_them():
         kvgen.model_cache("fp8_e4m3", 2, BLOCKS, BS, H, D, scales="abc")
     with pytest.raises(ValueError, match="^scales: layer 1's entry"):
         kvgen.model_cache("fp8_e4m3", 2, BLOCKS, BS, H, D, scales={1: 0.5})
+    # scales that would be dropped without a word: a layer the model lacks, a key that is not an index, scales for
+    # a format that computes its own on write, a bool as a skip layer
+    for bad in ({7: (1.0, 1.0)}, {"1": (1.0, 1.0)}, {True: (1.0, 1.0)}):
+        with pytest.raises(ValueError, match=r"^scales: keys .* are not layer indices in \[0, 3\)"):
+            kvgen.model_cache("fp8_e4m3", 3, BLOCKS, BS, H, D, scales=bad)
+    with pytest.raises(ValueError, match="^scales: no layer's format takes static scales"):
+        kvgen.model_cache("int8_per_token_head", 2, BLOCKS, BS, H, D, scales={0: (1.0, 1.0)})
+    with pytest.raises(ValueError, match="^skip_layers: "):
+        kvgen.model_cache("fp8_e4m3", 2, BLOCKS, BS, H, D, skip_layers=[True])
     m = kvgen.model_cache("fp8_e4m3", 2, BLOCKS, BS, H, D, scales={0: (1.0, 1.0), 1: (1.0, 1.0)})
     x = torch.zeros(1, H, D)
     for layer in (2, -1, "0", True):  # a layer index past the end, negative, not an int: never another layer's

@@ -7,6 +7,7 @@ import re
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -185,12 +186,15 @@ ATTEND_CASES = {
     "seq_lens_int64": ("seq_lens", dict(seq_lens=torch.tensor([20], dtype=torch.int64)), ("int64",)),
     "seq_len_below_query_count": ("seq_lens", dict(seq_lens=torch.tensor([2], dtype=I32)), ("2", "3")),
     "seq_len_beyond_capacity": ("seq_lens", dict(seq_lens=torch.tensor([2 * BS + 1], dtype=I32)), ()),
+    "seq_len_negative": ("seq_lens", dict(seq_lens=torch.tensor([-3], dtype=I32)), ("negative", "-3")),
     "block_id_too_large": ("block_table", dict(block_table=torch.tensor([[2, NB]], dtype=I32)), (str(NB),)),
     "block_id_negative": ("block_table", dict(block_table=torch.tensor([[-1, 0]], dtype=I32)), ("-1",)),
     "sliding_window_zero": ("sliding_window", dict(sliding_window=0), ("0",)),
     "sliding_window_negative": ("sliding_window", dict(sliding_window=-4), ("-4",)),
     "sliding_window_float": ("sliding_window", dict(sliding_window=2.5), ()),
     "sm_scale_nan": ("sm_scale", dict(sm_scale=float("nan")), ()),
+    "sm_scale_bool": ("sm_scale", dict(sm_scale=True), ("True",)),
+    "num_splits_bool": ("num_splits", dict(num_splits=True), ("True",)),
     "out_wrong_shape": ("out", dict(out=torch.empty(3, 2 * H, HS + 1)), ()),
     "out_wrong_dtype": ("out", dict(out=torch.empty(3, 2 * H, HS, dtype=torch.float16)), ()),
 }
@@ -201,6 +205,15 @@ def test_attend_rejects(int8, filled, case):
     cache, args = filled
     arg, over, frags = ATTEND_CASES[case]
     raises_named(arg, lambda: _attend(int8, cache, args, **over), *frags)
+
+
+def test_attend_takes_numpy_scalars_as_python_numbers(int8, filled):
+    """Engines read windows and scales from configs held in numpy: np.int64 / np.float32 give the Python numbers'
+    output."""
+    cache, args = filled
+    want = _attend(int8, cache, args, sliding_window=7, sm_scale=0.125, num_splits=2)
+    got = _attend(int8, cache, args, sliding_window=np.int64(7), sm_scale=np.float32(0.125), num_splits=np.int32(2))
+    assert torch.equal(got, want)
 
 
 def test_attend_block_ids_past_seq_len_are_not_checked(int8, filled):
