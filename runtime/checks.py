@@ -33,7 +33,7 @@ def tensor(name: str, x, *, dtypes: Iterable[torch.dtype], ndim: int, device: to
         allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise ValueError(f"{name}: dtype {str(x.dtype).replace('torch.', '')} is not supported; expected {allowed}")
     if x.dim() != ndim:
-        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(x.shape)}")
+        raise ValueError(f"{name}: expected {ndim} dimension{'s' if ndim != 1 else ''}, got shape {tuple(x.shape)}")
     if x.device != device:
         raise ValueError(f"{name}: is on {x.device}, but the cache is on {device}")
     return x
@@ -46,6 +46,9 @@ def device_arg(name: str, device) -> torch.device:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"{name}: {device!r} is not a device ({exc})") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}: {dev} was asked for; kvgen's kernels run on 'cuda' (compiled) or 'cpu' (Triton's "
+                         "interpreter)")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"{name}: {dev} was asked for, but torch sees no CUDA device here (torch "

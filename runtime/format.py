@@ -355,9 +355,9 @@ class Format:
         query, needs a new plan.
         """
         if isinstance(slot_mapping, torch.Tensor) and slot_mapping.dtype != torch.int64:
-            raise ValueError(f"slot_mapping: plan_write needs int64 slots (runs read them in place at launch; a "
-                             f"{str(slot_mapping.dtype).replace('torch.', '')} tensor would be copied once and its "
-                             "updates missed): pass slot_mapping.long(), and update that tensor")
+            raise ValueError(f"slot_mapping: plan_write needs int64 slots (runs read them in place at launch; the "
+                             f"{str(slot_mapping.dtype).replace('torch.', '')} tensor given would be copied once and "
+                             "its updates missed): pass slot_mapping.long(), and update that tensor")
         return WritePlan(self, key, cache, *self._plan_write(cache, key, None, slot_mapping, seq_ids,
                                                             query_start_loc, seq_lens, block_table, max_query_len))
 
@@ -387,7 +387,7 @@ class Format:
         streaming = self.layout.RESIDUAL is not None
         meta = dict(seq_ids=seq_ids, query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table)
         if not streaming:
-            given = [k for k, v in meta.items() if v is not None]
+            given = [k for k, v in dict(meta, max_query_len=max_query_len).items() if v is not None]
             if given:
                 raise ValueError(f"{given[0]}: format {self.name} writes by slot only; sequence metadata is for "
                                  "formats with a residual window")

@@ -26,7 +26,8 @@ ScalePair = tuple  # (k_scale, v_scale): floats or per-head sequences
 
 # the arguments only a residual-window (KIVI) layer takes: in a model mixing such layers with skip layers, the
 # metadata passed for the model reaches the others without them
-SEQUENCE_ONLY = {"write": ("seq_ids", "query_start_loc", "seq_lens", "block_table"), "attend": ("seq_ids",)}
+SEQUENCE_ONLY = {"write": ("seq_ids", "query_start_loc", "seq_lens", "block_table", "max_query_len"),
+                 "attend": ("seq_ids",)}
 
 
 class ModelKVCache:

@@ -286,6 +286,7 @@ def test_page_size_rejects_a_head_size_off_the_scale_block():
 
 def test_allocate_rejects_a_device_it_cannot_use(int8):
     raises_named("device", lambda: int8.allocate(NB, BS, H, HS, device="gpu0"))
+    raises_named("device", lambda: int8.allocate(NB, BS, H, HS, device="meta"), "meta")  # holds no data to run on
     if not torch.cuda.is_available():  # torch's own error here is an AssertionError that names no argument
         raises_named("device", lambda: int8.allocate(NB, BS, H, HS, device="cuda"))
     else:

@@ -199,6 +199,8 @@ def test_a_run_names_what_does_not_match_the_plan():
         fmt.plan_write(key, cache, slots[:2])
     with pytest.raises(ValueError, match="^seq_lens: format int8_per_token_head writes by slot only"):
         fmt.plan_write(key, cache, slots, seq_lens=torch.ones(1, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="^max_query_len: format int8_per_token_head writes by slot only"):
+        fmt.write(cache, key, key, slots, max_query_len=3)  # (it was ignored without a word)
     if DEVICE == "cpu":  # the range check reads the slots: on the host only (a GPU copy would synchronise)
         with pytest.raises(ValueError, match="^slot_mapping: "):
             fmt.plan_write(key, cache, torch.tensor([0, 1, 32], device=DEVICE))
