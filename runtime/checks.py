@@ -74,10 +74,14 @@ def last_dim_contiguous(name: str, x: torch.Tensor) -> torch.Tensor:
 
 
 def index_tensor(name: str, x, *, ndim: int, device: torch.device,
-                 dtypes=(torch.int32, torch.int64)) -> torch.Tensor:
+                 dtypes=(torch.int32, torch.int64), rows_strided: bool = False) -> torch.Tensor:
+    """An index tensor, contiguous; with ``rows_strided`` (a block table, which kernels read through its row
+    stride) only each row must be: a column slice of a wider table is taken as it is."""
     x = tensor(name, x, dtypes=dtypes, ndim=ndim, device=device)
+    if rows_strided and ndim == 2 and (x.stride(1) == 1 or x.shape[1] <= 1) and x.stride(0) >= 0:
+        return x
     if not x.is_contiguous():
-        raise ValueError(f"{name}: must be contiguous")
+        raise ValueError(f"{name}: must be contiguous" + (" along each row" if rows_strided else ""))
     return x
 
 

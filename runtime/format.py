@@ -432,7 +432,8 @@ class Format:
         qsl = checks.index_tensor("query_start_loc", meta["query_start_loc"], ndim=1, device=dev,
                                   dtypes=(torch.int32,))
         seq_lens = checks.index_tensor("seq_lens", meta["seq_lens"], ndim=1, device=dev, dtypes=(torch.int32,))
-        bt = checks.index_tensor("block_table", meta["block_table"], ndim=2, device=dev, dtypes=(torch.int32,))
+        bt = checks.index_tensor("block_table", meta["block_table"], ndim=2, device=dev, dtypes=(torch.int32,),
+                                 rows_strided=True)
         n = seq_lens.shape[0]
         if seq_ids.shape[0] != n or qsl.shape[0] != n + 1 or bt.shape[0] != n:
             raise ValueError(f"seq_ids / query_start_loc / block_table: need {n}, {n + 1} and {n} rows for "
@@ -589,7 +590,8 @@ class Format:
         if num_q_heads == 0 or num_q_heads % cache.num_kv_heads:
             raise ValueError(f"query: {num_q_heads} query heads is not a positive multiple of the cache's "
                              f"{cache.num_kv_heads} KV heads")
-        block_table = checks.index_tensor("block_table", block_table, ndim=2, device=dev, dtypes=(torch.int32,))
+        block_table = checks.index_tensor("block_table", block_table, ndim=2, device=dev, dtypes=(torch.int32,),
+                                          rows_strided=True)
         seq_lens = checks.index_tensor("seq_lens", seq_lens, ndim=1, device=dev, dtypes=(torch.int32,))
         query_start_loc = checks.index_tensor("query_start_loc", query_start_loc, ndim=1, device=dev,
                                               dtypes=(torch.int32,))

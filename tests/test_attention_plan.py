@@ -233,3 +233,21 @@ def test_a_batch_of_padding_sequences_only_runs_on_every_path(kwargs):
     assert fmt.attend(query, cache, **meta, **kwargs, out=out) is out
     plan = fmt.plan_attention(query, cache, **meta, **kwargs)
     assert plan.run(query, cache, out=out) is out
+
+
+@pytest.mark.parametrize("name,kwargs", [("fp8_e4m3", {}), ("fp8_e4m3", {"num_splits": 2}),
+                                         ("q4_0", {"dequantize_first": True}), ("kivi_2bit", {})])
+def test_a_column_slice_of_a_wider_block_table_reads_like_its_copy(name, kwargs):
+    """Engines keep one wide block table and pass a slice of its columns: the kernels read it through its row
+    stride, so the slice gives its contiguous copy's output, from attend() and from a plan (it was refused)."""
+    fmt = kvgen.load(name)
+    [cache], [query], meta = batch(fmt, lens=[40, 23], q_lens=[2, 1], layers=1)
+    table = meta["block_table"]
+    wide = torch.full((table.shape[0], table.shape[1] + 5), 10 ** 6, dtype=torch.int32, device=table.device)
+    wide[:, :table.shape[1]] = table
+    sliced = wide[:, :table.shape[1]]
+    assert not sliced.is_contiguous()
+    want = fmt.attend(query, cache, **meta, **kwargs)
+    assert torch.equal(fmt.attend(query, cache, **dict(meta, block_table=sliced), **kwargs), want)
+    plan = fmt.plan_attention(query, cache, **dict(meta, block_table=sliced), **kwargs)
+    assert torch.equal(plan.run(query, cache), want)
