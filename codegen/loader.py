@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import difflib
 import re
+import typing
 from pathlib import Path
 from typing import Any, Union
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from .errors import SpecError
 from .spec import FormatSpec
@@ -123,6 +124,8 @@ def _explain(err: dict) -> str:
         return f"{err.get('input')!r} is not allowed; expected {expected}"
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
+    elif kind.endswith(("_type", "_parsing")) and "input" in err:  # "should be a valid integer": say what it got
+        msg += f", got {err['input']!r}"
     return msg
 
 
@@ -158,7 +161,25 @@ def _misspelling_hint(err: dict, errors: list[dict]) -> str:
         if e.get("type") == "missing" and tuple(e.get("loc", ()))[:-1] == loc[:-1] and isinstance(e["loc"][-1], str)
     ]
     close = difflib.get_close_matches(loc[-1], missing, n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}, which is required?" if close else ""
+    if close:
+        return f"; did you mean {close[0]!r}, which is required?"
+    close = difflib.get_close_matches(loc[-1], _known_fields(loc[:-1]), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _known_fields(loc: tuple) -> list[str]:
+    """The field names the schema allows in the mapping at ``loc`` (walked through FormatSpec's nested models)."""
+    model = FormatSpec
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return []
+        inner = [a for a in typing.get_args(field.annotation) or (field.annotation,) if isinstance(a, type)
+                 and issubclass(a, BaseModel)]
+        if not inner:
+            return []
+        model = inner[0]
+    return list(model.model_fields)
 
 
 def validate_data(data: Any, path: str, positions: dict[tuple, Position] | None = None) -> FormatSpec:
@@ -178,11 +199,23 @@ def validate_data(data: Any, path: str, positions: dict[tuple, Position] | None 
         pos = _locate(loc, positions)
         field = ".".join(str(x) for x in loc) or None
         others = [e for e in errors if e is not err]
+        if hint.endswith("which is required?"):  # the missing field the hint names is this error's other half
+            meant = tuple(err["loc"][:-1]) + (hint.split("'")[1],)
+            others = [e for e in others if not (e.get("type") == "missing" and tuple(e.get("loc", ())) == meant)]
         same = [".".join(map(str, _error_loc(e, data))) for e in others if _explain(e) == _explain(err)]
         if others and len(same) == len(others):  # e.g. both sides of a spec whose value is the key's YAML alias
             more = f" (the same error at {', '.join(same)})"
+        elif others:  # each other error where it is, so that one run shows them all
+            def where(e: dict) -> str:
+                eloc = _error_loc(e, data)
+                epos = _locate(eloc, positions)
+                return ".".join(map(str, eloc)) + (f" (line {epos[0]})" if epos else "")
+
+            listed = [f"{where(e)}: {_explain(e)}" for e in others[:5]]
+            rest = f"; and {len(others) - 5} more" if len(others) > 5 else ""
+            more = f" (also {'; '.join(listed)}{rest})"
         else:
-            more = f" (and {len(others)} more error(s))" if others else ""
+            more = ""
         msg = re.sub(r"^'\w+\.[\w.]+': ", "", _explain(err))  # a whole-spec rule's field: the error's own now
         msg += hint
         raise SpecError(

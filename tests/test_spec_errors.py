@@ -823,3 +823,17 @@ def test_a_scale_floor_that_rounds_to_zero_in_fp32_is_refused(tmp_path):
     err = spec_error(write(tmp_path, "m.yaml", text))
     assert (err.line, err.field) == (line_of(text, "min: 1.0e-300"), "key.scale.min")
     assert "rounds to 0 in fp32" in str(err)
+
+
+def test_every_error_of_a_spec_is_listed_with_its_line(tmp_path):
+    """One run shows every mistake, each named by its field and line, not the first and a count of the rest; an
+    unknown field gets the schema's nearest name, a value of the wrong type is quoted."""
+    text = ("name: many\nkey:\n  element: int8\n  scale:\n    granularity: per_token_head\n    dtpye: fp16\n"
+            "value:\n  element: int8\n  scale:\n    granularity: per_block\n    block: abc\n  colour: red\n")
+    p = write(tmp_path, "many.yaml", text)
+    err = spec_error(p)
+    assert_at(err, p, line_of(text, "dtpye"), col_of(text, "dtpye"))
+    assert "did you mean 'dtype'?" in err.message
+    assert f"value.scale.block (line {line_of(text, 'block: abc')})" in err.message and "'abc'" in err.message
+    assert f"value.colour (line {line_of(text, 'colour')})" in err.message
+    assert "more error" not in err.message
