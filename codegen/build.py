@@ -195,7 +195,21 @@ def build_paths(paths: Iterable[Union[str, Path]], out_dir: Union[str, Path], *,
     spec_files = find_specs(paths)
     if not spec_files:
         raise BuildError("no spec files (*.yaml) found in " + ", ".join(map(str, paths)))
-    specs: list[tuple[Path, FormatSpec]] = [(p, load_spec(p)) for p in spec_files]
+    specs: list[tuple[Path, FormatSpec]] = []
+    bad: list[SpecError] = []
+    for p in spec_files:
+        try:
+            specs.append((p, load_spec(p)))
+        except SpecError as exc:
+            bad.append(exc)
+    if bad:  # the first error in full, and every other file that fails, so that one run finds them all
+        first = bad[0]
+        if len(bad) > 1:
+            names = ", ".join(str(e.path) for e in bad[1:])
+            raise type(first)(f"{first.message} (and {len(bad) - 1} other spec file(s) fail: {names}; "
+                              "`kvgen validate` shows each)", path=first.path, line=first.line, column=first.column,
+                              field=first.field)
+        raise first
     seen: dict[str, Path] = {}
     for p, spec in specs:
         if spec.name in seen:

@@ -196,6 +196,15 @@ def test_bad_spec_among_good_ones_writes_nothing(tmp_path):
     assert not out.exists() or list(out.iterdir()) == []
 
 
+def test_every_bad_spec_of_a_build_is_named(tmp_path):
+    """Two bad files: the first error in full, and the other file named, so that one run finds both."""
+    d = specs_with(tmp_path, {"cc_bad.yaml": BAD, "zz_bad.yaml": BAD.replace("name: ", "name: z")})
+    r = build(tmp_path / "out", d)
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert f"{d / 'cc_bad.yaml'}:6" in r.stderr
+    assert f"(and 1 other spec file(s) fail: {d / 'zz_bad.yaml'}; `kvgen validate` shows each)" in r.stderr
+
+
 def test_bad_spec_leaves_an_existing_build_untouched(tmp_path):
     out = tmp_path / "out"
     assert build(out).exit_code == 0
