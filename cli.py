@@ -50,7 +50,7 @@ def main(ctx, debug):
 
     \b
     Example:
-      kvgen build specs/                 # (re)generate the shipped formats into generated/
+      kvgen build specs/                 # in a kvgen checkout: (re)generate the shipped formats into generated/
       kvgen show int8_per_token_head     # bytes per token and page of one format
       kvgen demo                         # write a paged cache and run attention on it
       kvgen test my_format.yaml          # conformance of your own spec against the NumPy reference
@@ -65,6 +65,8 @@ def main(ctx, debug):
 @click.option("--check", is_flag=True, help="Write nothing; exit 1 and show the differences if any file is stale.")
 def build(paths, out_dir, check):
     """Render spec files (or every *.yaml in the directories given) into generated packages.
+
+    specs/ below is a kvgen checkout's; an installed kvgen keeps its shipped specs in the package (kvgen/specs).
 
     \b
     Example:
