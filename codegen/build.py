@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
-from .errors import BuildError, SpecError
+from .errors import BuildError, MissingSpecFile, SpecError
 from .loader import load_spec
 from .render import render_files
 from .spec import FormatSpec
@@ -48,7 +48,7 @@ def find_specs(paths: Iterable[Union[str, Path]]) -> list[Path]:
         elif p.exists():
             found.append(p)
         else:
-            raise SpecError("no such file or directory", path=str(p))
+            raise MissingSpecFile("no such file or directory", path=str(p))
     return found
 
 

@@ -53,6 +53,12 @@ class SpecError(KvgenError, ValueError):
         return f"{where}:{field} {self.message}"
 
 
+class MissingSpecFile(SpecError):
+    """A spec path that names no file or directory (on the command line: a usage error, exit 2)."""
+
+    exit_code = 2
+
+
 class NotSupportedYet(SpecError):
     """A valid spec asking for something the code generator does not implement yet."""
 

@@ -11,7 +11,7 @@ from typing import Any, Union
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from .errors import SpecError
+from .errors import MissingSpecFile, SpecError
 from .spec import FormatSpec
 
 Position = tuple[int, int]  # 1-based line and column
@@ -239,7 +239,7 @@ def load_spec(path: Union[str, Path], *, supported: bool = True) -> FormatSpec:
     try:
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise SpecError("no such file", path=str(p)) from None
+        raise MissingSpecFile("no such file", path=str(p)) from None
     except UnicodeDecodeError as exc:
         raise SpecError(f"not UTF-8 text ({exc.reason})", path=str(p)) from None
     except OSError as exc:

@@ -395,6 +395,11 @@ def test_show_gives_each_regions_byte_start():
     (["calibrate", "{d}/acts.npz", "-f", "int8_per_token_head", "-o", "{d}/kv.json"], "--format"),
     (["eval", "bf16", "--backend", "reference", "--query-dtype", "bf16"], "query_dtype"),
     (["test", "no_such_format", "--examples", "1", "--device", "cpu"], "no_such_format"),
+    # a spec path that names nothing (README, "Exit codes")
+    (["build", "{d}/nope.yaml", "-o", "{d}/out"], "nope.yaml: no such file"),
+    (["validate", "{d}/nope.yaml"], "nope.yaml: no such file"),
+    (["show", "{d}/nope.yaml"], "nope.yaml: no such file"),
+    (["test", "{d}/nope.yaml", "--examples", "1", "--device", "cpu"], "nope.yaml: no such file"),
 ])
 def test_a_value_an_option_cannot_take_exits_2(tmp_path, args, named):
     # README, "Exit codes": 2 for a usage error, among them an option's value the command cannot take; one line
