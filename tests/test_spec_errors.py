@@ -703,7 +703,7 @@ def test_cli_validate_reports_each_bad_file_with_its_line(tmp_path):
 
 def test_cli_validate_missing_file(tmp_path):
     r = CliRunner().invoke(cli_main, ["validate", str(tmp_path / "no_such.yaml")])
-    assert r.exit_code == 1
+    assert r.exit_code == 2  # a path that names nothing: a usage error (README, "Exit codes")
     assert isinstance(r.exception, SystemExit)
     assert "no_such.yaml" in r.stderr
     assert "Traceback" not in r.stdout + r.stderr
