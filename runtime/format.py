@@ -650,10 +650,12 @@ class Format:
                          RING=residual["ring"])
         elif seq_ids is not None:
             raise ValueError(f"seq_ids: format {self.name} has no residual window")
+        if max_query_len == 0:  # every sequence is padding (0 new tokens): no row to compute
+            return None, None
         if dense is not None:
             launch = DequantizedLaunch(self, query, cache, block_table, seq_lens, query_start_loc, seq_ids,
-                                       float(sm_scale), sliding_window, max(max_query_len, 1), dot_precision,
-                                       max_seq_len, num_splits, consts, planned, dense)
+                                       float(sm_scale), sliding_window, max_query_len, dot_precision, max_seq_len,
+                                       num_splits, consts, planned, dense)
             return launch, ptrs
         launch = self._kernels.plan_attend(query, block_table, seq_lens, query_start_loc, qk_scale,
                                            sliding_window or 0, max_query_len, ptrs, consts, extra,
