@@ -6,13 +6,12 @@
 #   bash benchmarks/pending/next_session.sh verify     # the s32 / s33 merges timed on the H200 (~400 s?)
 #   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~450 s)
 #   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~350 s?)
-#   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (~350 s?; prefill dequantize-first rows new)
-#   bash benchmarks/pending/next_session.sh bench3     # bench.py, the five separate-scale formats of s55 (~250 s?)
+#   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (s56, H200: 350 s)
+#   bash benchmarks/pending/next_session.sh bench3     # bench.py, the five separate-scale formats of s55 (s56, H200: 178 s)
 #   bash benchmarks/pending/next_session.sh crossover  # dequantize-first against fused near auto's counts: H200, hs 64 / 256, groups 1 / 8 (~550 s?)
 #   bash benchmarks/pending/next_session.sh crossover2 # head sizes 64 / 256 near the counts, nvfp4's (~400 s?)
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs (H200: s43's H100 had no slowdown), KIVI's flush profile
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
-#   bash benchmarks/pending/next_session.sh kivicases  # kivi_2bit's stream cases at 2 KV heads, head sizes 32 / 64 (12; 7 not yet run on this tree), the lane-reduction fault (~120 s?)
 #   bash benchmarks/pending/next_session.sh kivitiles  # KIVI's decode tiles after the code orders (4 programs per SM at 128 registers; 128 positions a step) (~200 s?)
 #   bash benchmarks/pending/next_session.sh kivinext   # kivi-decode-next(-ktok).patch: KIVI's group scores without the terms' permute, timed and GPU-tested (~400 s?)
 #   bash benchmarks/pending/next_session.sh int4more   # write-int4-more.patch: int4 per token-head's finite tiles round in one add and one clamp; 8 tokens per program (~250 s?)
@@ -64,13 +63,14 @@
 # benchmarks/results_2026-12-07_h100_s54.md) ran packint (packsub and intdecode together: the subnormal codes
 # rejected, their patches removed, git history at 4cc24fd), nvscale, int4write and nvwrite (the three patches merged);
 # those six steps and kivisub removed; s55 (H100, benchmarks/results_2026-12-07_h100_s55.md) ran tests (687 passed)
-# and sepspecs (the five separate-scale specs shipped; the step removed).
+# and sepspecs (the five separate-scale specs shipped; the step removed); s56 (H200, benchmarks/results_2026-12-07_h200_s56.md)
+# ran tests (772 passed, one new test failed: fixed after), bench3, bench2 and kivicases (all 12 ok; the step removed).
 #
 # Steps in priority order; each prints how long it took.
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, bench3, crossover, crossover2, writes, writeprof, kivicases, kivitiles, kivinext, int4more, intdecode, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, bench3, crossover, crossover2, writes, writeprof, kivitiles, kivinext, int4more, intdecode, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -181,7 +181,7 @@ case "$step" in
       mxfp4 nvfp4 nvfp4_separate q4_0 kivi_2bit kivi_4bit 2>&1 | tee "$out/bench2.txt" | grep "^|"
     ;;
   bench3)
-    # the five separate-scale formats shipped in the fifty-fifth session (timed there on an H100 only)
+    # the five separate-scale formats shipped in the fifty-fifth session (s56, H200: 178 s)
     timeout 560 python3 benchmarks/bench.py --cuda-graphs --out "$out/benchC" --formats bf16 \
       fp8_per_token_head_separate int8_asym_per_token_head_separate mixed_k8_v4_separate q8_0_separate \
       q4_0_separate 2>&1 | tee "$out/bench3.txt" | grep "^|"
@@ -196,16 +196,6 @@ case "$step" in
     # was merged after that run, on an H100's timings)
     timeout 100 python3 benchmarks/time_writes.py nvfp4 nvfp4_separate mxfp4 q4_0 int8_asym_per_token_head \
       int8_per_token_head_hadamard_k --tokens 32768 256 --rounds 2 2>&1 | tee "$out/writeprof_times.txt" | grep "^|"
-    ;;
-  kivicases)
-    # the stream grid's cases (formats x KV heads x head sizes x dtypes x streams; KIVI's prefill flush through views,
-    # s52, and its decode's code orders, s53) that no GPU has run on this tree: s53 ran 59 of the 72, every one ok
-    # (benchmarks/results_2026-12-07_h100_s53.md), all but kivi_2bit's at 2 KV heads, head sizes 32 / 64 (its 128
-    # passed in kivicodestests). First the cut-down kernel of Triton 3.6's lane-reduction fault that keeps head size
-    # 32 on the row-major loads (reduce_lanes_fault.py: on the GPU its minima and maxima against torch)
-    timeout 60 python3 benchmarks/pending/reduce_lanes_fault.py 2>&1 | tee "$out/reduce_lanes_fault.txt"
-    timeout 300 python3 benchmarks/pending/kivi_layout_cases.py --formats kivi_2bit --heads 2 --head-sizes 32 64 \
-      2>&1 | tee "$out/kivicases.txt" | grep -v "^kivi.* ok$"
     ;;
   kivitiles)
     # KIVI's decode after the code orders (s53: kivi_2bit 861, kivi_4bit 902 us at 64 x 8192 on the H100, 1.21-1.27x
@@ -318,7 +308,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, crossover, crossover2, writes, writeprof, kivicases, kivitiles, kivinext, int4more, intdecode, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, bench1, bench2, bench3, crossover, crossover2, writes, writeprof, kivitiles, kivinext, int4more, intdecode, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
