@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from . import reference as R
-from .codegen.spec import SCALE_BYTES
+from .codegen.spec import ELEMENTS, SCALE_BYTES, ElementType
 from .runtime.dequantize import dense_dtype
 from .runtime.format import Format
 
@@ -383,25 +383,29 @@ def check(fmt: Format, examples: int = 20, device: str = "cpu",
 # --------------------------------------------------------------------------------------------------------------
 # Random valid specs across the whole format space: "every spec that validates builds and conforms".
 # --------------------------------------------------------------------------------------------------------------
-_QUANTIZED = ["fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "int8", "int4", "int2", "uint8", "uint4", "uint2"]
-_ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}  # the rest take at most one byte
+# every element the schema has (a new one is drawn as soon as it exists): quantized ones, and how many bytes the
+# unquantized floats take (the rest at most one)
+_QUANTIZED = [e.value for e, info in ELEMENTS.items() if info.is_quantized]
+_PACKED = [e.value for e, info in ELEMENTS.items() if info.is_quantized and info.bits < 8]
+_ELEMENT_BYTES = {e.value: info.bits // 8 for e, info in ELEMENTS.items() if not info.is_quantized}
 
 
 @st.composite
 def side_specs(draw) -> dict:
     """A valid side of a spec, as plain YAML data."""
-    element = draw(st.sampled_from(["bf16", "fp16", "fp32"] + _QUANTIZED * 3))
+    element = draw(st.sampled_from(list(_ELEMENT_BYTES) + _QUANTIZED * 3))
     side: dict = {"element": element}
     if draw(st.integers(0, 3)) == 0:
         side["data_align"] = draw(st.sampled_from([a for a in (1, 2, 4, 16) if a >= _ELEMENT_BYTES.get(element, 1)]))
     if draw(st.integers(0, 3)) == 0:
         side["rotation"] = {"kind": "hadamard", "seed": draw(st.integers(0, 1000))}
-    if element in ("bf16", "fp16", "fp32"):
+    if element in _ELEMENT_BYTES:
         return side
-    asym = element.startswith("uint")
-    if element.startswith(("int", "uint")):
+    kind = ELEMENTS[ElementType(element)].kind
+    asym = kind == "uint"
+    if kind in ("int", "uint"):
         side["rounding"] = draw(st.sampled_from(["half_even", "half_away_from_zero"]))
-    if element in ("int4", "int2", "uint4", "uint2", "fp4_e2m1"):
+    if element in _PACKED:
         side["packing"] = draw(st.sampled_from(["lsb_first", "msb_first"]))
     grans = ["per_token_head", "per_block"] + ([] if asym else ["per_tensor", "per_head"])
     gran = draw(st.sampled_from(grans))

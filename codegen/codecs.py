@@ -83,6 +83,37 @@ class Codec:
         return self.template == "e8m0.py.jinja"
 
     @property
+    def significand(self) -> int:
+        """Significant bits of any code's value (the product of two values needs at most the sum): a minifloat's
+        mantissa bits and its implicit one, an integer's bits, a float's own precision; 0 for powers of two (e8m0)."""
+        if self.template == "minifloat.py.jinja":
+            return self.params["mant"] + 1
+        if self.template == "int.py.jinja":
+            return self.bits
+        return {"fp32.py.jinja": 24, "fp16.py.jinja": 11, "bf16.py.jinja": 8}.get(self.template, 0)
+
+    @property
+    def code_step(self) -> float | None:
+        """The smallest step between code values (every code's value is a multiple of it): a minifloat's smallest
+        subnormal, 1 for integers; None for the unquantized floats and e8m0."""
+        if self.template == "minifloat.py.jinja":
+            return 2.0 ** (self.params["emin"] - self.params["mant"])
+        if self.template == "int.py.jinja":
+            return 1.0
+        return None
+
+    @property
+    def max_value(self) -> float | None:
+        """A minifloat's largest finite value (what encode saturates to); None for the other codecs."""
+        return self.params["max_finite"] if self.template == "minifloat.py.jinja" else None
+
+    @property
+    def nan_as_zero(self) -> bool:
+        """Whether the codes have no NaN, so that a NaN input is stored as the code of 0 (docs/SEMANTICS.md):
+        integers, and minifloats without a NaN code (fp4 e2m1)."""
+        return self.template in ("int.py.jinja", "minifloat.py.jinja") and self.params.get("nan_code") is None
+
+    @property
     def unit(self) -> str:
         return {32: "tl.uint32", 16: "tl.uint16"}.get(self.bits, "tl.uint8")
 
@@ -180,9 +211,21 @@ SCALE_MAX = {
     ScaleDType.bf16: 3.3895313892515355e38,
 }
 
-_SUPPORTED_ELEMENTS = set(ElementType)
+# code widths the templates pack: whole bytes, or 2 / 4 codes per byte (a width that does not divide 8, as FP6's or a
+# 3-bit integer's, would need codes that straddle bytes)
+PACKED_BITS = (2, 4)
 
 
 def has_codec(element: ElementType) -> bool:
-    return element in _SUPPORTED_ELEMENTS
+    """Whether kvgen can render this element: a codec for its kind and a code width the templates store."""
+    info = ELEMENTS.get(element)
+    if info is None:
+        return False
+    if info.kind == "float":
+        return element in (ElementType.fp32, ElementType.fp16, ElementType.bf16)
+    if info.bits not in PACKED_BITS + (8,):
+        return False
+    if info.kind == "fp":
+        return element.value in _MINIFLOATS and _MINIFLOATS[element.value]["nbits"] == info.bits
+    return info.kind in ("int", "uint")
 

@@ -321,7 +321,7 @@ def dot_operand(side: SideSpec, scale: str, zp: str, block: bool, name: str = "k
         if side.scale.group_tokens < 16:
             return "", 0, "none"
         code_bits = side.bits
-        ratio_bits = _SCALE_SIGNIFICAND[side.scale.dtype.value]
+        ratio_bits = scale_codec(side.scale.dtype).significand
         terms = -(-(code_bits + ratio_bits) // 11)
         largest = 2.0 ** side.bits * (1.0 if side.scale.dtype.value == "e8m0" else 2.0)
         return ("fp16", terms, "channel") if terms <= 2 and largest <= 65504.0 else ("", 0, "none")
@@ -332,8 +332,8 @@ def dot_operand(side: SideSpec, scale: str, zp: str, block: bool, name: str = "k
     tok = {"none": "none", "per_tensor": "const", "per_head": "const"}.get(scale, "block" if block else "token")
     if info.kind == "float":  # bf16 / fp16 elements: their own type, unless a block scale must enter the operand
         return ("", 0, "none") if tok == "block" else (side.element.value, 1, tok)
-    code_bits = side.bits if info.kind in ("int", "uint") else _MINIFLOAT_SIGNIFICAND[side.element.value]
-    ratio_bits = _SCALE_SIGNIFICAND[side.scale.dtype.value] if tok == "block" else 0
+    code_bits = side.bits if info.kind in ("int", "uint") else element_codec(side).significand
+    ratio_bits = scale_codec(side.scale.dtype).significand if tok == "block" else 0
     terms = -(-(code_bits + ratio_bits) // 11)  # fp16 carries 11 significant bits
     # the largest operand: a code (integer codes minus a zero point: below 2**bits) times a ratio below 2 (at most 1
     # for power-of-two e8m0 scales)
@@ -342,10 +342,6 @@ def dot_operand(side: SideSpec, scale: str, zp: str, block: bool, name: str = "k
     return ("fp16", terms, tok) if terms <= 2 and largest <= 65504.0 else ("", 0, "none")
 
 
-# the smallest step between code values (every code is a multiple of it) and the largest code, per element type
-_CODE_STEP = {"fp4_e2m1": 0.5, "fp8_e4m3": 2.0 ** -9, "fp8_e5m2": 2.0 ** -16}
-# (smallest step, largest value) of the block-scale dtypes whose ratios enter the tile in fp16 (RATIOS_IN_FP16)
-_SCALE_RANGE = {"fp8_e4m3": (2.0 ** -9, 448.0)}
 _FP16_MAX, _FP16_STEP = 65504.0, 2.0 ** -24
 
 
@@ -364,16 +360,19 @@ def fixed_block_shift(side: SideSpec, dot: tuple[str, int, str], dot_factor: flo
     if dot[:3] != ("fp16", 1, "block") or side.zero_point is not None:
         return None
     scale_dtype = side.scale.dtype.value
-    if scale_dtype not in RATIOS_IN_FP16 or scale_dtype not in _SCALE_RANGE:
+    # (smallest step, largest value) of a minifloat scale dtype whose ratios enter the tile in fp16 (RATIOS_IN_FP16)
+    scodec = scale_codec(side.scale.dtype)
+    if scale_dtype not in RATIOS_IN_FP16 or scodec.max_value is None:
         return None
     info = side.info
+    codec = element_codec(side)
     if info.kind in ("int", "uint"):
         code_step, code_max = 1.0, 2.0 ** side.bits  # as dot_operand: below 2**bits, whatever the code range
-    elif side.element.value in _CODE_STEP:
-        code_step, code_max = _CODE_STEP[side.element.value], float(info.qmax)
+    elif codec.code_step is not None:
+        code_step, code_max = codec.code_step, float(info.qmax)
     else:
         return None
-    scale_step, scale_max = _SCALE_RANGE[scale_dtype]
+    scale_step, scale_max = scodec.code_step, scodec.max_value
     factor = dot_factor or 1.0
     s = 0
     while s > -64 and (code_max * scale_max * 2.0 ** s > _FP16_MAX or scale_max * factor * 2.0 ** s > _FP16_MAX):
@@ -407,10 +406,11 @@ def pow2_ratio_split(side: SideSpec, dot: tuple[str, int, str], dot_factor: floa
     if dot[:3] != ("fp16", 1, "block") or side.zero_point is not None or side.scale.dtype.value != "e8m0":
         return None
     info = side.info
+    codec = element_codec(side)
     if info.kind == "int":
         code_step, code_max = 1.0, float(max(abs(info.qmin), info.qmax))
-    elif side.element.value in _CODE_STEP:
-        code_step, code_max = _CODE_STEP[side.element.value], float(info.qmax)
+    elif info.kind == "fp" and codec.code_step is not None:
+        code_step, code_max = codec.code_step, float(info.qmax)
     else:
         return None
     factor = dot_factor or 1.0
@@ -436,11 +436,6 @@ def quantized_dot(codec: Codec, tok: str, asym: bool) -> str:
     if not kind or asym or tok not in ("none", "const", "token"):
         return ""
     return kind
-
-
-# significant bits of a code value and of a scale dtype (the product of two values needs at most the sum)
-_MINIFLOAT_SIGNIFICAND = {"fp8_e4m3": 4, "fp8_e5m2": 3, "fp4_e2m1": 2}
-_SCALE_SIGNIFICAND = {"e8m0": 0, "fp8_e4m3": 4, "bf16": 8, "fp16": 11, "fp32": 24}
 
 
 def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
@@ -470,7 +465,7 @@ def side_context(name: str, side: SideSpec) -> tuple[SideContext, list[str]]:
         dot = (dot[0], dot[1], "fixed")
     split = pow2_ratio_split(side, dot, codec.dot_factor) if dot[0] else None
     qdot = quantized_dot(codec, dot[2], asym)
-    nan_as_zero = info.kind in ("int", "uint") or side.element.value == "fp4_e2m1"
+    nan_as_zero = codec.nan_as_zero
     native_nan_zero = info.kind in ("int", "uint") and codec.native_encode and not asym
     fp64 = fp64_quotient(side)
     # one zero point per row, stored as a code, on byte codes: the dot operand's decode leaves its fp16 bias in (code +

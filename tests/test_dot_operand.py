@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from kvgen.codegen.codecs import element_codec
 from kvgen.codegen.render import RATIOS_IN_FP16, dot_operand, fixed_block_shift, pow2_ratio_split, side_context
+from kvgen.codegen.spec import ELEMENTS as SCHEMA_ELEMENTS
 from kvgen.codegen.spec import FormatSpec
 
 ELEMENT_VALUES = {
@@ -78,7 +79,7 @@ def exact_in_fp16_terms(x: np.ndarray, terms: int) -> bool:
     return bool(np.all(hi + lo == x))
 
 
-ELEMENTS = ["int8", "int4", "int2", "uint8", "uint4", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1"]
+ELEMENTS = [e.value for e, info in SCHEMA_ELEMENTS.items() if info.is_quantized]  # every quantized element
 SCALES = [{"granularity": "per_tensor"}, {"granularity": "per_token_head", "dtype": "fp32"}] + [
     {"granularity": "per_block", "block": 16, "dtype": d} for d in ("e8m0", "fp8_e4m3", "bf16", "fp16", "fp32")]
 
