@@ -392,7 +392,7 @@ def test_cmd(specs, examples, device, dequantize_first):
                                  param_hint="--device")
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from .conformance import PROPERTIES, check
+    from .conformance import ONCE_PER_FORMAT, PROPERTIES, check
     from .runtime.loader import load
 
     how = ", attention dequantized first" if dequantize_first else ""
@@ -425,14 +425,18 @@ def test_cmd(specs, examples, device, dequantize_first):
                 raise KvgenError(f"{fmt.name}: a conformance case could not run: {type(exc).__name__}: {first} "
                                  "(kvgen --debug test ... shows the traceback)") from exc
             progress.remove_task(task)
-            cells = ["[red]FAIL[/]" if report.failures[p] else "[green]pass[/]" for p in PROPERTIES]
+            cells = ["[dim]n/a[/]" if p in report.not_checked else "[red]FAIL[/]" if report.failures[p]
+                     else "[green]pass[/]" for p in PROPERTIES]
             t.add_row(fmt.name, *cells)
             if not report.passed:
                 failed += 1
                 details.append((fmt.name, report))
     console.print(t)
     for name, report in details:
-        console.print(f"[bold]{name}[/]: minimal failing case {report.failing_case}", highlight=False)
+        if any(msg for p, msg in report.failures.items() if p not in ONCE_PER_FORMAT):
+            console.print(f"[bold]{name}[/]: minimal failing case {report.failing_case}", highlight=False)
+        else:
+            console.print(f"[bold]{name}[/]:", highlight=False)
         for p, msg in report.failures.items():
             if msg:
                 console.print(f"  {p}: {msg}", highlight=False)

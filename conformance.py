@@ -25,7 +25,10 @@ from .codegen.spec import ELEMENTS, SCALE_BYTES, ElementType
 from .runtime.dequantize import dense_dtype
 from .runtime.format import Format
 
-PROPERTIES = ("page_bytes", "bytes", "error_bound", "attention")
+PROPERTIES = ("page_bytes", "bytes", "edge_bytes", "error_bound", "attention")
+# checked once per format rather than per random case (edge_bytes: NaN, +-inf, signed zeros and values that round to
+# zero, subnormals, huge values; not for residual-window formats, whose edge values tests/test_kivi.py covers)
+ONCE_PER_FORMAT = ("edge_bytes",)
 
 # |out - ref| <= ATOL * max|V| + RTOL * |ref| per query dtype. The kernel's products are exact (fp32 dots, or tensor-
 # core dots of operands held exactly); the slack is the output's rounding to the query dtype (the interpreter
@@ -195,6 +198,66 @@ def kv_data(rng: np.random.Generator, shape: tuple, magnitude: float) -> np.ndar
     return x
 
 
+def edge_tokens(num_kv_heads: int, head_size: int) -> np.ndarray:
+    """[16, H, D] float32 tokens of the values random data never holds: all zero; NaN (of both signs) beside normal
+    values; +-inf beside normal values; fp32 subnormals; values near fp32's largest; all NaN; all +inf; +-inf
+    alternating; NaN beside +-inf; +inf beside -0.0; -0.0 and +0.0 beside one large value; values that round to a
+    signed zero beside one of 1.0; a value on each rounding midpoint between codes 0 and 1 of every scale; and
+    three ordinary tokens."""
+    rng = np.random.default_rng(7)
+    shape = (16, num_kv_heads, head_size)
+    x = rng.standard_normal(shape).astype(np.float32)
+    d = np.arange(head_size)
+    sign = np.where(d % 2 == 0, 1.0, -1.0).astype(np.float32)
+    x[0] = 0.0
+    x[1, :, 1] = np.nan
+    x[1, :, 3] = -np.nan
+    x[2, :, 1] = np.inf
+    x[2, :, 2] = -np.inf
+    x[3] = x[3] * np.float32(1e-40)
+    x[4] = x[4] * np.float32(1e37)
+    x[5] = np.nan
+    x[6] = np.inf
+    x[7] = np.inf * sign
+    x[8] = np.where(d % 3 == 0, np.nan, np.inf * sign).astype(np.float32)
+    x[9] = np.where(d % 2 == 0, np.inf, -0.0).astype(np.float32)
+    x[10] = np.where(d % 2 == 0, -0.0, 0.0).astype(np.float32)
+    x[10, :, 0] = 100.0
+    x[11] = (sign * np.float32(1e-6)).astype(np.float32)
+    x[11, :, 0] = 1.0
+    x[12] = (sign * (d % 4 + 0.5) / 8.0).astype(np.float32)  # halves of small steps: ties in many codes
+    return x
+
+
+def edge_bytes(fmt: Format, device: str = "cpu") -> Optional[str]:
+    """Write :func:`edge_tokens` as keys and values (static scales 0.5) and compare every byte with the reference's
+    encoding; None when equal, else what differs. Residual-window formats: None (not checked here)."""
+    if fmt.spec.streaming:
+        return None
+    head, heads, bs = max(head_sizes_for(fmt)), 2, 4
+    x = edge_tokens(heads, head)
+    blocks = -(-x.shape[0] // bs) + 1
+    slots = np.arange(x.shape[0], dtype=np.int64) + bs  # block 0 stays unwritten
+    scales = {key: 0.5 for side, key in (("key", "k_scale"), ("value", "v_scale"))
+              if fmt.static_scale_kind(side) is not None}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache = fmt.allocate(blocks, bs, heads, head, device=device, **scales)
+        xt = torch.from_numpy(x)
+        fmt.write(cache, xt.to(device), xt.clone().to(device), torch.from_numpy(slots).to(device))
+        expected = R.new_cache(fmt.spec, blocks, bs, heads, head)
+        R.write(fmt.spec, expected, x, x, slots, k_scale=scales.get("k_scale"), v_scale=scales.get("v_scale"))
+    for name, want in expected.items():
+        got = cache.tensors[name].view(torch.uint8).reshape(blocks, -1).cpu().numpy()
+        if not np.array_equal(got, want):
+            where = np.argwhere(got != want)
+            idx = tuple(int(i) for i in where[0])
+            return (f"edge values (NaN, inf, signed zeros, subnormals, huge; head size {head}): {name}: "
+                    f"{len(where)} bytes differ; first at (block, byte) {idx}: kernel {int(got[idx]):#04x}, "
+                    f"reference {int(want[idx]):#04x}")
+    return None
+
+
 def build_batch(case: Case, rng: np.random.Generator):
     """Shuffled block tables, a slot mapping over all tokens with -1 holes, and the data to write."""
     bs = case.block_size
@@ -328,6 +391,7 @@ class Report:
     examples: int
     failures: dict
     failing_case: object
+    not_checked: tuple = ()  # properties that do not apply to this format (edge_bytes for residual windows)
 
     @property
     def passed(self) -> bool:
@@ -377,7 +441,9 @@ def check(fmt: Format, examples: int = 20, device: str = "cpu",
     if seen["n"] == 0:
         raise RuntimeError(f"{fmt.name}: no conformance case ran")
     failures = seen["result"] or {p: None for p in PROPERTIES}
-    return Report(fmt.name, seen["n"], failures, seen["case"])
+    failures["edge_bytes"] = edge_bytes(fmt, device)
+    not_checked = ("edge_bytes",) if streaming else ()
+    return Report(fmt.name, seen["n"], failures, seen["case"], not_checked)
 
 
 # --------------------------------------------------------------------------------------------------------------

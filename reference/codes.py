@@ -44,6 +44,8 @@ FP8_DTYPES: dict[ElementType, type] = {
     ElementType.fp8_e4m3: ml_dtypes.float8_e4m3fn,
     ElementType.fp8_e5m2: ml_dtypes.float8_e5m2,
 }
+#: the positive NaN code of the low-bit floats that have one (the others, and integers, store NaN as 0 would be).
+NAN_CODES: dict[ElementType, int] = {ElementType.fp8_e4m3: 0x7F, ElementType.fp8_e5m2: 0x7E}
 LOWBIT_FLOATS = frozenset({ElementType.fp8_e4m3, ElementType.fp8_e5m2, ElementType.fp4_e2m1})
 SIGNED_INTS = frozenset({ElementType.int8, ElementType.int4, ElementType.int2})
 UNSIGNED_INTS = frozenset({ElementType.uint8, ElementType.uint4, ElementType.uint2})
@@ -211,7 +213,7 @@ def _fp8_codes(element: ElementType, v: np.ndarray) -> np.ndarray:
     codes = np.clip(v, lo, hi).astype(FP8_DTYPES[element]).view(np.uint8).copy()
     # NaN -> the positive NaN code: the sign of a NaN that went through scaling arithmetic is not defined by IEEE
     # (the GPU's division returns a canonical positive NaN)
-    codes[np.isnan(v)] = np.uint8(0x7F if element == ElementType.fp8_e4m3 else 0x7E)
+    codes[np.isnan(v)] = np.uint8(NAN_CODES[element])
     return codes
 
 

@@ -165,9 +165,13 @@ def finite_range(x: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def sanitize_nan(side: SideSpec, x: np.ndarray) -> np.ndarray:
-    """Integer and fp4 codes have no NaN: a NaN input is stored as 0.0 would be (before scaling)."""
+    """Integer and fp4 codes have no NaN: a NaN input is stored as 0.0 would be (before scaling). An unquantized
+    rotated side stores a NaN of the rotation as the positive quiet NaN (its sign and payload are the arithmetic's,
+    undefined)."""
     if side.element in NAN_AS_ZERO:
         return np.where(np.isnan(x), np.float32(0), x).astype(np.float32)
+    if side.rotation is not None and side.scale is None:
+        return np.where(np.isnan(x), np.float32(np.nan), x).astype(np.float32)
     return x
 
 

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvgen
-from kvgen.conformance import Case, cases, format_specs, run_case
+from kvgen.conformance import Case, cases, edge_bytes, format_specs, run_case
 from test_dequantize_first import _check_dense_cache as check_dense_cache
 
 DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
@@ -46,6 +46,8 @@ def load_spec_data(spec: dict, root):
 @given(spec=format_specs(), data=st.data())
 def test_random_spec_builds_and_conforms(spec, data, tmp_path_factory):
     fmt = load_spec_data(spec, tmp_path_factory.mktemp("spec"))  # validation and build: a valid spec never raises
+    edges = edge_bytes(fmt, DEVICE)  # NaN, +-inf, signed zeros, values that round to zero: what `kvgen test` checks once
+    assert edges is None, (yaml.safe_dump(spec, sort_keys=False), edges)
     for _ in range(2):
         case = data.draw(cases(fmt, max_len=30))
         failures = {p: m for p, m in run_case(fmt, case, DEVICE).items() if m}
