@@ -19,6 +19,7 @@ from click.testing import CliRunner
 
 import kvgen
 from kvgen.cli import main as cli_main
+from kvgen.conformance import PROPERTIES
 
 ROOT = Path(kvgen.__file__).resolve().parent
 KVGEN = Path(sys.executable).parent / "kvgen"
@@ -318,7 +319,7 @@ def test_conformance_command(extra):
     assert r.exit_code == 0, r.output
     assert ("attention dequantized first" in r.stdout) == bool(extra), r.stdout
     row = line_with(r.stdout, "q4_0")
-    assert row.count("pass") == 4 and "FAIL" not in row, r.stdout
+    assert row.count("pass") == len(PROPERTIES) == 5 and "FAIL" not in row, r.stdout
 
 
 @pytest.mark.parametrize("args,option", [
