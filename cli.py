@@ -365,7 +365,9 @@ def test_cmd(specs, examples, device, dequantize_first):
 
     Each SPEC (a .yaml file, a generated directory or a shipped name) is built, then random cases check: page bytes,
     stored bytes equal to the NumPy reference's encoding, quantization error within the spec's bound, and paged
-    attention within tolerance of float64. A failure is shrunk to a minimal case and printed.
+    attention within tolerance of float64; once per format, the bytes of edge values (NaN, +-inf, signed zeros,
+    values that round to zero, subnormals, huge values; residual-window formats: n/a). A failure is shrunk to a
+    minimal case and printed.
 
     \b
     Example:
