@@ -127,6 +127,19 @@ def _as_scale(value: Any, where: str, num_kv_heads: Optional[int] = None) -> Sca
     return out
 
 
+def _rank_slice(scale: Scale, where: str, num_kv_heads: Optional[int], tp_rank: int) -> Scale:
+    """A per-head scale checked against the rank's ``num_kv_heads``: all heads of a model of that many, or under
+    tensor parallelism (a multiple of it in the checkpoint) rank ``tp_rank``'s consecutive slice."""
+    if isinstance(scale, float) or num_kv_heads is None or scale.shape[0] == num_kv_heads:
+        return scale
+    total = scale.shape[0]
+    if total % num_kv_heads == 0 and 0 <= tp_rank < total // num_kv_heads:
+        return scale[tp_rank * num_kv_heads:(tp_rank + 1) * num_kv_heads].copy()
+    raise ScaleError(f"{where}: {total} per-head scales, but the model has {num_kv_heads} KV heads"
+                     + (f" (and tp_rank {tp_rank} is past its {total // num_kv_heads} ranks)"
+                        if total % num_kv_heads == 0 else ""))
+
+
 def _safetensor_files(path: Path) -> list[Path]:
     if path.is_dir():
         files = sorted(path.glob("*.safetensors"))
@@ -146,8 +159,14 @@ def _read_tensor(handle: Any, fallback: Any, name: str) -> np.ndarray:
         return t.float().numpy()
 
 
-def _read_safetensors(path: Path) -> dict[tuple[int, str], list[tuple[int, str, Any, str]]]:
-    """Every KV scale in the file(s): ``{(layer, side): [(preference, "file:tensor", value, sides), ...]}``."""
+_ZERO_POINT_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(?:[kv]_proj\.)?[kv]_zero_point$")
+
+
+def _read_safetensors(path: Path, prefix: Optional[str] = None
+                      ) -> dict[tuple[int, str], list[tuple[int, str, Any, str]]]:
+    """Every KV scale in the file(s): ``{(layer, side): [(preference, "file:tensor", value, sides), ...]}``; with
+    ``prefix``, only tensors whose names start with it. An asymmetric scheme's zero points raise ScaleError: kvgen's
+    static scales are symmetric, and such a checkpoint's scales were fitted to a range with an offset."""
     try:
         from safetensors import safe_open
     except ImportError:  # pragma: no cover
@@ -167,6 +186,12 @@ def _read_safetensors(path: Path) -> dict[tuple[int, str], list[tuple[int, str, 
                 return pt[0]
 
             for name in handle.keys():
+                if prefix is not None and not name.startswith(prefix):
+                    continue
+                if _ZERO_POINT_RE.search(name):
+                    raise ScaleError(f"{f}: {name}: a zero point: the checkpoint's KV scheme is asymmetric, and "
+                                     "kvgen's static scales are symmetric (its scales were fitted with an offset); "
+                                     "calibrate symmetric scales instead (kvgen calibrate)")
                 parsed = parse_scale_name(name)
                 if parsed is None:
                     continue
@@ -214,14 +239,18 @@ def _read_json(path: Path, tp_rank: int) -> dict[int, tuple[Any, str]]:
 
 
 def load_scales(path: PathLike, num_layers: int, tp_rank: int = 0, *,
-                num_kv_heads: Optional[int] = None) -> LayerScales:
+                num_kv_heads: Optional[int] = None, prefix: Optional[str] = None,
+                skip_layers: Iterable[int] = ()) -> LayerScales:
     """Static K and V scales of every layer ``0 .. num_layers - 1``: ``{layer: (k_scale, v_scale)}``.
 
     ``path``: a ``.safetensors`` file, a directory of ``*.safetensors`` shards, or an SGLang-style ``.json`` (for
     which ``tp_rank`` picks the rank's entry). A scale is a float (per tensor) or a 1-D float32 array (per KV head;
-    checked against ``num_kv_heads`` when given). Layers without a scale get 1.0, with one
-    :class:`MissingScalesWarning` naming them; scales of layers ``>= num_layers`` (e.g. MTP layers) are ignored.
-    Bad shapes and non-finite or non-positive values raise :class:`ScaleError` naming the file and tensor.
+    checked against ``num_kv_heads`` when given: the rank's KV heads under tensor parallelism, so a checkpoint's
+    ``tp * num_kv_heads`` per-head scales give rank ``tp_rank`` its slice). Layers without a scale get 1.0, with one
+    :class:`MissingScalesWarning` naming them (but ``skip_layers``, which a model cache keeps in the model dtype);
+    scales of layers ``>= num_layers`` (e.g. MTP layers) are ignored. ``prefix`` keeps only tensors whose names start with it (``"model.language_model."``): a checkpoint of several
+    sub-models, each with its ``layers.N``, is refused without it rather than mixed. Bad shapes, non-finite or
+    non-positive values and an asymmetric scheme's zero points raise :class:`ScaleError` naming the file and tensor.
     """
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"num_layers: expected a positive integer, got {num_layers!r}")
@@ -233,13 +262,21 @@ def load_scales(path: PathLike, num_layers: int, tp_rank: int = 0, *,
             if layer < num_layers:
                 k[layer] = v[layer] = _as_scale(value, where, num_kv_heads)
     else:
-        for (layer, side), entries in _read_safetensors(p).items():
+        for (layer, side), entries in _read_safetensors(p, prefix).items():
             if layer >= num_layers:
                 continue
             rank, where, value, _ = min(entries, key=lambda e: e[0])
-            (k if side == "k" else v)[layer] = _as_scale(value, where, num_kv_heads)
-    miss_k = [i for i in range(num_layers) if i not in k]
-    miss_v = [i for i in range(num_layers) if i not in v]
+            rivals = [e for e in entries if e[0] == rank and e[1] != where
+                      and not np.array_equal(np.asarray(e[2], dtype=np.float64), np.asarray(value, dtype=np.float64))]
+            if rivals:
+                raise ScaleError(f"layer {layer}'s {side} scale is given twice, differently: {where} and {rivals[0][1]} "
+                                 "(sub-models with layers of their own?); pass prefix= to pick one, e.g. "
+                                 "prefix=\"model.language_model.\"")
+            (k if side == "k" else v)[layer] = _rank_slice(_as_scale(value, where, None), where, num_kv_heads,
+                                                            tp_rank)
+    skip = set(skip_layers)
+    miss_k = [i for i in range(num_layers) if i not in k and i not in skip]
+    miss_v = [i for i in range(num_layers) if i not in v and i not in skip]
     if miss_k or miss_v:
         def layers(xs):
             return f"layer{'s' if len(xs) > 1 else ''} {format_layers(xs)}"

@@ -333,3 +333,53 @@ def test_import_scheme_no_kv_scheme(tmp_path):
 def test_import_scheme_help():
     r = CliRunner().invoke(import_scheme, ["--help"])
     assert r.exit_code == 0 and "Example:" in r.output
+
+
+def test_sub_models_with_layers_of_their_own_are_refused_unless_a_prefix_picks_one(tmp_path):
+    """An audio tower's layer 0 and the language model's layer 0 both carry k_scale: the loader took whichever sorted
+    first, silently. Different values under one layer index are now an error naming both tensors; prefix= picks."""
+    t = {"model.audio_tower.layers.0.self_attn.k_scale": np.array([5.0], np.float32),
+         "model.audio_tower.layers.0.self_attn.v_scale": np.array([5.0], np.float32),
+         "model.language_model.layers.0.self_attn.k_scale": np.array([0.1], np.float32),
+         "model.language_model.layers.0.self_attn.v_scale": np.array([0.2], np.float32)}
+    path = _write(tmp_path / "m.safetensors", t)
+    with pytest.raises(ScaleError, match=r"layer 0's k scale is given twice, differently: .*audio_tower.*language_model"
+                                         r".*prefix="):
+        load_scales(path, 1)
+    got = load_scales(path, 1, prefix="model.language_model.")
+    assert got[0][0] == pytest.approx(0.1) and got[0][1] == pytest.approx(0.2)
+    assert load_scales(path, 1, prefix="model.audio_tower.") == {0: (5.0, 5.0)}
+
+
+def test_an_asymmetric_schemes_zero_points_are_refused(tmp_path):
+    t = {"model.layers.0.self_attn.k_scale": np.array([0.5], np.float32),
+         "model.layers.0.self_attn.v_scale": np.array([0.5], np.float32),
+         "model.layers.0.self_attn.k_zero_point": np.array([3], np.int8)}
+    with pytest.raises(ScaleError, match=r"k_zero_point: a zero point: the checkpoint's KV scheme is asymmetric"):
+        load_scales(_write(tmp_path / "m.safetensors", t), 1)
+
+
+def test_per_head_scales_of_the_whole_model_give_each_tp_rank_its_heads(tmp_path):
+    """A checkpoint holds all 8 KV heads' scales; at tensor parallelism 2 each rank has 4 heads and takes its 4."""
+    heads = np.arange(1, 9, dtype=np.float32).reshape(8, 1, 1)
+    t = {"model.layers.0.self_attn.k_scale": heads, "model.layers.0.self_attn.v_scale": heads * 2}
+    path = _write(tmp_path / "m.safetensors", t)
+    for rank in (0, 1):
+        k, v = load_scales(path, 1, tp_rank=rank, num_kv_heads=4)[0]
+        np.testing.assert_array_equal(k, heads.reshape(-1)[rank * 4:rank * 4 + 4])
+        np.testing.assert_array_equal(v, 2 * heads.reshape(-1)[rank * 4:rank * 4 + 4])
+    with pytest.raises(ScaleError, match=r"8 per-head scales, but the model has 4 KV heads \(and tp_rank 2 is past"):
+        load_scales(path, 1, tp_rank=2, num_kv_heads=4)
+    with pytest.raises(ScaleError, match=r"8 per-head scales, but the model has 3 KV heads"):
+        load_scales(path, 1, num_kv_heads=3)
+
+
+def test_skip_layers_are_not_named_missing(tmp_path):
+    t = {"model.layers.0.self_attn.k_scale": np.array([0.5], np.float32),
+         "model.layers.0.self_attn.v_scale": np.array([0.5], np.float32)}
+    path = _write(tmp_path / "m.safetensors", t)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_scales(path, 2, skip_layers=[1]) == {0: (0.5, 0.5), 1: (1.0, 1.0)}
+    with pytest.warns(MissingScalesWarning, match="layer 1"):
+        load_scales(path, 2)
