@@ -128,6 +128,10 @@ _MINIFLOATS = {
                      native="tl.float8e4nv"),
     "fp8_e5m2": dict(nbits=8, bias=15, mant=2, ebits=5, max_finite=57344.0, nan_code=0x7E, special="ieee",
                      native="tl.float8e5"),
+    # "fnuz" (AMD / Graphcore): no infinities, no negative zero; the negative-zero pattern 0x80 is the one NaN. Triton's
+    # float8e4b8 exists on AMD only, so no native conversion here.
+    "fp8_e4m3fnuz": dict(nbits=8, bias=8, mant=3, ebits=4, max_finite=240.0, nan_code=0x80, special="fnuz",
+                         native=""),
     "fp4_e2m1": dict(nbits=4, bias=1, mant=1, ebits=2, max_finite=6.0, nan_code=None, special="none", native=""),
 }
 

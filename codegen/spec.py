@@ -44,6 +44,7 @@ class ElementType(str, enum.Enum):
     bf16 = "bf16"
     fp8_e4m3 = "fp8_e4m3"  # OCP e4m3fn: no inf, max 448, NaN = 0x7F
     fp8_e5m2 = "fp8_e5m2"  # OCP e5m2: max finite 57344
+    fp8_e4m3fnuz = "fp8_e4m3fnuz"  # AMD MI300 e4m3 (bias 8): no inf, no -0, max 240, NaN = 0x80
     fp4_e2m1 = "fp4_e2m1"  # two per byte, max 6
     int8 = "int8"
     int4 = "int4"
@@ -73,6 +74,7 @@ ELEMENTS: dict[ElementType, ElementInfo] = {
     ElementType.bf16: ElementInfo(16, "float", 3.3895313892515355e38, -3.3895313892515355e38),
     ElementType.fp8_e4m3: ElementInfo(8, "fp", 448.0, -448.0),
     ElementType.fp8_e5m2: ElementInfo(8, "fp", 57344.0, -57344.0),
+    ElementType.fp8_e4m3fnuz: ElementInfo(8, "fp", 240.0, -240.0),
     ElementType.fp4_e2m1: ElementInfo(4, "fp", 6.0, -6.0),
     ElementType.int8: ElementInfo(8, "int", 127.0, -128.0),
     ElementType.int4: ElementInfo(4, "int", 7.0, -8.0),

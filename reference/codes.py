@@ -6,6 +6,8 @@ Rules (the oracle's definition, from docs/SEMANTICS.md, independent of any kerne
     sign, whatever its payload (fp32 keeps its bits).
   * fp8_e4m3 (OCP e4m3fn, max 448, no inf) / fp8_e5m2 (max finite 57344): first clip to [-max, max], then round to
     nearest, ties to even. NaN -> 0x7F (e4m3) / 0x7E (e5m2), positive (a scaled NaN has no defined sign).
+  * fp8_e4m3fnuz (AMD MI300: bias 8, max 240, no inf, no negative zero): clip to [-240, 240], round half to even;
+    a value that rounds to zero is 0x00 whatever its sign; NaN -> 0x80 (its only NaN).
   * fp4_e2m1 (1 sign | 2 exponent, bias 1 | 1 mantissa; values 0, 0.5, 1, 1.5, 2, 3, 4, 6): clip to [-6, 6], round
     to nearest with ties to the even code (= even mantissa bit). The sign bit is kept, so -0.2 -> -0 = code 0x8.
     NaN has no fp4 code: the reference stores 0 (kernels are not required to match).
@@ -43,10 +45,13 @@ FLOAT_DTYPES: dict[ElementType, type] = {
 FP8_DTYPES: dict[ElementType, type] = {
     ElementType.fp8_e4m3: ml_dtypes.float8_e4m3fn,
     ElementType.fp8_e5m2: ml_dtypes.float8_e5m2,
+    ElementType.fp8_e4m3fnuz: ml_dtypes.float8_e4m3fnuz,
 }
 #: the positive NaN code of the low-bit floats that have one (the others, and integers, store NaN as 0 would be).
-NAN_CODES: dict[ElementType, int] = {ElementType.fp8_e4m3: 0x7F, ElementType.fp8_e5m2: 0x7E}
-LOWBIT_FLOATS = frozenset({ElementType.fp8_e4m3, ElementType.fp8_e5m2, ElementType.fp4_e2m1})
+NAN_CODES: dict[ElementType, int] = {ElementType.fp8_e4m3: 0x7F, ElementType.fp8_e5m2: 0x7E,
+                                     ElementType.fp8_e4m3fnuz: 0x80}
+LOWBIT_FLOATS = frozenset({ElementType.fp8_e4m3, ElementType.fp8_e5m2, ElementType.fp8_e4m3fnuz,
+                           ElementType.fp4_e2m1})
 SIGNED_INTS = frozenset({ElementType.int8, ElementType.int4, ElementType.int2})
 UNSIGNED_INTS = frozenset({ElementType.uint8, ElementType.uint4, ElementType.uint2})
 INTEGERS = SIGNED_INTS | UNSIGNED_INTS
@@ -58,6 +63,7 @@ ELEMENT_BITS: dict[ElementType, int] = {
     ElementType.fp16: 16,
     ElementType.fp8_e4m3: 8,
     ElementType.fp8_e5m2: 8,
+    ElementType.fp8_e4m3fnuz: 8,
     ElementType.fp4_e2m1: 4,
     ElementType.int8: 8,
     ElementType.int4: 4,
@@ -73,6 +79,7 @@ FLOAT_FORMAT: dict[ElementType, tuple[int, int]] = {
     ElementType.fp16: (10, -14),
     ElementType.fp8_e4m3: (3, -6),
     ElementType.fp8_e5m2: (2, -14),
+    ElementType.fp8_e4m3fnuz: (3, -7),
     ElementType.fp4_e2m1: (1, 0),
 }
 #: largest finite value of every float-like element.
@@ -82,12 +89,14 @@ FLOAT_MAX: dict[ElementType, float] = {
     ElementType.fp16: 65504.0,
     ElementType.fp8_e4m3: 448.0,
     ElementType.fp8_e5m2: 57344.0,
+    ElementType.fp8_e4m3fnuz: 240.0,
     ElementType.fp4_e2m1: 6.0,
 }
 #: code range [qmin, qmax] of the quantized elements (low-bit floats: the clip range).
 CODE_RANGE: dict[ElementType, tuple[float, float]] = {
     ElementType.fp8_e4m3: (-448.0, 448.0),
     ElementType.fp8_e5m2: (-57344.0, 57344.0),
+    ElementType.fp8_e4m3fnuz: (-240.0, 240.0),
     ElementType.fp4_e2m1: (-6.0, 6.0),
     ElementType.int8: (-128.0, 127.0),
     ElementType.int4: (-8.0, 7.0),
@@ -103,6 +112,7 @@ QMAX: dict[ElementType, float] = {
     ElementType.int2: 1.0,
     ElementType.fp8_e4m3: 448.0,
     ElementType.fp8_e5m2: 57344.0,
+    ElementType.fp8_e4m3fnuz: 240.0,
     ElementType.fp4_e2m1: 6.0,
     ElementType.uint8: 255.0,
     ElementType.uint4: 15.0,
@@ -213,6 +223,7 @@ def _fp8_codes(element: ElementType, v: np.ndarray) -> np.ndarray:
     codes = np.clip(v, lo, hi).astype(FP8_DTYPES[element]).view(np.uint8).copy()
     # NaN -> the positive NaN code: the sign of a NaN that went through scaling arithmetic is not defined by IEEE
     # (the GPU's division returns a canonical positive NaN)
+    # (e4m3fnuz: its one NaN 0x80; ml_dtypes already stores its zeros, -0 included, as 0x00)
     codes[np.isnan(v)] = np.uint8(NAN_CODES[element])
     return codes
 

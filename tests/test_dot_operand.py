@@ -24,6 +24,7 @@ from kvgen.codegen.spec import FormatSpec
 
 ELEMENT_VALUES = {
     "fp8_e4m3": ml_dtypes.float8_e4m3fn, "fp8_e5m2": ml_dtypes.float8_e5m2, "fp4_e2m1": ml_dtypes.float4_e2m1fn,
+    "fp8_e4m3fnuz": ml_dtypes.float8_e4m3fnuz,
 }
 SCALE_VALUES = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16, "fp8_e4m3": ml_dtypes.float8_e4m3fn}
 

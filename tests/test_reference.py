@@ -356,3 +356,30 @@ def test_paged_attention_by_hand() -> None:
     # decode: one query of a 2-token sequence sits at position 1
     out = R.paged_attention(q[1:], k_cache, v_cache, np.array([[1]]), np.array([2]), np.array([0, 1]), 1.0)
     np.testing.assert_allclose(out[0], [[1.0, 6.0], [1.0, 6.0]])
+
+
+def test_fp8_e4m3fnuz_codes_by_hand() -> None:
+    from kvgen.codegen.loader import load_spec_text
+    spec = load_spec_text("name: fnuz_static\nkey: &s\n  element: fp8_e4m3fnuz\n  scale: {granularity: per_tensor}\n"
+                          "value: *s\n")
+    values = [
+        1.0,        # bias 8: 0 1000 000 = 0x40
+        1.0625,     # tie of 1.0 (m=000) and 1.125 (m=001) -> 1.0 = 0x40
+        1.1875,     # tie of 1.125 (m=001) and 1.25 (m=010) -> 1.25 = 0 1000 010 = 0x42
+        240.0,      # 1.875 * 2**7 = 0 1111 111 = 0x7F (the exponent 1111 is finite in fnuz)
+        448.0,      # e4m3fn's max, clipped to 240 = 0x7F
+        -2.0,       # 1 1001 000 = 0xC8
+        2.0**-10,   # smallest subnormal 0 0000 001 = 0x01
+        -2.0**-12,  # rounds to zero: 0x00, never 0x80 (no negative zero: 0x80 is NaN)
+        -0.0,       # 0x00
+        math.inf,   # clipped to 240 = 0x7F
+        -math.inf,  # clipped to -240 = 0xFF
+        math.nan,   # the one NaN, 0x80
+    ]
+    assert encode_one(spec, values, 1.0).tolist() == [0x40, 0x40, 0x42, 0x7F, 0x7F, 0xC8, 0x01, 0x00, 0x00, 0x7F,
+                                                      0xFF, 0x80]
+    codes = np.arange(256, dtype=np.uint8)
+    values = R.decode_side(spec.key, codes.reshape(1, 1, -1), static_scale=1.0)[0, 0]
+    assert np.isnan(values[0x80]) and np.isfinite(np.delete(values, 0x80)).all()
+    finite = codes != 0x80
+    assert np.array_equal(encode_one(spec, list(values[finite]), 1.0), codes[finite])
