@@ -29,6 +29,11 @@ def import_scheme(config, out, name):
     from .scales import import_scheme as to_yaml
 
     text = to_yaml(config, name=name)
+    same = _shipped_with_the_same_bytes(text)
+    if same:  # on stderr: stdout stays the spec alone
+        err_console.print(f"note: the scheme's bytes are those of the shipped format {same} (kvgen.load('{same}') "
+                          "needs no build; a cache of one is not loaded as the other, their names differ)",
+                          highlight=False)
     if out is None:
         click.echo(text, nl=False)
         return
@@ -38,6 +43,19 @@ def import_scheme(config, out, name):
     except OSError as exc:
         raise KvgenError(f"{out}: cannot write: {exc.strerror}") from None
     console.print(f"wrote {escape(out)} (from {escape(config)})", highlight=False)
+
+
+def _shipped_with_the_same_bytes(text: str):
+    """The shipped format whose spec equals this one but for its name and prose, or None."""
+    from .codegen.loader import load_spec, load_spec_text
+
+    prose = {"name", "description", "origin"}
+    mine = load_spec_text(text).model_dump(mode="json", exclude=prose)
+    for path in sorted((Path(__file__).resolve().parent / "specs").glob("*.yaml")):
+        spec = load_spec(path)
+        if spec.model_dump(mode="json", exclude=prose) == mine:
+            return spec.name
+    return None
 
 
 def _load_format_spec(name: str):

@@ -296,10 +296,19 @@ def test_import_scheme_stdout_and_default_name(tmp_path):
     cfg = _config(tmp_path, SCHEMES[0][0])
     r = CliRunner().invoke(import_scheme, [str(cfg)])
     assert r.exit_code == 0, (r.output, r.exception)
-    assert "name: ct_fp8_e4m3_per_tensor" in r.output
+    assert "name: ct_fp8_e4m3_per_tensor" in r.stdout
     from kvgen.codegen.loader import load_spec_text
 
-    assert load_spec_text(r.output).key.scale.granularity == Granularity.per_tensor
+    assert load_spec_text(r.stdout).key.scale.granularity == Granularity.per_tensor  # stdout: the spec alone
+    # llm-compressor's fp8 per-tensor scheme is the shipped fp8_e4m3's bytes: said on stderr
+    assert "note: the scheme's bytes are those of the shipped format fp8_e4m3" in r.stderr
+
+
+def test_import_scheme_names_no_shipped_format_where_none_has_its_bytes(tmp_path):
+    scheme = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 64, "dynamic": True,
+              "symmetric": True, "scale_dtype": "float16"}
+    r = CliRunner().invoke(import_scheme, [str(_config(tmp_path, scheme))])
+    assert r.exit_code == 0 and "note:" not in r.stderr
 
 
 @pytest.mark.parametrize("scheme,field", [
