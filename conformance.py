@@ -202,8 +202,7 @@ def edge_tokens(num_kv_heads: int, head_size: int) -> np.ndarray:
     """[16, H, D] float32 tokens of the values random data never holds: all zero; NaN (of both signs) beside normal
     values; +-inf beside normal values; fp32 subnormals; values near fp32's largest; all NaN; all +inf; +-inf
     alternating; NaN beside +-inf; +inf beside -0.0; -0.0 and +0.0 beside one large value; values that round to a
-    signed zero beside one of 1.0; a value on each rounding midpoint between codes 0 and 1 of every scale; and
-    three ordinary tokens."""
+    signed zero beside one of 1.0; odd multiples of 1/16 of both signs; and three ordinary tokens."""
     rng = np.random.default_rng(7)
     shape = (16, num_kv_heads, head_size)
     x = rng.standard_normal(shape).astype(np.float32)
@@ -225,7 +224,7 @@ def edge_tokens(num_kv_heads: int, head_size: int) -> np.ndarray:
     x[10, :, 0] = 100.0
     x[11] = (sign * np.float32(1e-6)).astype(np.float32)
     x[11, :, 0] = 1.0
-    x[12] = (sign * (d % 4 + 0.5) / 8.0).astype(np.float32)  # halves of small steps: ties in many codes
+    x[12] = (sign * (d % 4 + 0.5) / 8.0).astype(np.float32)  # 1/16, 3/16, 5/16, 7/16 of both signs
     return x
 
 

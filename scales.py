@@ -127,6 +127,13 @@ def _as_scale(value: Any, where: str, num_kv_heads: Optional[int] = None) -> Sca
     return out
 
 
+def _name_prefix(where: str) -> str:
+    """The part of a "file: tensor" scale's tensor name before its ``layers.N``."""
+    name = where.split(": ", 1)[-1]
+    m = _NAME_RE.search(name)
+    return name[:m.start()] if m else name
+
+
 def _rank_slice(scale: Scale, where: str, num_kv_heads: Optional[int], tp_rank: int) -> Scale:
     """A per-head scale checked against the rank's ``num_kv_heads``: all heads of a model of that many, or under
     tensor parallelism (a multiple of it in the checkpoint) rank ``tp_rank``'s consecutive slice."""
@@ -188,7 +195,8 @@ def _read_safetensors(path: Path, prefix: Optional[str] = None
             for name in handle.keys():
                 if prefix is not None and not name.startswith(prefix):
                     continue
-                if _ZERO_POINT_RE.search(name):
+                if _ZERO_POINT_RE.search(name) and np.any(np.asarray(_read_tensor(handle, torch_handle, name),
+                                                                        dtype=np.float64) != 0):
                     raise ScaleError(f"{f}: {name}: a zero point: the checkpoint's KV scheme is asymmetric, and "
                                      "kvgen's static scales are symmetric (its scales were fitted with an offset); "
                                      "calibrate symmetric scales instead (kvgen calibrate)")
@@ -266,7 +274,12 @@ def load_scales(path: PathLike, num_layers: int, tp_rank: int = 0, *,
             if layer >= num_layers:
                 continue
             rank, where, value, _ = min(entries, key=lambda e: e[0])
-            rivals = [e for e in entries if e[0] == rank and e[1] != where
+            # each sub-model's preferred name form (its prefix: the name before "layers.N"); two sub-models giving
+            # different scales for one layer index are refused, whatever name forms they use
+            best: dict[str, tuple] = {}
+            for e in sorted(entries, key=lambda e: e[0]):
+                best.setdefault(_name_prefix(e[1]), e)
+            rivals = [e for e in best.values() if e[1] != where
                       and not np.array_equal(np.asarray(e[2], dtype=np.float64), np.asarray(value, dtype=np.float64))]
             if rivals:
                 raise ScaleError(f"layer {layer}'s {side} scale is given twice, differently: {where} and {rivals[0][1]} "
@@ -331,7 +344,8 @@ def save_safetensors(scales: LayerScales, path: PathLike, prefix: str = "model")
 
 
 #: kvgen element -> the dtype string of the scale JSON
-JSON_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "int8": "int8"}
+JSON_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "fp8_e4m3fnuz": "float8_e4m3fnuz",
+               "int8": "int8"}
 
 
 def save_json(scales: LayerScales, path: PathLike, dtype: str = "float8_e4m3fn", tp_size: int = 1) -> None:

@@ -254,4 +254,4 @@ def _generated_packages(out_dir: Union[str, Path]) -> list[str]:
     if not out.is_dir():
         return []
     return [p.name for p in out.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))
-            and (p / "__init__.py").is_file()]
+            and (p / "__init__.py").is_file() and not _foreign_package(p)]  # kvgen's own: never a user's folder

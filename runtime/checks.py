@@ -159,7 +159,7 @@ def attention_ranges(block_table: torch.Tensor, seq_lens: torch.Tensor, query_st
                                  f"[0, {num_blocks})")
 
 
-def _as_int(x) -> Optional[int]:
+def as_int(x) -> Optional[int]:
     """``x`` as a Python int where it is an integer (numpy's too), not a bool; else None."""
     if isinstance(x, (bool, np.bool_)) or isinstance(x, torch.Tensor):
         return None
@@ -170,7 +170,7 @@ def _as_int(x) -> Optional[int]:
 
 
 def positive_int(name: str, x: int) -> int:
-    v = _as_int(x)
+    v = as_int(x)
     if v is None or v < 1:
         raise ValueError(f"{name}: expected a positive integer, got {x!r}")
     return v
@@ -179,7 +179,7 @@ def positive_int(name: str, x: int) -> int:
 def optional_positive_int(name: str, x: Optional[int]) -> Optional[int]:
     if x is None:
         return None
-    v = _as_int(x)
+    v = as_int(x)
     if v is None or v < 1:
         raise ValueError(f"{name}: expected a positive integer or None, got {x!r}")
     return v

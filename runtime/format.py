@@ -165,13 +165,17 @@ class Format:
         Formats with a residual window (KIVI) also hold ``k_residual``/``v_residual`` ``[max_seqs, R + G, H, D]``:
         ``max_seqs`` is required for them (the number of sequences that can be live at once).
         """
-        checks.positive_int("num_blocks", num_blocks)
+        num_blocks = checks.positive_int("num_blocks", num_blocks)
+        block_size, num_kv_heads, head_size = (checks.positive_int(n, v) for n, v in (
+            ("block_size", block_size), ("num_kv_heads", num_kv_heads), ("head_size", head_size)))  # numpy's -> int
         self._check_page_shape(block_size, num_kv_heads, head_size)
         residual = self.layout.RESIDUAL
         if residual is not None:
-            if isinstance(max_seqs, bool) or not isinstance(max_seqs, int) or max_seqs < 1:
+            seqs = checks.as_int(max_seqs)
+            if seqs is None or seqs < 1:
                 raise ValueError(f"max_seqs: format {self.name} keeps a full-precision window per sequence; pass "
                                  f"the number of sequences live at once (a positive integer), got {max_seqs!r}")
+            max_seqs = seqs
         elif max_seqs is not None:
             raise ValueError(f"max_seqs: format {self.name} has no residual window; leave max_seqs out")
         shapes = self.layout.tensor_shapes(num_blocks, block_size, num_kv_heads, head_size)

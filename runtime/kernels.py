@@ -28,9 +28,10 @@ def interpreting() -> bool:
 def no_kernel_mode() -> str | None:
     """Why no kernel can run in this process, or None: TRITON_INTERPRET=0 asks for compiled kernels, which need a
     CUDA device torch can see."""
-    if os.environ.get("TRITON_INTERPRET") == "0" and not torch.cuda.is_available():
-        return ("TRITON_INTERPRET=0 asks for compiled kernels, but torch sees no CUDA device: unset it to run the "
-                "kernels in Triton's interpreter on the CPU")
+    value = os.environ.get("TRITON_INTERPRET")
+    if value in ("", "0") and not torch.cuda.is_available():  # set, and not asking for the interpreter
+        return (f"TRITON_INTERPRET={value} asks for compiled kernels, but torch sees no CUDA device: unset it to run "
+                "the kernels in Triton's interpreter on the CPU")
     return None
 
 

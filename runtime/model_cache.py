@@ -14,6 +14,7 @@ from typing import Iterable, Optional, Union
 
 import torch
 
+from . import checks
 from .format import Format, KVCache
 from .loader import load
 
@@ -45,9 +46,10 @@ class ModelKVCache:
         if not isinstance(scales, dict):
             raise ValueError(f"scales: expected a dict of layer index -> (k_scale, v_scale), got "
                              f"{type(scales).__name__}")
-        bad = [k for k in scales if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < len(self.formats)]
+        bad = [k for k in scales if checks.as_int(k) is None or not 0 <= checks.as_int(k) < len(self.formats)]
         if bad:
             raise ValueError(f"scales: keys {bad!r} are not layer indices in [0, {len(self.formats)})")
+        scales = {checks.as_int(k): pair for k, pair in scales.items()}  # numpy's ints as ints
         if scales and not any(fmt.static_scale_kind(side) is not None for fmt in self.formats
                               for side in ("key", "value")):
             raise ValueError(f"scales: no layer's format takes static scales ({self.formats[0].name} computes its "
@@ -198,10 +200,11 @@ def model_cache(fmt: Union[str, Format], num_layers: int, num_blocks: int, block
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"num_layers: expected a positive integer, got {num_layers!r}")
     fmt = load(fmt) if not isinstance(fmt, Format) else fmt
-    skip = set(skip_layers)
-    bad = [i for i in skip if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers]
+    skip_layers = list(skip_layers)
+    bad = [i for i in skip_layers if checks.as_int(i) is None or not 0 <= checks.as_int(i) < num_layers]
     if bad:
         raise ValueError(f"skip_layers: {bad} are not layer indices in [0, {num_layers})")
+    skip = {checks.as_int(i) for i in skip_layers}
     plain = load(model_dtype)
     formats = [plain if i in skip else fmt for i in range(num_layers)]
     return ModelKVCache(formats, num_blocks, block_size, num_kv_heads, head_size, device=device, scales=scales,

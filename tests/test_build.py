@@ -430,3 +430,15 @@ def test_the_wheel_holds_the_specs_templates_and_packages_and_no_setup_module(tm
     want |= {f"kvgen/{m}" for m in ("__init__.py", "__main__.py", "cli.py", "generated/__init__.py")}
     assert want <= names, sorted(want - names)[:5]
     assert "kvgen/setup.py" not in names
+
+
+def test_check_leaves_a_folder_kvgen_did_not_write_out_of_the_leftovers(tmp_path):
+    """A user's own package beside the generated ones: a build leaves it alone, and so does --check (it said to
+    remove it)."""
+    out = tmp_path / "out"
+    assert build(out).exit_code == 0
+    (out / "myhelpers").mkdir()
+    (out / "myhelpers" / "__init__.py").write_text("x = 1\n")
+    r = cli("build", SPECS, "-o", out, "--check")
+    assert r.exit_code == 0, r.output
+    assert "myhelpers" not in r.output

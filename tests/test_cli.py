@@ -344,12 +344,14 @@ def test_conformance_on_cuda_without_a_gpu_is_a_usage_error():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA device")
 @pytest.mark.parametrize("args", [["doctor"], ["demo"], ["eval", "fp8_e4m3", "--backend", "kernels"]])
-def test_compiled_kernels_asked_for_without_a_gpu_is_a_usage_error(args):
-    """TRITON_INTERPRET=0 without a CUDA device: one line saying so (exit 2), no traceback; doctor does not claim
-    the interpreter runs the kernels."""
-    r = CliRunner(env={"TRITON_INTERPRET": "0"}).invoke(cli_main, args)
+@pytest.mark.parametrize("value", ["0", ""])
+def test_compiled_kernels_asked_for_without_a_gpu_is_a_usage_error(args, value):
+    """TRITON_INTERPRET=0 (or set empty, which Triton reads the same) without a CUDA device: one line saying so
+    (exit 2), no traceback; doctor does not claim the interpreter, or the GPU, runs the kernels."""
+    r = CliRunner(env={"TRITON_INTERPRET": value}).invoke(cli_main, args)
     assert r.exit_code == 2, r.output
-    assert "TRITON_INTERPRET=0" in r.output and "no CUDA device" in r.output and "Traceback" not in r.output
+    assert f"TRITON_INTERPRET={value} asks" in r.output and "no CUDA device" in r.output
+    assert "Traceback" not in r.output and "compiled by Triton on the GPU" not in r.output
     assert "interpreter on the CPU (TRITON_INTERPRET=1)" not in r.output and "kvgen demo:" not in r.output
 
 

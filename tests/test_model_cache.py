@@ -189,3 +189,11 @@ def test_a_model_plan_takes_a_sliding_window_per_layer():
     assert not torch.equal(outs[0], m.attend(0, q, table, lens, qsl))
     with pytest.raises(ValueError, match=r"^sliding_window: 2 entries for 3 layers"):
         m.plan_attention(q, table, lens, qsl, sliding_window=[4, None])
+
+
+def test_numpy_layer_indices_are_layer_indices():
+    """Scales keyed by np.int64 (from a numpy loop over layers) and numpy skip layers are layers, as before."""
+    m = kvgen.model_cache("fp8_e4m3", 3, BLOCKS, BS, H, D, skip_layers=[np.int64(2)],
+                          scales={np.int64(i): (0.5 * (i + 1), 0.25) for i in range(2)})
+    assert m.formats[2].name == "bf16"
+    assert float(m.layers[1].tensors["k_scale"].reshape(-1)[0]) == 1.0

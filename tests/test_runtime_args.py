@@ -568,3 +568,15 @@ def test_a_cache_too_large_to_allocate_names_num_blocks(fp8_static):
 def test_load_names_an_argument_that_is_no_name_or_path(bad):
     with pytest.raises(kvgen.KvgenError, match="^name_or_path: expected a format name"):
         kvgen.load(bad)
+
+
+def test_allocate_takes_numpy_ints_as_python_ints(int8):
+    """Sizes read from a numpy config: the cache holds Python ints (numpy's reached the kernels' launch as
+    np.int64, whose missing bit_length crashed the first write)."""
+    cache = int8.allocate(np.int64(NB), np.int64(BS), np.int32(H), np.int64(HS))
+    assert all(type(v) is int for v in (cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_size))
+    x = torch.randn(2, H, HS)
+    int8.write(cache, x, x.clone(), torch.tensor([0, 1]))
+    kivi = kvgen.load("kivi_2bit")
+    assert kivi.allocate(2, 32, H, 32, max_seqs=np.int64(3)).tensors["k_residual"].shape[0] == 3
+    raises_named("max_seqs", lambda: kivi.allocate(2, 32, H, 32, max_seqs=True))

@@ -392,3 +392,25 @@ def test_skip_layers_are_not_named_missing(tmp_path):
         assert load_scales(path, 2, skip_layers=[1]) == {0: (0.5, 0.5), 1: (1.0, 1.0)}
     with pytest.warns(MissingScalesWarning, match="layer 1"):
         load_scales(path, 2)
+
+
+def test_sub_models_are_compared_whatever_name_form_each_uses(tmp_path):
+    """A vision tower's self_attn.k_scale and the language model's ModelOpt k_proj.k_scale: the preferred form won
+    silently; different values under one layer index are refused whatever the forms."""
+    t = {"model.vision_tower.layers.0.self_attn.k_scale": np.array([9.0], np.float32),
+         "model.vision_tower.layers.0.self_attn.v_scale": np.array([9.0], np.float32),
+         "model.language_model.layers.0.self_attn.k_proj.k_scale": np.array([0.1], np.float32),
+         "model.language_model.layers.0.self_attn.v_proj.v_scale": np.array([0.1], np.float32)}
+    path = _write(tmp_path / "m.safetensors", t)
+    with pytest.raises(ScaleError, match="given twice, differently"):
+        load_scales(path, 1)
+    assert load_scales(path, 1, prefix="model.language_model.")[0][0] == pytest.approx(0.1)
+
+
+def test_zero_points_of_zero_are_a_symmetric_scheme(tmp_path):
+    """Older compressed-tensors exports store zero points of 0 for symmetric schemes: accepted."""
+    t = {"model.layers.0.self_attn.k_scale": np.array([0.5], np.float32),
+         "model.layers.0.self_attn.v_scale": np.array([0.5], np.float32),
+         "model.layers.0.self_attn.k_zero_point": np.array([0], np.int8),
+         "model.layers.0.self_attn.v_zero_point": np.array([0], np.int8)}
+    assert load_scales(_write(tmp_path / "m.safetensors", t), 1) == {0: (0.5, 0.5)}
