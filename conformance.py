@@ -246,14 +246,20 @@ def edge_bytes(fmt: Format, device: str = "cpu") -> Optional[str]:
         fmt.write(cache, xt.to(device), xt.clone().to(device), torch.from_numpy(slots).to(device))
         expected = R.new_cache(fmt.spec, blocks, bs, heads, head)
         R.write(fmt.spec, expected, x, x, slots, k_scale=scales.get("k_scale"), v_scale=scales.get("v_scale"))
+    differ = bytes_differ(cache, expected, blocks)
+    return differ and f"edge values (NaN, inf, signed zeros, subnormals, huge; head size {head}): {differ}"
+
+
+def bytes_differ(cache, expected: dict, blocks: int) -> Optional[str]:
+    """Where the kernel-written ``cache`` first differs from the reference's bytes (``expected``, per tensor), or
+    None when every byte is equal."""
     for name, want in expected.items():
         got = cache.tensors[name].view(torch.uint8).reshape(blocks, -1).cpu().numpy()
         if not np.array_equal(got, want):
             where = np.argwhere(got != want)
             idx = tuple(int(i) for i in where[0])
-            return (f"edge values (NaN, inf, signed zeros, subnormals, huge; head size {head}): {name}: "
-                    f"{len(where)} bytes differ; first at (block, byte) {idx}: kernel {int(got[idx]):#04x}, "
-                    f"reference {int(want[idx]):#04x}")
+            return (f"{name}: {len(where)} bytes differ; first at (block, byte) {idx}: kernel "
+                    f"{int(got[idx]):#04x}, reference {int(want[idx]):#04x}")
     return None
 
 
@@ -320,14 +326,7 @@ def run_case(fmt: Format, case: Case, device: str = "cpu", dot_precision: str = 
     key32, value32 = key_t.float().numpy(), value_t.float().numpy()
     expected = R.new_cache(spec, num_blocks, case.block_size, case.num_kv_heads, case.head_size)
     R.write(spec, expected, key32, value32, slots, k_scale=scales["k_scale"], v_scale=scales["v_scale"])
-    for name, want in expected.items():
-        got = cache.tensors[name].view(torch.uint8).reshape(num_blocks, -1).cpu().numpy()
-        if not np.array_equal(got, want):
-            where = np.argwhere(got != want)
-            idx = tuple(int(i) for i in where[0])
-            result["bytes"] = (f"{name}: {len(where)} bytes differ; first at (block, byte) {idx}: kernel "
-                               f"{int(got[idx]):#04x}, reference {int(want[idx]):#04x}")
-            break
+    result["bytes"] = bytes_differ(cache, expected, num_blocks)
 
     k_deq, v_deq = R.read(spec, expected, scales["k_scale"], scales["v_scale"], head_size=case.head_size,
                           block_size=case.block_size, num_kv_heads=case.num_kv_heads)
