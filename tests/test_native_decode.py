@@ -355,6 +355,10 @@ def run_ptx(asm: str, inputs: dict) -> dict:
         elif op == "mul.f16x2":
             r = (_f16x2(val(a[1])) * _f16x2(val(a[2]))).astype(np.float16).view(np.uint16)
             regs[a[0]] = int(r[0]) | int(r[1]) << 16
+        elif op == "lop3.b32":  # any function of three inputs, bit by bit: bit i of the look-up table, i = (a, b, c)
+            x, y, z, lut = val(a[1]), val(a[2]), val(a[3]), val(a[4])
+            regs[a[0]] = sum(((lut >> ((x >> k & 1) << 2 | (y >> k & 1) << 1 | (z >> k & 1))) & 1) << k
+                             for k in range(32))
         elif op == "xor.b32":
             regs[a[0]] = val(a[1]) ^ val(a[2])
         elif op == "prmt.b32":
@@ -466,6 +470,24 @@ def test_byte_decode_ptx_model(name, side, value_of, extra_formats):
             got = list(_f16x2(out[f"${2 * j}"])) + list(_f16x2(out[f"${2 * j + 1}"]))
             want = [value_of((b >> bits * j) & ((1 << bits) - 1)) for b in data]
             assert _bits(got) == _bits(want), (name, data, j, got)
+
+
+@pytest.mark.parametrize("name,side", [("q4_0", "k"), ("int4_per_token_head", "k"), ("kivi_2bit", "k"),
+                                       ("signed_msb_first", "k"), ("signed_msb_first", "v")])
+def test_integer_byte_decode_in_place(name, side, extra_formats):
+    """Integer byte decoders leave each code at its bit position s in the byte (no shift): per position one mask
+    (lop3 with the xor that offsets signed codes, and otherwise), two byte permutes under an fp16 high byte whose ulp
+    is 2**-s, two packed subtracts; test_byte_decode_ptx_model checks the values. Every lane reads one input byte:
+    the and / lop3 act bit by bit, each prmt moves whole bytes, sub.f16x2 acts per lane, so 256 byte values in each
+    of the four byte positions cover all 2**32 registers."""
+    fmt = load(name, extra_formats)
+    element = fmt.spec.side("key" if side == "k" else "value").element.value
+    bits = {"int4": 4, "uint4": 4, "int2": 2, "uint2": 2}[element]
+    ops = [i.split()[0] for i in inline_ptx(fmt._kernels.module, side, "decode_dot_bytes").strip("{} ").split(";")
+           if i.strip() and not i.strip().startswith((".reg", "mov"))]
+    per = 8 // bits
+    assert set(ops) <= {"and.b32", "lop3.b32", "prmt.b32", "sub.f16x2"}, ops
+    assert len(ops) == 5 * per, ops
 
 
 @pytest.mark.parametrize("side", ["k", "v"])

@@ -137,25 +137,29 @@ def k_decode_dot(code, NATIVE: tl.constexpr):
 
 @triton.jit
 def k_decode_dot_bytes(byte):
-    # compiled only (inline PTX): all 4 codes of each byte -> fp16, four bytes per register. The codes at each bit
-    # position are masked into bytes; byte permutes put each under 0x64 in an fp16
-    # lane (1024 + u), and one packed subtract per two codes leaves the value. Returns the codes by bit position in
-    # the byte (lowest first), each shaped like `byte`.
+    # compiled only (inline PTX), in-place nibble decode: all 4 codes of each byte -> fp16, four bytes per
+    # register. The codes at bit position s of each byte stay there (no shift): one and masks them;
+    # byte permutes put each byte under an fp16 high byte whose ulp is 2**-s, so the lane reads base + u exactly
+    # (0x64: 1024 + u, 0x5C: 256 + u, 0x54: 64 + u, 0x4C: 16 + u), and one packed subtract per two codes leaves the value. Returns
+    # the codes by bit position in the byte (lowest first), each shaped like `byte`.
     return tl.inline_asm_elementwise(
-        "{ .reg .b32 x, c, m, b; "
-        "mov.b32 x, $8; "
-        "mov.b32 m, 0x64646464; mov.b32 b, 0x64006400; "  # 1024 in both lanes
-        "and.b32 c, x, 0x03030303; "
+        "{ .reg .b32 c, m, b; "
+        "mov.b32 m, 0x4C545C64; "  # byte j: the high byte for codes at bit 2j
+        "and.b32 c, $8, 0x03030303; "
         "prmt.b32 $0, c, m, 0x4140; prmt.b32 $1, c, m, 0x4342; "
+        "mov.b32 b, 0x64006400; "  # 1024 in both lanes
         "sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; "
-        "shr.b32 c, x, 2; and.b32 c, c, 0x03030303; "
-        "prmt.b32 $2, c, m, 0x4140; prmt.b32 $3, c, m, 0x4342; "
+        "and.b32 c, $8, 0x0C0C0C0C; "
+        "prmt.b32 $2, c, m, 0x5150; prmt.b32 $3, c, m, 0x5352; "
+        "mov.b32 b, 0x5C005C00; "  # 256 in both lanes
         "sub.f16x2 $2, $2, b; sub.f16x2 $3, $3, b; "
-        "shr.b32 c, x, 4; and.b32 c, c, 0x03030303; "
-        "prmt.b32 $4, c, m, 0x4140; prmt.b32 $5, c, m, 0x4342; "
+        "and.b32 c, $8, 0x30303030; "
+        "prmt.b32 $4, c, m, 0x6160; prmt.b32 $5, c, m, 0x6362; "
+        "mov.b32 b, 0x54005400; "  # 64 in both lanes
         "sub.f16x2 $4, $4, b; sub.f16x2 $5, $5, b; "
-        "shr.b32 c, x, 6; and.b32 c, c, 0x03030303; "
-        "prmt.b32 $6, c, m, 0x4140; prmt.b32 $7, c, m, 0x4342; "
+        "and.b32 c, $8, 0xC0C0C0C0; "
+        "prmt.b32 $6, c, m, 0x7170; prmt.b32 $7, c, m, 0x7372; "
+        "mov.b32 b, 0x4C004C00; "  # 16 in both lanes
         "sub.f16x2 $6, $6, b; sub.f16x2 $7, $7, b; "
         "}",
         "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
@@ -212,25 +216,29 @@ def v_decode_dot(code, NATIVE: tl.constexpr):
 
 @triton.jit
 def v_decode_dot_bytes(byte):
-    # compiled only (inline PTX): all 4 codes of each byte -> fp16, four bytes per register. The codes at each bit
-    # position are masked into bytes; byte permutes put each under 0x64 in an fp16
-    # lane (1024 + u), and one packed subtract per two codes leaves the value. Returns the codes by bit position in
-    # the byte (lowest first), each shaped like `byte`.
+    # compiled only (inline PTX), in-place nibble decode: all 4 codes of each byte -> fp16, four bytes per
+    # register. The codes at bit position s of each byte stay there (no shift): one and masks them;
+    # byte permutes put each byte under an fp16 high byte whose ulp is 2**-s, so the lane reads base + u exactly
+    # (0x64: 1024 + u, 0x5C: 256 + u, 0x54: 64 + u, 0x4C: 16 + u), and one packed subtract per two codes leaves the value. Returns
+    # the codes by bit position in the byte (lowest first), each shaped like `byte`.
     return tl.inline_asm_elementwise(
-        "{ .reg .b32 x, c, m, b; "
-        "mov.b32 x, $8; "
-        "mov.b32 m, 0x64646464; mov.b32 b, 0x64006400; "  # 1024 in both lanes
-        "and.b32 c, x, 0x03030303; "
+        "{ .reg .b32 c, m, b; "
+        "mov.b32 m, 0x4C545C64; "  # byte j: the high byte for codes at bit 2j
+        "and.b32 c, $8, 0x03030303; "
         "prmt.b32 $0, c, m, 0x4140; prmt.b32 $1, c, m, 0x4342; "
+        "mov.b32 b, 0x64006400; "  # 1024 in both lanes
         "sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; "
-        "shr.b32 c, x, 2; and.b32 c, c, 0x03030303; "
-        "prmt.b32 $2, c, m, 0x4140; prmt.b32 $3, c, m, 0x4342; "
+        "and.b32 c, $8, 0x0C0C0C0C; "
+        "prmt.b32 $2, c, m, 0x5150; prmt.b32 $3, c, m, 0x5352; "
+        "mov.b32 b, 0x5C005C00; "  # 256 in both lanes
         "sub.f16x2 $2, $2, b; sub.f16x2 $3, $3, b; "
-        "shr.b32 c, x, 4; and.b32 c, c, 0x03030303; "
-        "prmt.b32 $4, c, m, 0x4140; prmt.b32 $5, c, m, 0x4342; "
+        "and.b32 c, $8, 0x30303030; "
+        "prmt.b32 $4, c, m, 0x6160; prmt.b32 $5, c, m, 0x6362; "
+        "mov.b32 b, 0x54005400; "  # 64 in both lanes
         "sub.f16x2 $4, $4, b; sub.f16x2 $5, $5, b; "
-        "shr.b32 c, x, 6; and.b32 c, c, 0x03030303; "
-        "prmt.b32 $6, c, m, 0x4140; prmt.b32 $7, c, m, 0x4342; "
+        "and.b32 c, $8, 0xC0C0C0C0; "
+        "prmt.b32 $6, c, m, 0x7170; prmt.b32 $7, c, m, 0x7372; "
+        "mov.b32 b, 0x4C004C00; "  # 16 in both lanes
         "sub.f16x2 $6, $6, b; sub.f16x2 $7, $7, b; "
         "}",
         "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
