@@ -11,6 +11,8 @@
     python benchmarks/sass_count.py --tiles 128/8/2 --prefill --prefill-rows 128 [FORMAT ...]   # 128 query rows
     python benchmarks/sass_count.py --dequantize [FORMAT ...]    # dequantize_first's dequantize_kernel (prefill)
     python benchmarks/sass_count.py --dequantize --dequant-tiles 64/4 [FORMAT ...]   # its positions / warps
+    python benchmarks/sass_count.py --arch 80 --write [FORMAT ...]   # any mode above for another GPU (sm_80: A100,
+                                                                     # whose fp8 conversions are not native)
 
 Compiles each format's paged_attention_kernel for sm_90 with Triton's own ptxas exactly as the runtime would launch
 it on an H200 for decode at 64 x 8192 (32 query heads over 8 KV heads, head size 128, block size 16, bf16 queries):
@@ -48,6 +50,7 @@ from kvgen.runtime.kernels import attention_tiles  # noqa: E402
 from kvgen.runtime.occupancy import resident_programs  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+ARCH = 90  # the compute capability compiled for (--arch): 90 is the H100 / H200
 def main_loop(sass: str, index: int = 0) -> list[str]:
     """Instruction lines of the main loop: the ``index``-th loop (a backward branch, to a label or an address) of
     more than 200 instructions in code order (with a separate masked last tile, the unmasked whole-tile loop comes
@@ -80,8 +83,8 @@ def main_loop(sass: str, index: int = 0) -> list[str]:
 
 
 def compile_sm90(src, options: dict):
-    """Compile for sm_90 with Triton's ptxas: (kernel, its SASS, cuobjdump's resource usage line)."""
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    """Compile for sm_90 (or --arch's) with Triton's ptxas: (kernel, its SASS, cuobjdump's resource usage line)."""
+    kernel = triton.compile(src, target=GPUTarget("cuda", ARCH, 32), options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
@@ -126,7 +129,7 @@ def stubbed_launches(fmt):
              dict(kset._launchers))
     try:
         kernels.interpreting = lambda: False
-        kernels.native_fp8 = lambda device: True
+        kernels.native_fp8 = lambda device: ARCH >= 89  # as runtime.kernels.native_fp8 on such a GPU
         checks.costly_checks_on = lambda *tensors: False  # as on a GPU: no device-to-host range checks
         kset._check_device = lambda t: None
         kset._SMS[None] = H200_SMS
@@ -155,7 +158,7 @@ def _bound_source(fn, args, kwargs):
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.runtime.jit import create_function_from_signature
 
-    backend = CUDABackend(GPUTarget("cuda", 90, 32))
+    backend = CUDABackend(GPUTarget("cuda", ARCH, 32))
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
     _, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
@@ -369,7 +372,14 @@ def main_write(names: list, dtype: torch.dtype = torch.bfloat16, dump: str | Non
 
 
 def main() -> int:
+    global ARCH
     args = sys.argv[1:]
+    if args[:1] == ["--arch"] and len(args) > 1:
+        if not args[1].isdigit() or int(args[1]) < 80:
+            print(f"sass_count.py: --arch: a compute capability of 80 or more as digits (80, 89, 90), got {args[1]!r}",
+                  file=sys.stderr)
+            return 2
+        ARCH, args = int(args[1]), args[2:]
     if args[:1] in (["-h"], ["--help"]):
         print(__doc__)
         return 0

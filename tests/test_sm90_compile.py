@@ -71,6 +71,16 @@ def test_write_kernels_compile_for_sm90(tmp_path):
     assert rows[1:] == [n for n in kvgen.shipped_names() if not kvgen.load(n).spec.streaming], out
 
 
+def test_write_kernels_compile_for_sm80_without_fast_division(tmp_path):
+    """Before sm_89 (an A100) fp8 converts in software (NATIVE_CASTS off) and with runtime.kernels.FAST_DIV off each
+    division is div_rn: the branches these leave (the finite paths of range_first / finite_first, render.py) must
+    still define the group's range for the code after them. Both once failed in Triton's front end ("k_am is not
+    defined", mxfp8; "k_lo is not defined", int4 per token-head), which the interpreter cannot show."""
+    out = sass_count("--arch", "80", "--write", "--no-fast-div", cache=tmp_path / "cache")
+    rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[1:] == [n for n in kvgen.shipped_names() if not kvgen.load(n).spec.streaming], out
+
+
 def test_write_kernels_of_fp32_inputs_compile_for_sm90(tmp_path):
     """fp32 inputs change the write's layouts (the GPU tests of the divisions write fp32 tokens): nvfp4's scaled
     division and q4_0's hoisted one compile for them too, and --dump leaves each kernel's PTX and SASS."""

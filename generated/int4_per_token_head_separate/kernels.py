@@ -353,7 +353,9 @@ def reshape_and_cache_kernel(
     x_key = fwht_inplace(x_key * tl.load(k_signs_ptr + d, mask=dmask, other=0.0)[None, :], BLOCK_T, HEAD_PAD, K_LOG_B)
     # dynamic scale per group of HEAD_PAD elements: scale = max((max - min) / 15, 1e-06) stored as fp32
     k_xg = tl.reshape(x_key, [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
-    k_fast = False
+    # a constexpr False where FAST_DIV is off (a plain False would become a tensor, and the test below a branch the
+    # compiler cannot drop, leaving the range undefined after it)
+    k_fast: tl.constexpr = False
     if FAST_DIV:
         # compiled (render.finite_first): each group's range over every value first, NaN and infinities included (one
         # min.NaN and max.NaN per element), and one test of the whole tile: where every range is finite and at most
@@ -410,7 +412,9 @@ def reshape_and_cache_kernel(
     x_value = fwht_inplace(x_value * tl.load(v_signs_ptr + d, mask=dmask, other=0.0)[None, :], BLOCK_T, HEAD_PAD, V_LOG_B)
     # dynamic scale per group of HEAD_PAD elements: scale = max((max - min) / 15, 1e-06) stored as fp32
     v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // HEAD_PAD, HEAD_PAD])
-    v_fast = False
+    # a constexpr False where FAST_DIV is off (a plain False would become a tensor, and the test below a branch the
+    # compiler cannot drop, leaving the range undefined after it)
+    v_fast: tl.constexpr = False
     if FAST_DIV:
         # compiled (render.finite_first): each group's range over every value first, NaN and infinities included (one
         # min.NaN and max.NaN per element), and one test of the whole tile: where every range is finite and at most

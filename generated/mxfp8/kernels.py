@@ -299,7 +299,7 @@ def reshape_and_cache_kernel(
     # dynamic scale per group of 32 elements: scale = max(absmax / 448, 1e-06) stored as e8m0
     k_xg = tl.reshape(x_key, [BLOCK_T, HEAD_PAD // 32, 32])
     k_ax = tl.abs(k_xg)
-    k_finite = NATIVE_CASTS
+    k_finite: tl.constexpr = NATIVE_CASTS  # constexpr, as k_fast above (before sm_89: the finite path only)
     if NATIVE_CASTS:
         # compiled: the absmax over every value first, NaN and infinities included; where no group of the tile holds
         # one, that is the finite absmax (one max per element; render.range_first says where this pays; interpreted,
@@ -346,7 +346,7 @@ def reshape_and_cache_kernel(
     # dynamic scale per group of 32 elements: scale = max(absmax / 448, 1e-06) stored as e8m0
     v_xg = tl.reshape(x_value, [BLOCK_T, HEAD_PAD // 32, 32])
     v_ax = tl.abs(v_xg)
-    v_finite = NATIVE_CASTS
+    v_finite: tl.constexpr = NATIVE_CASTS  # constexpr, as v_fast above (before sm_89: the finite path only)
     if NATIVE_CASTS:
         # compiled: the absmax over every value first, NaN and infinities included; where no group of the tile holds
         # one, that is the finite absmax (one max per element; render.range_first says where this pays; interpreted,
