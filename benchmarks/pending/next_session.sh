@@ -4,7 +4,8 @@
 # `source benchmarks/device_env.sh`; outputs go to $OUT (the device tool's folder), each step's also to stdout.
 #
 #   bash benchmarks/pending/next_session.sh verify     # the s32 / s33 merges timed on the H200 (~400 s?)
-#   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree (~450 s)
+#   bash benchmarks/pending/next_session.sh tests      # the GPU test list on this tree, first part (~300 s?)
+#   bash benchmarks/pending/next_session.sh tests2     # its second part: random specs, KIVI, long conformance (~300 s?)
 #   bash benchmarks/pending/next_session.sh bench1     # bench.py, every format, first half (~350 s?)
 #   bash benchmarks/pending/next_session.sh bench2     # bench.py, second half (s56, H200: 350 s)
 #   bash benchmarks/pending/next_session.sh bench3     # bench.py, the five separate-scale formats of s55 (s56, H200: 178 s)
@@ -13,9 +14,7 @@
 #   bash benchmarks/pending/next_session.sh writes     # the pooled-state write graphs (H200: s43's H100 had no slowdown), KIVI's flush profile
 #   bash benchmarks/pending/next_session.sh writeprof  # the writes under 70% profiled and timed on the H200 (~300 s?)
 #   bash benchmarks/pending/next_session.sh kivitiles  # KIVI's decode tiles after the code orders (4 programs per SM at 128 registers; 128 positions a step) (~200 s?)
-#   bash benchmarks/pending/next_session.sh kivinext   # kivi-decode-next(-ktok).patch: KIVI's group scores without the terms' permute, timed and GPU-tested (~400 s?)
-#   bash benchmarks/pending/next_session.sh int4more   # write-int4-more.patch: int4 per token-head's finite tiles round in one add and one clamp; 8 tokens per program (~250 s?)
-#   bash benchmarks/pending/next_session.sh intdecode  # int-decode-in-place.patch: packed integer codes decoded in place (q4_0, mixed_k8_v4, int4, KIVI), timed and GPU-tested (~300 s?)
+#   bash benchmarks/pending/next_session.sh int4more   # write-int4-more.patch: int4 per token-head's finite tiles round in one add and one clamp; 8 tokens per program (s57, H200: 176 s)
 #   bash benchmarks/pending/next_session.sh writeab    # write-fast-div.patch timed against main (~60 s; s36 H100; stale since: rebase first)
 #   bash benchmarks/pending/next_session.sh rcpfault   # recip_fast's fault in nvfp4's write, for a Triton upgrade (ran s42, H100: ~15 s)
 # Ran and removed (benchmarks/results_2026-12-04_h200_s28.md, _s29.md): rows128, hs256more, rules28, rules28b (s28);
@@ -70,7 +69,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?"a step: verify, tests, bench1, bench2, bench3, crossover, crossover2, writes, writeprof, kivitiles, kivinext, int4more, intdecode, writeab or rcpfault"}
+step=${1:?"a step: verify, tests, bench1, bench2, bench3, crossover, crossover2, writes, writeprof, kivitiles, int4more, writeab or rcpfault"}
 start=$(date +%s)
 # a pending patch's kernels (the writeprof step's): this checkout copied to /tmp/var
 # with the patch applied, the named formats built from it into /tmp/variant (for benchmarks/variant_ab.py) and
@@ -158,16 +157,20 @@ case "$step" in
       | tee -a "$out/crossover2.txt" | grep "^|\|^Chunked"
     ;;
   tests)
-    # (30 random specs, not the GPU's default 40: each now also compiles a dequantize kernel and bf16's attention)
-    KVGEN_RANDOM_SPECS=30 timeout 560 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_tiles.py tests/test_attention_plan.py \
+    # the GPU test list in two steps (s57: the whole list in one step ran past 560 s at 98%): this one, then tests2
+    timeout 540 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_tiles.py tests/test_attention_plan.py \
       tests/test_launch.py tests/test_quantized_domain.py tests/test_fast_dots.py tests/test_golden.py \
-      tests/test_random_specs.py tests/test_kivi.py tests/test_kivi_reference.py tests/test_dot_operand.py \
-      tests/test_alignment.py tests/test_scale_words.py tests/test_dequantize_first.py tests/test_fast_div.py \
-      tests/test_numerics.py tests/test_write_plan.py tests/test_padding.py tests/test_minifloat_encode.py \
-      tests/test_model_cache.py tests/test_conformance_check.py \
-      "tests/test_conformance.py::test_long_decode_many_tiles" \
-      "tests/test_conformance.py::test_prefill_rows_128_conform" "tests/test_conformance.py::test_kivi_decode_256" \
+      tests/test_dot_operand.py tests/test_alignment.py tests/test_scale_words.py tests/test_dequantize_first.py \
+      tests/test_fast_div.py tests/test_numerics.py tests/test_write_plan.py tests/test_padding.py \
+      tests/test_minifloat_encode.py tests/test_model_cache.py tests/test_conformance_check.py \
       2>&1 | tee "$out/tests.txt" | tail -15
+    ;;
+  tests2)
+    # (30 random specs, not the GPU's default 40: each now also compiles a dequantize kernel and bf16's attention)
+    KVGEN_RANDOM_SPECS=30 timeout 540 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_random_specs.py \
+      tests/test_kivi.py tests/test_kivi_reference.py "tests/test_conformance.py::test_long_decode_many_tiles" \
+      "tests/test_conformance.py::test_prefill_rows_128_conform" "tests/test_conformance.py::test_kivi_decode_256" \
+      2>&1 | tee "$out/tests2.txt" | tail -15
     ;;
   bench1)
     timeout 560 python3 benchmarks/bench.py --cuda-graphs --out "$out/benchA" --formats bf16 fp16 fp8_e4m3 \
@@ -206,29 +209,6 @@ case "$step" in
     timeout 300 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit --configs rt 64/4/2/128 64/4/3/128 128/4/2/168 \
       --programs-per-sm 4 8 --shapes 64x8192 4x65536 256x1024 --cuda-graphs 2>&1 | tee "$out/kivitiles.txt" | grep "^|"
     ;;
-  kivinext)
-    # kivi-decode-next.patch (fifty-fourth session, a subagent's static study): group_scores takes the code-major
-    # column order on the query and ratios before the products (hoisted) and stacks its two fp16 terms by a select,
-    # so the terms' tile is stored row by row, read back in 16-byte loads; the same products and dot. Static (sm_90,
-    # 64 x 8192, instructions per position): kivi_2bit 13.41 -> 13.13, kivi_4bit 14.66 -> 14.31 (head size 256
-    # 24.0 / 24.3 -> 23.5 / 23.8), registers and programs per SM unchanged. kivi-decode-next-ktok.patch on top: the
-    # step's largest key scale in one reduction (3 of 26 barriers a step): kivi_4bit 14.13, kivi_2bit worse (13.33 at
-    # its 168-register cap). Main, the first patch, its KIVI GPU tests, both patches, main again
-    S="64x8192 4x65536 256x1024 16x8192hs256"
-    timeout 80 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit --configs rt --shapes $S --cuda-graphs 2>&1 \
-      | tee "$out/kivinext_main.txt" | grep "^|"
-    variant kivi-decode-next "two terms stacked by a select" kivi_2bit kivi_4bit || exit 1
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 80 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit \
-      --configs rt --shapes $S --cuda-graphs 2>&1 | tee "$out/kivinext_variant.txt" | grep "^|")
-    variant_tests kivinext tests/test_kivi.py tests/test_kivi_reference.py tests/test_tiles.py \
-      "tests/test_conformance.py::test_kivi_decode_256" -k "kivi"
-    variant kivi-decode-next+kivi-decode-next-ktok "one reduction over every scale of the step" kivi_2bit kivi_4bit \
-      || exit 1
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 80 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit \
-      --configs rt --shapes $S --cuda-graphs 2>&1 | tee "$out/kivinext_ktok.txt" | grep "^|")
-    timeout 80 python3 benchmarks/tune_tiles.py kivi_2bit kivi_4bit --configs rt --shapes $S --cuda-graphs 2>&1 \
-      | tee "$out/kivinext_main2.txt" | grep "^|"
-    ;;
   int4more)
     # write-int4-more.patch (fifty-fourth session, a subagent's static study after write-int4-next's merge): int4 per
     # token-head's finite tiles round their codes by one add of zp + 0.5 and one clamp (no lower clamp, no mask;
@@ -251,26 +231,6 @@ case "$step" in
       | grep "^|\|^tree")
     variant_tests int4more tests/test_numerics.py tests/test_fast_div.py tests/test_conformance.py tests/test_golden.py \
       tests/test_write_arithmetic.py tests/test_write_plan.py -k "int4 or fast_div or fast_encode"
-    ;;
-  intdecode)
-    # int-decode-in-place.patch (fifty-third session, a subagent's static study): the compiled byte decode of packed
-    # 2- and 4-bit integer codes leaves each code at its bit position under an fp16 high byte whose step is 2**-s
-    # (one lop3 masks and offsets signed codes), so no shifts and no separate xor: the same fp16 bits. Static (sm_90,
-    # 64 x 8192, instructions per position): q4_0 9.68 -> 9.18, mixed_k8_v4 7.98 -> 7.77, int4 per token-head 9.46
-    # -> 9.18 (separate 9.23 -> 8.89), kivi_2bit 13.41 -> 13.02, kivi_4bit 14.66 -> 14.41; registers and programs per
-    # SM unchanged. Main, the patch, main again; then the compiled decode tests
-    S="64x8192 4x65536 256x1024"
-    F="q4_0 mixed_k8_v4 int4_per_token_head kivi_2bit"
-    timeout 100 python3 benchmarks/tune_tiles.py $F --configs rt --shapes $S --cuda-graphs 2>&1 \
-      | tee "$out/intdecode_main.txt" | grep "^|"
-    variant int-decode-in-place "in-place nibble decode" q4_0 mixed_k8_v4 int4_per_token_head \
-      int4_per_token_head_separate kivi_2bit kivi_4bit || exit 1
-    (cd /tmp/var && PYTHONPATH=/tmp/site:/tmp/varroot timeout 100 python3 benchmarks/tune_tiles.py $F --configs rt \
-      --shapes $S --cuda-graphs 2>&1 | tee "$out/intdecode_variant.txt" | grep "^|")
-    timeout 100 python3 benchmarks/tune_tiles.py $F --configs rt --shapes $S --cuda-graphs 2>&1 \
-      | tee "$out/intdecode_main2.txt" | grep "^|"
-    variant_tests intdecode tests/test_native_decode.py tests/test_golden.py tests/test_conformance.py \
-      -k "q4_0 or mixed or int4 or kivi or native"
     ;;
   writeab)
     # write-fast-div.patch against main (thirty-fifth session: 24% fewer
@@ -308,7 +268,7 @@ case "$step" in
       | tee "$out/write_profile.txt" | grep "^|"
     ;;
   *)
-    echo "unknown step '$step': verify, tests, bench1, bench2, bench3, crossover, crossover2, writes, writeprof, kivitiles, kivinext, int4more, intdecode, writeab or rcpfault" >&2
+    echo "unknown step '$step': verify, tests, tests2, bench1, bench2, bench3, crossover, crossover2, writes, writeprof, kivitiles, int4more, writeab or rcpfault" >&2
     exit 2
     ;;
 esac
