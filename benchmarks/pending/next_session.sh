@@ -162,7 +162,7 @@ case "$step" in
       tests/test_launch.py tests/test_quantized_domain.py tests/test_fast_dots.py tests/test_golden.py \
       tests/test_dot_operand.py tests/test_alignment.py tests/test_scale_words.py tests/test_dequantize_first.py \
       tests/test_fast_div.py tests/test_numerics.py tests/test_write_plan.py tests/test_padding.py \
-      tests/test_minifloat_encode.py tests/test_model_cache.py tests/test_conformance_check.py \
+      tests/test_minifloat_encode.py tests/test_model_cache.py tests/test_conformance_check.py tests/test_hidden_values.py \
       2>&1 | tee "$out/tests.txt" | tail -15
     ;;
   tests2)

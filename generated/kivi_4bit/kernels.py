@@ -980,6 +980,7 @@ def paged_attention_kernel(
             hi = tl.minimum(hi, (split + 1) * chunk)
         lo = tl.where(window > 0, tl.maximum(context + tile * BLOCK_Q - window + 1, 0), 0)
         lo = tl.maximum(lo, split * chunk)
+        seen_lo = lo  # the first position a query of the tile sees (lo may move back to a group boundary below)
         # every step holds whole groups of 32 tokens (their key scales): start at a group boundary, not
         # further back (the positions before lo that this adds are outside the window, so masked, and in lo's own page:
         # no page that no query sees enters a step's scales; split * chunk is a boundary already)
@@ -1873,7 +1874,9 @@ def paged_attention_kernel(
                              [BLOCK_M, HEAD_PAD])
         for start in range(tl.maximum(lo, quantized), hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
-            n_mask = n < hi
+            # not the positions before seen_lo (no query of the tile sees them; a non-finite value there would turn
+            # its zero probability into NaN in the value dot: 0 * inf)
+            n_mask = (n < hi) & (n >= seen_lo)
             k_tile = r_decode(tl.load((k_res_ptr + ((sid * RING + n % RING) * NUM_KV_HEADS + head).to(tl.int64)[:, None] * (HEAD_SIZE * 2) + d[None, :] * 2).to(tl.pointer_type(tl.uint16)), mask=n_mask[:, None] & dmask[None, :], other=0))
             k_op = k_tile
             scores = mma(q, tl.trans(k_op), DOT_R, QR_TERMS, 1) * row_scale[:, None]
