@@ -22,8 +22,14 @@ from hypothesis import strategies as st
 
 from . import reference as R
 from .codegen.spec import ELEMENTS, SCALE_BYTES, ElementType
-from .runtime.dequantize import dense_dtype
 from .runtime.format import Format
+
+def dense_type(dequantize_first, query_dtype: torch.dtype) -> torch.dtype:
+    """The type ``attend(dequantize_first=...)`` rounds each dequantized value to, as the docs state it (the
+    README's `attend(..., dequantize_first=True)`: True takes the query's type, or a torch dtype names it); not the runtime's own
+    helper, so the oracle does not share a mistake with the code it checks."""
+    return query_dtype if dequantize_first is True else dequantize_first
+
 
 PROPERTIES = ("page_bytes", "bytes", "edge_bytes", "error_bound", "attention")
 # checked once per format rather than per random case (edge_bytes: NaN, +-inf, signed zeros and values that round to
@@ -357,7 +363,7 @@ def run_case(fmt: Format, case: Case, device: str = "cpu", dot_precision: str = 
             blocks, offs = block_table[s, j // case.block_size], j % case.block_size
             seqs.append((k_deq[blocks, offs], v_deq[blocks, offs]))
         ref = dense_attention(query.double().numpy(), seqs, qsl, sm_scale, case.window,
-                              dense_dtype(dequantize_first, case.dtype))
+                              dense_type(dequantize_first, case.dtype))
     else:
         ref = R.paged_attention(query.double().numpy(), k_deq, v_deq, block_table, np.array(case.seq_lens), qsl,
                                 sm_scale, case.window)
@@ -648,7 +654,7 @@ def run_stream(fmt: Format, case: StreamCase, device: str = "cpu", dot_precision
     if dequantize_first:  # the reference of the dense cache: each dequantized value rounded to the dense type
         seqs = [R.kivi_read(spec, expected, int(seq_ids[s]), lens[s], table[s], bs, H, D) for s in batch]
         ref = dense_attention(query.double().numpy(), seqs, qsl, sm_scale, case.window,
-                              dense_dtype(dequantize_first, case.dtype))
+                              dense_type(dequantize_first, case.dtype))
     else:
         ref = R.kivi_attention(spec, expected, query.double().numpy(), seq_ids[batch], qsl, seq_lens, table[batch],
                                sm_scale, case.window, bs, num_kv_heads=H)

@@ -355,7 +355,10 @@ GOLDEN = [
         sides_128=(132, 68),
         key={
             (0, 0): [127.0, -2.5],  # scale 1.0: 0x7F, -3 = 0xFD (half away from zero)
-            # head 1 all zero: scale float32(1e-6)
+            # the dynamic scale's default `apply` (SEMANTICS: reciprocal_multiply) where it differs from divide: fp32
+            # s = 170.67393 / 127 = 1.3438892 (0x3FAC0490), 1 / s times 109.52697 = 81.49999 -> 81 = 0x51 (divide:
+            # exactly 81.5 -> 82); 170.67393 * (1 / s) = 127.0 -> 0x7F
+            (1, 0): [170.67393, 109.52697],
         },
         value={
             # int4, qmax 7, half to even, 1 / s: absmax 7 -> scale 1.0: 7; -3.5 -> -4 (even) = 0xC; 2.5 -> 2;
@@ -366,8 +369,9 @@ GOLDEN = [
         },
         expected={
             (0, 0): "7F FD",
+            (1, 0): "7F 51",
             (0, 32): "00 00 80 3F",
-            (1, 32): "BD 37 86 35",
+            (1, 32): "90 04 AC 3F",
             (0, 36): "C7 02 29",
             (0, 52): "00 00 80 3F",
             (1, 36): "C7 20",
