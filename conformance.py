@@ -36,7 +36,7 @@ PROPERTIES = ("page_bytes", "bytes", "edge_bytes", "error_bound", "attention")
 # zero, subnormals, huge values; not for residual-window formats, whose edge values tests/test_kivi.py covers)
 ONCE_PER_FORMAT = ("edge_bytes",)
 
-# |out - ref| <= ATOL * max|V| + RTOL * |ref| per query dtype. The kernel's products are exact (fp32 dots, or tensor-
+# |out - ref| <= ATOL * max|V| + RTOL * |ref| per query dtype (max|V|: value_scale). The kernel's products are exact (fp32 dots, or tensor-
 # core dots of operands held exactly); the slack is the output's rounding to the query dtype (the interpreter
 # truncates bf16: 2**-7), fp32 accumulation, and the probabilities rounded to fp16 for the value dot (2**-12
 # relative; two fp16 terms for fp32 queries).
