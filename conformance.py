@@ -24,22 +24,15 @@ from . import reference as R
 from .codegen.spec import ELEMENTS, SCALE_BYTES, ElementType
 from .runtime.format import Format
 
-def dense_type(dequantize_first, query_dtype: torch.dtype) -> torch.dtype:
-    """The type ``attend(dequantize_first=...)`` rounds each dequantized value to, as the docs state it (the
-    README's `attend(..., dequantize_first=True)`: True takes the query's type, or a torch dtype names it); not the runtime's own
-    helper, so the oracle does not share a mistake with the code it checks."""
-    return query_dtype if dequantize_first is True else dequantize_first
-
-
 PROPERTIES = ("page_bytes", "bytes", "edge_bytes", "error_bound", "attention")
 # checked once per format rather than per random case (edge_bytes: NaN, +-inf, signed zeros and values that round to
 # zero, subnormals, huge values; not for residual-window formats, whose edge values tests/test_kivi.py covers)
 ONCE_PER_FORMAT = ("edge_bytes",)
 
-# |out - ref| <= ATOL * max|V| + RTOL * |ref| per query dtype (max|V|: value_scale). The kernel's products are exact (fp32 dots, or tensor-
-# core dots of operands held exactly); the slack is the output's rounding to the query dtype (the interpreter
-# truncates bf16: 2**-7), fp32 accumulation, and the probabilities rounded to fp16 for the value dot (2**-12
-# relative; two fp16 terms for fp32 queries).
+# |out - ref| <= ATOL * max|V| + RTOL * |ref| per query dtype (max|V|: value_scale). The kernel's products are
+# exact (fp32 dots, or tensor-core dots of operands held exactly); the slack is the output's rounding to the query
+# dtype (the interpreter truncates bf16: 2**-7), fp32 accumulation, and the probabilities rounded to fp16 for the
+# value dot (2**-12 relative; two fp16 terms for fp32 queries).
 TOLERANCE = {
     torch.float32: (5e-5, 5e-5),
     torch.float16: (2e-3, 2e-3),
@@ -81,6 +74,13 @@ def dense_rounded(x: np.ndarray, dtype: torch.dtype) -> np.ndarray:
     return x32.astype(ml_dtypes.bfloat16 if dtype == torch.bfloat16 else np.float16).astype(np.float64)
 
 
+def dense_type(dequantize_first, query_dtype: torch.dtype) -> torch.dtype:
+    """The type ``attend(dequantize_first=...)`` rounds each dequantized value to, as the README states it (True
+    takes the query's type, or a torch dtype names it); not the runtime's own helper, so the oracle does not share a
+    mistake with the code it checks."""
+    return query_dtype if dequantize_first is True else dequantize_first
+
+
 def dense_attention(q: np.ndarray, seqs: list, query_start_loc: np.ndarray, sm_scale: float,
                     window: Optional[int], dtype: torch.dtype) -> np.ndarray:
     """float64 attention as dequantize_first computes it: over each sequence's dequantized keys and values
@@ -105,6 +105,24 @@ def value_scale(vals: np.ndarray, num_q_heads: int) -> np.ndarray:
     by a fraction of that, never of another head's or sequence's values; 1e-30 where the sequence holds none."""
     per_kv = np.abs(vals).max(axis=(0, 2), initial=0.0) if vals.shape[0] else np.zeros(vals.shape[1])
     return np.maximum(np.repeat(per_kv, num_q_heads // vals.shape[1]), 1e-30)
+
+
+def attention_error(spec, out: np.ndarray, ref: np.ndarray, q: np.ndarray, seqs: list, qsl: np.ndarray,
+                    sm_scale: float, dtype: torch.dtype, fast: bool) -> Optional[str]:
+    """The attention property: None where ``|out - ref|`` is within TOLERANCE for every element, else a message.
+    ``seqs``: each sequence's dequantized (K, V) ``[L, H, D]``, whose query rows are ``qsl[s]:qsl[s + 1]`` of ``q``;
+    ``fast``: dot_precision="fast", whose fast_slack widens each sequence's limit."""
+    atol, rtol = TOLERANCE[dtype]
+    err = np.abs(out - ref)
+    limit = rtol * np.abs(ref)
+    for s, (keys, vals) in enumerate(seqs):
+        rows = slice(int(qsl[s]), int(qsl[s + 1]))
+        limit[rows] += atol * value_scale(vals, ref.shape[1])[:, None]
+        if fast:
+            limit[rows] += fast_slack(spec, q[rows], keys, vals, sm_scale)
+    if np.all(err <= limit):
+        return None
+    return f"error {err.max():.3g} above tolerance (worst ratio {(err / limit).max():.2f})"
 
 
 def fast_slack(spec, q: np.ndarray, keys: np.ndarray, vals: np.ndarray, sm_scale: float) -> np.ndarray:
@@ -365,35 +383,19 @@ def run_case(fmt: Format, case: Case, device: str = "cpu", dot_precision: str = 
                      torch.tensor(case.seq_lens, dtype=torch.int32, device=device), torch.from_numpy(qsl).to(device),
                      sm_scale=sm_scale, sliding_window=case.window, num_splits=case.splits,
                      dot_precision=dot_precision, dequantize_first=dequantize_first).cpu()
+    seqs = []  # each sequence's dequantized keys and values, [L, H, D]
+    for s, n in enumerate(case.seq_lens):
+        j = np.arange(n)
+        blocks, offs = block_table[s, j // case.block_size], j % case.block_size
+        seqs.append((k_deq[blocks, offs], v_deq[blocks, offs]))
     if dequantize_first:  # the reference of the dense cache: each dequantized value rounded to the dense type
-        seqs = []
-        for s, n in enumerate(case.seq_lens):
-            j = np.arange(n)
-            blocks, offs = block_table[s, j // case.block_size], j % case.block_size
-            seqs.append((k_deq[blocks, offs], v_deq[blocks, offs]))
         ref = dense_attention(query.double().numpy(), seqs, qsl, sm_scale, case.window,
                               dense_type(dequantize_first, case.dtype))
     else:
         ref = R.paged_attention(query.double().numpy(), k_deq, v_deq, block_table, np.array(case.seq_lens), qsl,
                                 sm_scale, case.window)
-    atol, rtol = TOLERANCE[case.dtype]
-    err = np.abs(out.double().numpy() - ref)
-    vmax = np.zeros(ref.shape[:2])
-    for s, n in enumerate(case.seq_lens):
-        j = np.arange(n)
-        vmax[int(qsl[s]):int(qsl[s + 1])] = value_scale(v_deq[block_table[s, j // case.block_size], j % case.block_size],
-                                                        ref.shape[1])
-    limit = atol * vmax[:, :, None] + rtol * np.abs(ref)
-    if dot_precision == "fast":
-        q64 = query.double().numpy()
-        for s, n in enumerate(case.seq_lens):
-            j = np.arange(n)
-            blocks = block_table[s, j // case.block_size]
-            rows = slice(int(qsl[s]), int(qsl[s + 1]))
-            limit[rows] = limit[rows] + fast_slack(spec, q64[rows], k_deq[blocks, j % case.block_size],
-                                                   v_deq[blocks, j % case.block_size], sm_scale)
-    if not np.all(err <= limit):
-        result["attention"] = f"error {err.max():.3g} above tolerance (worst ratio {(err / limit).max():.2f})"
+    result["attention"] = attention_error(spec, out.double().numpy(), ref, query.double().numpy(), seqs, qsl,
+                                          sm_scale, case.dtype, dot_precision == "fast")
     return result
 
 
@@ -665,26 +667,13 @@ def run_stream(fmt: Format, case: StreamCase, device: str = "cpu", dot_precision
                      torch.from_numpy(seq_lens).to(device), torch.from_numpy(qsl).to(device), sm_scale=sm_scale,
                      sliding_window=case.window, seq_ids=torch.from_numpy(seq_ids[batch]).to(device),
                      num_splits=case.splits, dot_precision=dot_precision, dequantize_first=dequantize_first).cpu()
+    seqs = [R.kivi_read(spec, expected, int(seq_ids[s]), lens[s], table[s], bs, H, D) for s in batch]
     if dequantize_first:  # the reference of the dense cache: each dequantized value rounded to the dense type
-        seqs = [R.kivi_read(spec, expected, int(seq_ids[s]), lens[s], table[s], bs, H, D) for s in batch]
         ref = dense_attention(query.double().numpy(), seqs, qsl, sm_scale, case.window,
                               dense_type(dequantize_first, case.dtype))
     else:
         ref = R.kivi_attention(spec, expected, query.double().numpy(), seq_ids[batch], qsl, seq_lens, table[batch],
                                sm_scale, case.window, bs, num_kv_heads=H)
-    vmax = np.zeros(ref.shape[:2])
-    for i, s in enumerate(batch):
-        vals = R.kivi_read(spec, expected, int(seq_ids[s]), lens[s], table[s], bs, H, D)[1]
-        vmax[int(qsl[i]):int(qsl[i + 1])] = value_scale(vals, ref.shape[1])
-    atol, rtol = TOLERANCE[case.dtype]
-    err = np.abs(out.double().numpy() - ref)
-    limit = atol * vmax[:, :, None] + rtol * np.abs(ref)
-    if dot_precision == "fast":
-        q64 = query.double().numpy()
-        for i, s in enumerate(batch):
-            k_d, v_d = R.kivi_read(spec, expected, int(seq_ids[s]), lens[s], table[s], bs, H, D)
-            rows = slice(int(qsl[i]), int(qsl[i + 1]))
-            limit[rows] = limit[rows] + fast_slack(spec, q64[rows], k_d, v_d, sm_scale)
-    if not np.all(err <= limit):
-        result["attention"] = f"error {err.max():.3g} above tolerance (worst ratio {(err / limit).max():.2f})"
+    result["attention"] = attention_error(spec, out.double().numpy(), ref, query.double().numpy(), seqs, qsl,
+                                          sm_scale, case.dtype, dot_precision == "fast")
     return result
