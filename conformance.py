@@ -108,10 +108,10 @@ def value_scale(vals: np.ndarray, num_q_heads: int) -> np.ndarray:
 
 
 def attention_error(spec, out: np.ndarray, ref: np.ndarray, q: np.ndarray, seqs: list, qsl: np.ndarray,
-                    sm_scale: float, dtype: torch.dtype, fast: bool) -> Optional[str]:
+                    sm_scale: float, window: Optional[int], dtype: torch.dtype, fast: bool) -> Optional[str]:
     """The attention property: None where ``|out - ref|`` is within TOLERANCE for every element, else a message.
     ``seqs``: each sequence's dequantized (K, V) ``[L, H, D]``, whose query rows are ``qsl[s]:qsl[s + 1]`` of ``q``;
-    ``fast``: dot_precision="fast", whose fast_slack widens each sequence's limit."""
+    ``window``: the sliding window; ``fast``: dot_precision="fast", whose fast_slack widens each sequence's limit."""
     atol, rtol = TOLERANCE[dtype]
     err = np.abs(out - ref)
     limit = rtol * np.abs(ref)
@@ -119,37 +119,74 @@ def attention_error(spec, out: np.ndarray, ref: np.ndarray, q: np.ndarray, seqs:
         rows = slice(int(qsl[s]), int(qsl[s + 1]))
         limit[rows] += atol * value_scale(vals, ref.shape[1])[:, None]
         if fast:
-            limit[rows] += fast_slack(spec, q[rows], keys, vals, sm_scale)
+            limit[rows] += fast_slack(spec, q[rows], keys, vals, sm_scale, window)
     if np.all(err <= limit):
         return None
     return f"error {err.max():.3g} above tolerance (worst ratio {(err / limit).max():.2f})"
 
 
-def fast_slack(spec, q: np.ndarray, keys: np.ndarray, vals: np.ndarray, sm_scale: float) -> np.ndarray:
-    """The extra error dot_precision="fast" may add to the attention of one sequence's queries, ``[t, Hq, 1]``: a
-    worst-case bound, loose by design (the roundings' errors mostly cancel).
+def fast_slack(spec, q: np.ndarray, keys: np.ndarray, vals: np.ndarray, sm_scale: float,
+               window: Optional[int] = None) -> np.ndarray:
+    """The extra error dot_precision="fast" may add to the attention of one sequence's queries, ``[t, Hq, D]``: a
+    bound on the error of one relative rounding of every dot factor, computed from the float64 attention itself.
 
-    q ``[t, Hq, D]``; keys / vals ``[L, H, D]`` the sequence's dequantized cache, in the input's basis. A score
-    q . k whose factors are each rounded once (unit u) moves by at most sm_scale * (2u + u**2) * sum_d |q_d| |k_d|
-    =: delta, the sum taken in the basis the dots use (rotated keys: FWHT of q and k, over b); scores that move by at
-    most delta scale every probability by a factor within exp(+-2 delta), which moves the output by at most
-    (exp(2 delta) - 1) * max |v - out| <= (exp(2 delta) - 1) * 2 max |v|. A value rounded once moves the output by at
-    most u * max |v| (rotated values: their rotated magnitudes), the probabilities' rounding by about as much again.
-    With a float zero point (KIVI) the part that is rounded is the code times its scale, x - min: at most twice the
-    group's largest magnitude, bounded here by twice the sequence's per channel (keys) or overall (values)."""
+    q ``[t, Hq, D]`` (the sequence's last t positions); keys / vals ``[L, H, D]`` the sequence's dequantized cache,
+    in the input's basis; ``window``: the sliding window. With u_k / u_v the unit roundoffs of the key / value dots'
+    type (the query rounds with u_k, the probabilities with u_v):
+
+    * Scores. A score q . k whose factors each round once moves by at most delta_l = sm_scale * (2u_k + u_k**2) *
+      sum_d |q_d| |k_ld| (rotated keys: in the basis the dots use, FWHT of q and k, divided by b). Probabilities p_l
+      whose scores move by e_l, |e_l| <= delta_l, become p'_l = p_l exp(e_l) / W with W = sum_l p_l exp(e_l) >=
+      sum_l p_l exp(-delta_l) =: w, so the output sum_l p'_l v_l moves by sum_l p_l (exp(e_l) - 1) (v_l - out) / W
+      (sum_l p_l (v_l - out) = 0), at most sum_l p_l expm1(delta_l) |v_l - out| / w per element; and p'_l <=
+      p_l exp(delta_l) / w =: hi_l.
+    * Values and probabilities. Each product p'_l v_l rounds with its factors (a value, or its code times a scale;
+      the probability, or it times a scale): the output moves by at most (u_v + u_p + u_v u_p) sum_l hi_l |v_l|. The
+      normalizer sums the unrounded probabilities in fp32. Rotated values: the bound holds per element of the
+      rotated output (|FWHT(v)|), and the rotation back (FWHT / b) moves an element by at most 1/b of its block's
+      bounds' sum.
+    * A float zero point (KIVI) rounds x - min and min apart: keys' |k_ld| become twice the sequence's largest
+      |k| of the channel (a group's x - min is at most twice its largest magnitude), values' |v_ld| three times
+      the token's largest |v| of the head (x - min and min).
+
+    fp16 operands below 2**-14 round with an absolute error (at most 2**-25 of the operand's unit per product),
+    within TOLERANCE's absolute part; fp32 accumulation is TOLERANCE's too."""
     residual = spec.key.residual.dtype if spec.key.residual is not None else None
     uk, uv = _fast_unit(spec.key, residual), _fast_unit(spec.value, residual)
-    q, b = _dot_basis(spec.key, np.asarray(q, dtype=np.float64))
-    kmag = np.abs(_dot_basis(spec.key, np.asarray(keys, dtype=np.float64))[0])
-    if spec.key.zero_point is not None and spec.key.zero_point.dtype != "uint8":
-        kmag = np.broadcast_to(2 * kmag.max(axis=0, keepdims=True), kmag.shape)
-    group = q.shape[1] // keys.shape[1]
-    reach = np.einsum("thd,lhd->thl", np.abs(q), np.repeat(kmag, group, axis=1)).max(axis=2, initial=0.0) / b
-    delta = sm_scale * (2 * uk + uk * uk) * reach
-    vmax = float(np.abs(vals).max(initial=0.0))
-    vrot = float(np.abs(_dot_basis(spec.value, np.asarray(vals, dtype=np.float64))[0]).max(initial=0.0))
-    cz = 2.0 if spec.value.zero_point is not None and spec.value.zero_point.dtype != "uint8" else 1.0
-    return ((np.expm1(2 * delta) * 2 * vmax) + 3 * cz * uv * max(vmax, vrot))[:, :, None]
+    q, keys, vals = (np.asarray(x, dtype=np.float64) for x in (q, keys, vals))
+    (t, hq, d), (L, h) = q.shape, keys.shape[:2]
+    if t == 0 or L == 0:
+        return np.zeros(q.shape)
+    group = hq // h
+    qb, bk = _dot_basis(spec.key, q)
+    kb = np.abs(_dot_basis(spec.key, keys)[0])
+    if _float_zero_point(spec.key):
+        kb = np.broadcast_to(2 * kb.max(axis=0, keepdims=True), kb.shape)
+    delta = sm_scale * (2 * uk + uk * uk) / bk * np.einsum("thd,lhd->thl", np.abs(qb), np.repeat(kb, group, axis=1))
+    scores = sm_scale * np.einsum("thd,lhd->thl", q, np.repeat(keys, group, axis=1))
+    scores = np.where(R.attention_mask(L, t, window)[:, None, :], scores, -np.inf)
+    p = np.exp(scores - scores.max(axis=2, keepdims=True))
+    p /= p.sum(axis=2, keepdims=True)
+    w = (p * np.exp(-delta)).sum(axis=2, keepdims=True)
+    hi = p * np.exp(delta) / w  # [t, Hq, L]
+    v = np.repeat(vals, group, axis=1)  # [L, Hq, D]
+    out = np.einsum("thl,lhd->thd", p, v)
+    moved = np.stack([np.einsum("hl,lhd->hd", p[i] * np.expm1(delta[i]), np.abs(v - out[i])) for i in range(t)])
+    vb, bv = _dot_basis(spec.value, vals)
+    vb = np.abs(vb)
+    if _float_zero_point(spec.value):
+        vb = np.broadcast_to(3 * vb.max(axis=2, keepdims=True), vb.shape)
+    up = uv  # the probabilities round to the value dot's type
+    rounded = (uv + up + uv * up) * np.einsum("thl,lhd->thd", hi, np.repeat(vb, group, axis=1))
+    if bv > 1:  # back from the rotated basis: each element a +-1/b combination of its block's
+        blocks = rounded.reshape(t, hq, d // bv, bv).sum(axis=3, keepdims=True) / bv
+        rounded = np.broadcast_to(blocks, (t, hq, d // bv, bv)).reshape(t, hq, d)
+    return moved / w + rounded
+
+
+def _float_zero_point(side) -> bool:
+    """A zero point stored as a float (KIVI's min): the dots round x - min and min apart."""
+    return side.zero_point is not None and side.zero_point.dtype != "uint8"
 
 
 @dataclasses.dataclass
@@ -395,7 +432,7 @@ def run_case(fmt: Format, case: Case, device: str = "cpu", dot_precision: str = 
         ref = R.paged_attention(query.double().numpy(), k_deq, v_deq, block_table, np.array(case.seq_lens), qsl,
                                 sm_scale, case.window)
     result["attention"] = attention_error(spec, out.double().numpy(), ref, query.double().numpy(), seqs, qsl,
-                                          sm_scale, case.dtype, dot_precision == "fast")
+                                          sm_scale, case.window, case.dtype, dot_precision == "fast")
     return result
 
 
@@ -675,5 +712,5 @@ def run_stream(fmt: Format, case: StreamCase, device: str = "cpu", dot_precision
         ref = R.kivi_attention(spec, expected, query.double().numpy(), seq_ids[batch], qsl, seq_lens, table[batch],
                                sm_scale, case.window, bs, num_kv_heads=H)
     result["attention"] = attention_error(spec, out.double().numpy(), ref, query.double().numpy(), seqs, qsl,
-                                          sm_scale, case.dtype, dot_precision == "fast")
+                                          sm_scale, case.window, case.dtype, dot_precision == "fast")
     return result
