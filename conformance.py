@@ -29,7 +29,7 @@ PROPERTIES = ("page_bytes", "bytes", "edge_bytes", "error_bound", "attention")
 # zero, subnormals, huge values; not for residual-window formats, whose edge values tests/test_kivi.py covers)
 ONCE_PER_FORMAT = ("edge_bytes",)
 
-# |out - ref| <= ATOL * max|V| + RTOL * |ref| per query dtype (max|V|: value_scale). The kernel's products are
+# |out - ref| <= ATOL * max|V| + RTOL * |ref| per query dtype (max|V|: value_scale, per channel). The kernel's products are
 # exact (fp32 dots, or tensor-core dots of operands held exactly); the slack is the output's rounding to the query
 # dtype (the interpreter truncates bf16: 2**-7), fp32 accumulation, and the probabilities rounded to fp16 for the
 # value dot (2**-12 relative; two fp16 terms for fp32 queries).
@@ -98,13 +98,20 @@ def dense_attention(q: np.ndarray, seqs: list, query_start_loc: np.ndarray, sm_s
     return out
 
 
-def value_scale(vals: np.ndarray, num_q_heads: int) -> np.ndarray:
-    """The scale TOLERANCE's absolute part is relative to, per query head ``[Hq]``: the largest dequantized value
-    magnitude of the sequence in the query head's KV head (``vals`` ``[L, H, D]``). An output row is a convex
-    combination of those values, so the kernel's roundings (probabilities, accumulation, a rotation back) move it
-    by a fraction of that, never of another head's or sequence's values; 1e-30 where the sequence holds none."""
-    per_kv = np.abs(vals).max(axis=(0, 2), initial=0.0) if vals.shape[0] else np.zeros(vals.shape[1])
-    return np.maximum(np.repeat(per_kv, num_q_heads // vals.shape[1]), 1e-30)
+def value_scale(side, vals: np.ndarray, num_q_heads: int) -> np.ndarray:
+    """The scale TOLERANCE's absolute part is relative to, per query head and channel ``[Hq, D]``: the largest
+    dequantized value magnitude of the sequence in that channel of the query head's KV head (``vals`` ``[L, H, D]``).
+    An output element is a convex combination of its channel's values, so the kernel's roundings (the
+    probabilities', each a relative error of one product, and fp32 accumulation) move it by a fraction of that,
+    never of another channel's, head's or sequence's values. Where a value is not one product per channel the scale
+    is the head's largest value of any channel: a rotated side (rotated back, each element mixes its block's
+    channels) and a zero point (x = (code - zp) * scale or code * scale + min: a dot may round the probability
+    times each term apart, each as large as the token's range). 1e-30 where the sequence holds none."""
+    L, H, D = vals.shape
+    mag = np.abs(vals).max(axis=0) if L else np.zeros((H, D))  # [H, D]
+    if side.rotation is not None or side.zero_point is not None:
+        mag = np.broadcast_to(mag.max(axis=1, keepdims=True), mag.shape)
+    return np.maximum(np.repeat(mag, num_q_heads // H, axis=0), 1e-30)
 
 
 def attention_error(spec, out: np.ndarray, ref: np.ndarray, q: np.ndarray, seqs: list, qsl: np.ndarray,
@@ -117,7 +124,7 @@ def attention_error(spec, out: np.ndarray, ref: np.ndarray, q: np.ndarray, seqs:
     limit = rtol * np.abs(ref)
     for s, (keys, vals) in enumerate(seqs):
         rows = slice(int(qsl[s]), int(qsl[s + 1]))
-        limit[rows] += atol * value_scale(vals, ref.shape[1])[:, None]
+        limit[rows] += atol * value_scale(spec.value, vals, ref.shape[1])
         if fast:
             limit[rows] += fast_slack(spec, q[rows], keys, vals, sm_scale, window)
     if np.all(err <= limit):
