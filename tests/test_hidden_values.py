@@ -5,14 +5,18 @@ with 0.0 written at that position instead: hidden positions must not matter, so 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import kvgen
 
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
+
 
 def i32(values) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32)
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
 
 
 def decode_after(name: str, value_at_hidden: float, window: int) -> torch.Tensor:
@@ -26,17 +30,19 @@ def decode_after(name: str, value_at_hidden: float, window: int) -> torch.Tensor
     value = torch.randn(length, heads, head, generator=gen)
     value[length - 1 - window, 0, 0] = value_at_hidden
     query = torch.randn(1, 2, head, generator=gen)  # 2 query heads over 1 KV head
+    key, value, query = key.to(DEVICE), value.to(DEVICE), query.to(DEVICE)
     if fmt.spec.streaming:
         block = 32
-        cache = fmt.allocate(num_blocks=3, block_size=block, num_kv_heads=heads, head_size=head, max_seqs=1)
-        table, sid = torch.arange(2, dtype=torch.int32).view(1, 2), i32([0])
+        cache = fmt.allocate(num_blocks=3, block_size=block, num_kv_heads=heads, head_size=head, max_seqs=1,
+                             device=DEVICE)
+        table, sid = i32([[0, 1]]), i32([0])
         for lo, hi in ((0, length - 1), (length - 1, length)):
-            fmt.write(cache, key[lo:hi], value[lo:hi], torch.arange(lo, hi), seq_ids=sid,
+            fmt.write(cache, key[lo:hi], value[lo:hi], torch.arange(lo, hi, device=DEVICE), seq_ids=sid,
                       query_start_loc=i32([0, hi - lo]), seq_lens=i32([hi]), block_table=table)
         return fmt.attend(query, cache, table, i32([length]), i32([0, 1]), seq_ids=sid, sliding_window=window)
-    cache = fmt.allocate(num_blocks=3, block_size=16, num_kv_heads=heads, head_size=head)
-    fmt.write(cache, key, value, torch.arange(length))
-    table = torch.arange(3, dtype=torch.int32).view(1, 3)
+    cache = fmt.allocate(num_blocks=3, block_size=16, num_kv_heads=heads, head_size=head, device=DEVICE)
+    fmt.write(cache, key, value, torch.arange(length, device=DEVICE))
+    table = i32([[0, 1, 2]])
     return fmt.attend(query, cache, table, i32([length]), i32([0, 1]), sliding_window=window)
 
 

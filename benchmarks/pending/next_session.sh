@@ -172,6 +172,13 @@ case "$step" in
       "tests/test_conformance.py::test_prefill_rows_128_conform" "tests/test_conformance.py::test_kivi_decode_256" \
       2>&1 | tee "$out/tests2.txt" | tail -15
     ;;
+  tests3)
+    # the conformance property per shipped format (30 cases each, and with 32-position tiles and splits), the long
+    # contexts and whole prefill steps: the attention tolerance's per-channel scale and fast_slack's per-element
+    # bound (s58) on the GPU's tensor-core dots
+    timeout 540 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_conformance.py \
+      -k "test_conformance or long_context or many_whole" 2>&1 | tee "$out/tests3.txt" | tail -15
+    ;;
   bench1)
     timeout 560 python3 benchmarks/bench.py --cuda-graphs --out "$out/benchA" --formats bf16 fp16 fp8_e4m3 \
       fp8_e4m3_per_head fp8_e5m2 fp8_per_token_head int8_per_token_head int8_per_token_head_separate \
