@@ -105,13 +105,50 @@ def value_scale(side, vals: np.ndarray, num_q_heads: int) -> np.ndarray:
     probabilities', each a relative error of one product, and fp32 accumulation) move it by a fraction of that,
     never of another channel's, head's or sequence's values. Where a value is not one product per channel the scale
     is the head's largest value of any channel: a rotated side (rotated back, each element mixes its block's
-    channels) and a zero point (x = (code - zp) * scale or code * scale + min: a dot may round the probability
-    times each term apart, each as large as the token's range). 1e-30 where the sequence holds none."""
+    channels) and a float zero point (x = code * scale + min: a dot may round the probability times each term
+    apart, each as large as the token's range; an integer zero point is subtracted from the code exactly).
+    1e-30 where the sequence holds none."""
     L, H, D = vals.shape
     mag = np.abs(vals).max(axis=0) if L else np.zeros((H, D))  # [H, D]
-    if side.rotation is not None or side.zero_point is not None:
+    if side.rotation is not None or _float_zero_point(side):
         mag = np.broadcast_to(mag.max(axis=1, keepdims=True), mag.shape)
     return np.maximum(np.repeat(mag, num_q_heads // H, axis=0), 1e-30)
+
+
+def probabilities(q: np.ndarray, keys: np.ndarray, sm_scale: float, window: Optional[int]) -> np.ndarray:
+    """float64 attention weights ``[t, Hq, L]`` of one sequence's queries ``q`` ``[t, Hq, D]`` (its last t
+    positions) over its keys ``[L, H, D]``, with the causal mask and ``window``; GQA by repeating each KV head."""
+    group = q.shape[1] // keys.shape[1]
+    scores = sm_scale * np.einsum("thd,lhd->thl", q, np.repeat(keys, group, axis=1))
+    scores = np.where(R.attention_mask(keys.shape[0], q.shape[0], window)[:, None, :], scores, -np.inf)
+    p = np.exp(scores - scores.max(axis=2, keepdims=True))
+    return p / p.sum(axis=2, keepdims=True)
+
+
+def fp16_underflow(spec, q: np.ndarray, keys: np.ndarray, vals: np.ndarray, sm_scale: float,
+                   window: Optional[int]) -> np.ndarray:
+    """The error fp16 value dots may add where an operand underflows, per query row and head ``[t, Hq, 1]``.
+
+    A value dot in fp16 (every value side but bf16's) may hold each position's probability times its scale, or the
+    probabilities of a scale block, divided by the largest of its step or block before the rounding: below 2**-14 that
+    rounding's error is absolute, up to 2**-25 of the largest, times a code (at most twice the position's largest
+    |value| over the scale: ``code * scale`` of a symmetric range or q4_0's -8). With p the weights and m_l the
+    position's largest |value| in the head, each of the n visible positions then moves the output by at most
+    2**-24 * max_l (p_l m_l): relative to another token's values, not the channel's (the per-channel scale)."""
+    if spec.value.element.value == "bf16" or q.shape[0] == 0 or keys.shape[0] == 0:
+        return np.zeros((q.shape[0], q.shape[1], 1))
+    group = q.shape[1] // keys.shape[1]
+    p = probabilities(np.asarray(q, dtype=np.float64), np.asarray(keys, dtype=np.float64), sm_scale, window)
+    row_max = np.repeat(np.abs(vals).max(axis=2), group, axis=1)  # [L, Hq]
+    seen = R.attention_mask(keys.shape[0], q.shape[0], window).sum(axis=1)  # [t]
+    return (2.0 ** -24 * seen[:, None] * (p * row_max.T[None]).max(axis=2))[:, :, None]
+
+
+def output_underflow(dtype: torch.dtype) -> float:
+    """The output's rounding to the query dtype below its smallest normal number: an absolute error of up to one
+    subnormal step (a step, not half of one: the interpreter truncates bf16), which no relative tolerance covers."""
+    info = torch.finfo(dtype)
+    return info.smallest_normal * info.eps
 
 
 def attention_error(spec, out: np.ndarray, ref: np.ndarray, q: np.ndarray, seqs: list, qsl: np.ndarray,
@@ -121,10 +158,11 @@ def attention_error(spec, out: np.ndarray, ref: np.ndarray, q: np.ndarray, seqs:
     ``window``: the sliding window; ``fast``: dot_precision="fast", whose fast_slack widens each sequence's limit."""
     atol, rtol = TOLERANCE[dtype]
     err = np.abs(out - ref)
-    limit = rtol * np.abs(ref)
+    limit = rtol * np.abs(ref) + output_underflow(dtype)
     for s, (keys, vals) in enumerate(seqs):
         rows = slice(int(qsl[s]), int(qsl[s + 1]))
         limit[rows] += atol * value_scale(spec.value, vals, ref.shape[1])
+        limit[rows] += fp16_underflow(spec, q[rows], keys, vals, sm_scale, window)
         if fast:
             limit[rows] += fast_slack(spec, q[rows], keys, vals, sm_scale, window)
     if np.all(err <= limit):
@@ -156,8 +194,10 @@ def fast_slack(spec, q: np.ndarray, keys: np.ndarray, vals: np.ndarray, sm_scale
       |k| of the channel (a group's x - min is at most twice its largest magnitude), values' |v_ld| three times
       the token's largest |v| of the head (x - min and min).
 
-    fp16 operands below 2**-14 round with an absolute error (at most 2**-25 of the operand's unit per product),
-    within TOLERANCE's absolute part; fp32 accumulation is TOLERANCE's too."""
+    fp16 operands below 2**-14 round with an absolute error instead: values' and probabilities', fp16_underflow's
+    bound, which attention_error adds for every dot precision; queries' and keys' (at most 2**-25 of the operand's
+    unit per product, moving a score by about 1e-7 of the query's magnitude times the head size) within TOLERANCE's
+    absolute part, as fp32 accumulation is."""
     residual = spec.key.residual.dtype if spec.key.residual is not None else None
     uk, uv = _fast_unit(spec.key, residual), _fast_unit(spec.value, residual)
     q, keys, vals = (np.asarray(x, dtype=np.float64) for x in (q, keys, vals))
@@ -170,10 +210,7 @@ def fast_slack(spec, q: np.ndarray, keys: np.ndarray, vals: np.ndarray, sm_scale
     if _float_zero_point(spec.key):
         kb = np.broadcast_to(2 * kb.max(axis=0, keepdims=True), kb.shape)
     delta = sm_scale * (2 * uk + uk * uk) / bk * np.einsum("thd,lhd->thl", np.abs(qb), np.repeat(kb, group, axis=1))
-    scores = sm_scale * np.einsum("thd,lhd->thl", q, np.repeat(keys, group, axis=1))
-    scores = np.where(R.attention_mask(L, t, window)[:, None, :], scores, -np.inf)
-    p = np.exp(scores - scores.max(axis=2, keepdims=True))
-    p /= p.sum(axis=2, keepdims=True)
+    p = probabilities(q, keys, sm_scale, window)
     w = (p * np.exp(-delta)).sum(axis=2, keepdims=True)
     hi = p * np.exp(delta) / w  # [t, Hq, L]
     v = np.repeat(vals, group, axis=1)  # [L, Hq, D]

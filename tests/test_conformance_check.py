@@ -3,6 +3,7 @@ device this process cannot use, an error inside a kernel launch) is an error, ne
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -71,3 +72,51 @@ def test_edge_values_pass_for_a_shipped_format_and_are_not_checked_for_residual_
     assert conformance.edge_bytes(kvgen.load("q4_0"), dev) is None
     report = conformance.check(kvgen.load("kivi_2bit"), 1, dev)
     assert report.passed and report.not_checked == ("edge_bytes",)
+
+
+def one_channel_off(monkeypatch, fmt, factor: float) -> None:
+    """fmt.attend with channel 1 of every output scaled by ``factor``: a kernel wrong in one channel."""
+    attend = type(fmt).attend
+
+    def wrong_attend(self, *args, **kw):
+        out = attend(self, *args, **kw)
+        out[..., 1] *= factor
+        return out
+
+    monkeypatch.setattr(type(fmt), "attend", wrong_attend)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_an_error_in_one_channel_fails_beside_an_outlier_channel(monkeypatch, dtype):
+    """The random data holds an outlier channel (20x) and a token of -60 in channel 0: attention's absolute tolerance
+    follows each output channel's own values, so a 3% error in an ordinary channel fails (with fp16 queries and the
+    head's largest value as its scale it passed)."""
+    fmt = kvgen.load("int8_per_token_head")
+    case = conformance.Case(head_size=32, block_size=4, num_kv_heads=2, group=2, seq_lens=[13, 6], q_lens=[1, 6],
+                            dtype=dtype, window=None, holes=1, seed=0, k_scale=1.0, v_scale=1.0, magnitude=1.0)
+    dev = "cpu" if interpreting() else "cuda"
+    assert conformance.run_case(fmt, case, dev)["attention"] is None
+    one_channel_off(monkeypatch, fmt, 1.03)
+    assert "above tolerance" in conformance.run_case(fmt, case, dev)["attention"]
+
+
+@pytest.mark.parametrize("name", ["int8_per_token_head", "q4_0", "int8_asym_per_token_head"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_values_seven_decades_apart_conform(monkeypatch, name, dtype):
+    """One token's value of 60000 beside 15 tokens whose values are 0.0057 (attention uniform: zero keys): an fp16
+    value dot divides the probabilities times their scales by the step's largest, and the small tokens' quotients
+    underflow, so channel 1's output is 25% off in fp16. A right kernel: the tolerance's fp16_underflow term covers
+    it (the per-channel scale alone did not)."""
+    values = iter([False, True])
+
+    def data(rng, shape, magnitude):  # keys first, then values
+        x = np.zeros(shape, np.float32)
+        if next(values):
+            x[1:, :, 1] = 0.0057
+            x[0, :, 0] = 60000.0
+        return x
+
+    monkeypatch.setattr(conformance, "kv_data", data)
+    case = conformance.Case(head_size=32, block_size=16, num_kv_heads=1, group=1, seq_lens=[16], q_lens=[1],
+                            dtype=dtype, window=None, holes=0, seed=0, k_scale=1.0, v_scale=1.0, magnitude=1.0)
+    assert conformance.run_case(kvgen.load(name), case, "cpu" if interpreting() else "cuda")["attention"] is None
