@@ -179,6 +179,13 @@ case "$step" in
     timeout 540 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_conformance.py \
       -k "test_conformance or long_context or many_whole" 2>&1 | tee "$out/tests3.txt" | tail -15
     ;;
+  tolerance)
+    # one call for what the tolerance changes of s58 reach (a budget with room for one step): the per-format
+    # conformance property (12 cases each), KIVI's streams, 15 random specs and the checker's own tests
+    KVGEN_EXAMPLES=12 KVGEN_RANDOM_SPECS=15 timeout 420 python3 -m pytest -q -n 16 -p no:cacheprovider \
+      tests/test_conformance_check.py "tests/test_conformance.py::test_conformance" tests/test_kivi.py \
+      tests/test_random_specs.py 2>&1 | tee "$out/tolerance.txt" | tail -15
+    ;;
   bench1)
     timeout 560 python3 benchmarks/bench.py --cuda-graphs --out "$out/benchA" --formats bf16 fp16 fp8_e4m3 \
       fp8_e4m3_per_head fp8_e5m2 fp8_per_token_head int8_per_token_head int8_per_token_head_separate \
