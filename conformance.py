@@ -187,12 +187,13 @@ def fast_slack(spec, q: np.ndarray, keys: np.ndarray, vals: np.ndarray, sm_scale
       p_l exp(delta_l) / w =: hi_l.
     * Values and probabilities. Each product p'_l v_l rounds with its factors (a value, or its code times a scale;
       the probability, or it times a scale): the output moves by at most (u_v + u_p + u_v u_p) sum_l hi_l |v_l|. The
-      normalizer sums the unrounded probabilities in fp32. Rotated values: the bound holds per element of the
-      rotated output (|FWHT(v)|), and the rotation back (FWHT / b) moves an element by at most 1/b of its block's
-      bounds' sum.
-    * A float zero point (KIVI) rounds x - min and min apart: keys' |k_ld| become twice the sequence's largest
-      |k| of the channel (a group's x - min is at most twice its largest magnitude), values' |v_ld| three times
-      the token's largest |v| of the head (x - min and min).
+      normalizer sums the unrounded probabilities in fp32. Rotated values: the values' rounding bounded per element
+      of the rotated output (|FWHT(v)|), which the rotation back (FWHT / b) moves by at most 1/b of its block's
+      bounds' sum; the probabilities' in the input basis where one factor scales a position's whole row (no
+      block scales), else with the values'.
+    * A float zero point (KIVI) rounds x - min and min apart: keys' |k_ld| become twice the largest |k| of the
+      elements its scale covers (a group's x - min is at most twice its largest magnitude), values' |v_ld| three
+      times (x - min and min).
 
     fp16 operands below 2**-14 round with an absolute error instead: values' and probabilities', fp16_underflow's
     bound, which attention_error adds for every dot precision; queries' and keys' (at most 2**-25 of the operand's
@@ -208,7 +209,7 @@ def fast_slack(spec, q: np.ndarray, keys: np.ndarray, vals: np.ndarray, sm_scale
     qb, bk = _dot_basis(spec.key, q)
     kb = np.abs(_dot_basis(spec.key, keys)[0])
     if _float_zero_point(spec.key):
-        kb = np.broadcast_to(2 * kb.max(axis=0, keepdims=True), kb.shape)
+        kb = 2 * _scale_group_max(spec.key, kb)
     delta = sm_scale * (2 * uk + uk * uk) / bk * np.einsum("thd,lhd->thl", np.abs(qb), np.repeat(kb, group, axis=1))
     p = probabilities(q, keys, sm_scale, window)
     w = (p * np.exp(-delta)).sum(axis=2, keepdims=True)
@@ -219,13 +220,38 @@ def fast_slack(spec, q: np.ndarray, keys: np.ndarray, vals: np.ndarray, sm_scale
     vb, bv = _dot_basis(spec.value, vals)
     vb = np.abs(vb)
     if _float_zero_point(spec.value):
-        vb = np.broadcast_to(3 * vb.max(axis=2, keepdims=True), vb.shape)
+        vb = 3 * _scale_group_max(spec.value, vb)
     up = uv  # the probabilities round to the value dot's type
-    rounded = (uv + up + uv * up) * np.einsum("thl,lhd->thd", hi, np.repeat(vb, group, axis=1))
-    if bv > 1:  # back from the rotated basis: each element a +-1/b combination of its block's
-        blocks = rounded.reshape(t, hq, d // bv, bv).sum(axis=3, keepdims=True) / bv
-        rounded = np.broadcast_to(blocks, (t, hq, d // bv, bv)).reshape(t, hq, d)
+    if bv == 1:
+        return moved / w + (uv + up + uv * up) * np.einsum("thl,lhd->thd", hi, np.repeat(vb, group, axis=1))
+    # rotated values: their rounding bounded per element of the rotated output, then rotated back (each element a
+    # +-1/b combination of its block's); a probability's rounding, one factor of the position's whole row where the
+    # scale covers it, maps back exactly (sum_l p_l eta_l FWHT(v_l) / b = sum_l p_l eta_l v_l)
+    shared = spec.value.scale is None or spec.value.scale.granularity.value in ("per_tensor", "per_head",
+                                                                               "per_token_head")
+    rounded = (uv + (0.0 if shared else up + uv * up)) * np.einsum("thl,lhd->thd", hi, np.repeat(vb, group, axis=1))
+    blocks = rounded.reshape(t, hq, d // bv, bv).sum(axis=3, keepdims=True) / bv
+    rounded = np.broadcast_to(blocks, (t, hq, d // bv, bv)).reshape(t, hq, d)
+    if shared:
+        rounded = rounded + up * (1 + uv) * np.einsum("thl,lhd->thd", hi, np.abs(v))
     return moved / w + rounded
+
+
+def _scale_group_max(side, x: np.ndarray) -> np.ndarray:
+    """``x`` ``[L, H, D]`` (magnitudes) with each element replaced by the largest of the elements its dynamic scale
+    and zero point cover: a token's head (per_token_head), a block of its channels (per_block), or a channel over a
+    group of positions from position 0 (per_channel_group; the last group partial)."""
+    L, H, D = x.shape
+    g = side.scale.granularity.value
+    if g == "per_token_head":
+        return np.broadcast_to(x.max(axis=2, keepdims=True), x.shape)
+    if g == "per_block":
+        n = side.scale.block
+        return np.repeat(x.reshape(L, H, D // n, n).max(axis=3), n, axis=2)
+    tokens = side.scale.group_tokens
+    padded = np.concatenate([x, np.zeros((-L % tokens, H, D))])
+    groups = padded.reshape(-1, tokens, H, D).max(axis=1)
+    return np.repeat(groups, tokens, axis=0)[:L]
 
 
 def _float_zero_point(side) -> bool:
