@@ -29,10 +29,10 @@ PROPERTIES = ("page_bytes", "bytes", "edge_bytes", "error_bound", "attention")
 # zero, subnormals, huge values; not for residual-window formats, whose edge values tests/test_kivi.py covers)
 ONCE_PER_FORMAT = ("edge_bytes",)
 
-# |out - ref| <= ATOL * max|V| + RTOL * |ref| per query dtype (max|V|: value_scale, per channel). The kernel's products are
-# exact (fp32 dots, or tensor-core dots of operands held exactly); the slack is the output's rounding to the query
-# dtype (the interpreter truncates bf16: 2**-7), fp32 accumulation, and the probabilities rounded to fp16 for the
-# value dot (2**-12 relative; two fp16 terms for fp32 queries).
+# |out - ref| <= ATOL * max|V| + RTOL * |ref| per query dtype (max|V|: value_scale, per channel; attention_error adds
+# the underflow terms). The kernel's products are exact (fp32 dots, or tensor-core dots of operands held exactly);
+# the slack is the output's rounding to the query dtype (the interpreter truncates bf16: 2**-7), fp32 accumulation,
+# and the probabilities rounded to fp16 for the value dot (2**-12 relative; two fp16 terms for fp32 queries).
 TOLERANCE = {
     torch.float32: (5e-5, 5e-5),
     torch.float16: (2e-3, 2e-3),
@@ -167,7 +167,12 @@ def attention_error(spec, out: np.ndarray, ref: np.ndarray, q: np.ndarray, seqs:
             limit[rows] += fast_slack(spec, q[rows], keys, vals, sm_scale, window)
     if np.all(err <= limit):
         return None
-    return f"error {err.max():.3g} above tolerance (worst ratio {(err / limit).max():.2f})"
+    ratio = err / limit
+    t, h, d = np.unravel_index(int(np.argmax(ratio)), ratio.shape)
+    seq = int(np.searchsorted(qsl, t, side="right")) - 1
+    return (f"error {err.max():.3g} above tolerance (the largest; worst ratio {ratio.max():.2f} at query token {t} "
+            f"of sequence {seq}, head {h}, channel {d}: {out[t, h, d]:.6g} against {ref[t, h, d]:.6g}, tolerance "
+            f"{limit[t, h, d]:.3g}; {int((err > limit).sum())} of {err.size} elements above)")
 
 
 def fast_slack(spec, q: np.ndarray, keys: np.ndarray, vals: np.ndarray, sm_scale: float,
