@@ -234,11 +234,11 @@ def fast_slack(spec, q: np.ndarray, keys: np.ndarray, vals: np.ndarray, sm_scale
     # scale covers it, maps back exactly (sum_l p_l eta_l FWHT(v_l) / b = sum_l p_l eta_l v_l)
     shared = spec.value.scale is None or spec.value.scale.granularity.value in ("per_tensor", "per_head",
                                                                                "per_token_head")
-    rounded = (uv + (0.0 if shared else up + uv * up)) * np.einsum("thl,lhd->thd", hi, np.repeat(vb, group, axis=1))
+    rounded = (uv * (1 + up) + (0.0 if shared else up)) * np.einsum("thl,lhd->thd", hi, np.repeat(vb, group, axis=1))
     blocks = rounded.reshape(t, hq, d // bv, bv).sum(axis=3, keepdims=True) / bv
     rounded = np.broadcast_to(blocks, (t, hq, d // bv, bv)).reshape(t, hq, d)
     if shared:
-        rounded = rounded + up * (1 + uv) * np.einsum("thl,lhd->thd", hi, np.abs(v))
+        rounded = rounded + up * np.einsum("thl,lhd->thd", hi, np.abs(v))
     return moved / w + rounded
 
 
