@@ -2,8 +2,9 @@
 
 Specs are drawn from kvgen.conformance.format_specs (elements, scale dtypes, granularities, placements, zero
 points, rotation, packing, K != V, split or interleaved pages), validated, built through `kvgen.load` of a YAML
-file, and checked with the same properties as the shipped formats on a few random cases each (one of them through
-dequantize-first, whose dense cache is also checked value by value against the reference).
+file, and checked with the same properties as the shipped formats on a few random cases each (one of them with
+dot_precision="fast", one through dequantize-first, whose dense cache is also checked value by value against the
+reference).
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ def test_random_spec_builds_and_conforms(spec, data, tmp_path_factory):
         case = data.draw(cases(fmt, max_len=30))
         failures = {p: m for p, m in run_case(fmt, case, DEVICE).items() if m}
         assert not failures, (yaml.safe_dump(spec, sort_keys=False), case, failures)
+    # and dot_precision="fast" (each dot operand rounded once to 16 bits), within conformance.fast_slack's bound
+    case = data.draw(cases(fmt, max_len=30))
+    failures = {p: m for p, m in run_case(fmt, case, DEVICE, dot_precision="fast").items() if m}
+    assert not failures, (yaml.safe_dump(spec, sort_keys=False), case, "fast", failures)
     # and dequantize-first (the generated dequantize kernel, then the dense format's attention) on a 16-bit query
     case = dataclasses.replace(data.draw(cases(fmt, max_len=30)),
                                dtype=data.draw(st.sampled_from([torch.bfloat16, torch.float16])))
