@@ -20,6 +20,10 @@ def unsupported(spec: FormatSpec) -> Optional[tuple[str, str]]:
         sc = side.scale
         if sc is not None and sc.granularity not in _SUPPORTED_GRANULARITIES:
             return f"{side_name}.scale.granularity", f"granularity {sc.granularity.value} is not supported yet"
+        if sc is not None and sc.global_scale and side.zero_point is not None and side.zero_point.dtype != "uint8":
+            # SEMANTICS.md defines a global scale over integer zero points only; the kernels would ignore it
+            return (f"{side_name}.scale.global_scale",
+                    f"a global scale with a float ({side.zero_point.dtype}) zero point is not supported yet")
         if spec.streaming and side.rotation is not None:
             return f"{side_name}.rotation", "rotation with a residual window is not supported yet"
         if spec.streaming and sc is not None and sc.granularity.is_static:
