@@ -494,6 +494,17 @@ def decode_side(side: SideSpec, data: np.ndarray, scale: Optional[np.ndarray] = 
 # --- error bound ----------------------------------------------------------------------------------------------------
 
 
+def reciprocal_overflows(side: SideSpec, s: np.ndarray) -> np.ndarray:
+    """Where a ``reciprocal_multiply`` side's ``div(1, s)`` is inf in float32 (``s`` at or below 2**-128): there
+    every nonzero value scales to +-inf and takes the code at the end of the range of its sign (SEMANTICS.md,
+    "Encode"); False everywhere for ``divide``."""
+    s = np.asarray(s, dtype=np.float32)
+    if side.scale is None or side.scale.apply != ApplyScale.reciprocal_multiply:
+        return np.zeros(s.shape, dtype=bool)
+    with np.errstate(divide="ignore", over="ignore"):
+        return np.isinf(np.float32(1.0) / s)
+
+
 def _rotated_bound(side: SideSpec, enc: SideEncoding) -> np.ndarray:
     """Bound on ``|decoded - x'|`` per element in the rotated basis (``x'`` the float32 values that were encoded)."""
     xr = enc.rotated.astype(np.float64)
@@ -510,6 +521,9 @@ def _rotated_bound(side: SideSpec, enc: SideEncoding) -> np.ndarray:
     v = u + zp
     lo, hi = CODE_RANGE[side.element]
     excess = np.maximum(np.maximum(lo - v, v - hi), 0.0)
+    # a reciprocal that overflowed sends every nonzero value to the end of the code range of its sign
+    saturated = reciprocal_overflows(side, enc.s_eff) & (xr != 0)
+    excess = np.where(saturated, np.abs(np.where(xr > 0, hi, lo) - v), excess)
     if side.element in LOWBIT_FLOATS:
         step = half_ulp(side.element, np.clip(v, lo, hi))
     else:
@@ -534,6 +548,9 @@ def float_zp_bound(side: SideSpec, x: np.ndarray, s_q: np.ndarray, m: np.ndarray
     qmax = float(QMAX[side.element])
     u = (x - m) / s
     excess = np.maximum(np.maximum(-u, u - qmax), 0.0)
+    # a reciprocal that overflowed sends every x other than m to code 0 or qmax (x - m is exact in float32 near 0)
+    saturated = reciprocal_overflows(side, s) & (x != m)
+    excess = np.where(saturated, np.abs(np.where(x > m, qmax, 0.0) - u), excess)
     slack = (np.abs(u) + 1.0) * CODE_SLACK
     return s * (0.5 + excess + slack) + 2.0**-52 * (np.abs(m) + qmax * s)
 

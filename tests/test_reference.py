@@ -85,6 +85,23 @@ def test_unsupported_features_raise() -> None:
         R.cell_layout(make_spec({"element": "bf16"}, layout="split"), 128)
 
 
+def test_nan_counts_as_zero_in_a_float_zero_point_range() -> None:
+    """SEMANTICS.md "NaN": integer codes store a NaN as 0.0 would be, and the 0.0 replaces the NaN before the scale is
+    taken, so a float zero point's range (which need not hold 0) takes it in; +-inf stays out of every range."""
+    spec = make_spec({"element": "uint4", "packing": "lsb_first", "zero_point": {"storage": "beside_scale",
+                      "dtype": "fp16"}, "scale": {"granularity": "per_token_head", "dtype": "fp16"}})
+
+    def encoded(special: float) -> tuple:
+        x = np.linspace(5, 7, 16, dtype=np.float32).reshape(1, 1, 16)
+        x[0, 0, 3] = special
+        enc = R.encode_side(spec.key, x)
+        return enc.data.tobytes(), enc.scale.tobytes(), enc.zp.tobytes()
+
+    assert encoded(np.nan) == encoded(0.0)
+    assert encoded(np.inf)[1:] == encoded(5.0)[1:]  # inf: the scale and minimum of the finite values
+    assert encoded(np.nan)[2] != encoded(np.inf)[2]
+
+
 # --- element codes --------------------------------------------------------------------------------------------------
 
 def test_fp8_e4m3_codes_by_hand() -> None:
@@ -264,6 +281,30 @@ def test_error_bound_holds_and_is_tight(name: str) -> None:
     bound = R.error_bound(spec.key, x, static)
     assert np.all(err <= bound)
     assert (err / bound).max() > 0.9  # not a vacuous bound
+
+
+@pytest.mark.parametrize("side", [
+    {"element": "int8", "scale": {"granularity": "per_token_head", "dtype": "fp32", "min": 1.0e-40}},
+    {"element": "fp8_e4m3", "scale": {"granularity": "per_block", "block": 16, "dtype": "bf16", "min": 1.0e-45}},
+    {"element": "uint4", "packing": "lsb_first", "zero_point": {"storage": "beside_scale", "dtype": "fp32"},
+     "scale": {"granularity": "per_token_head", "dtype": "fp32", "min": 1.0e-40}},
+], ids=["int8", "fp8_bf16_scale", "uint4_float_zp"])
+def test_error_bound_holds_where_the_reciprocal_overflows(side) -> None:
+    """A floor below 2**-128 under reciprocal_multiply: div(1, s) is inf, so a tiny nonzero value scales to +-inf and
+    takes the end code of its sign (SEMANTICS.md, "Encode"); decoded it is qmax times the floor, far from the value.
+    The bound must say so (it took the ideal x / s before), and stay a bound for the finite group beside it."""
+    spec = make_spec(side)
+    assert spec.key.scale.apply.value == "reciprocal_multiply"
+    x = np.zeros((2, 1, 16), np.float32)
+    x[0, 0, :4] = [1e-45, -3e-42, 0.0, 2e-41]  # a group under the floor: its scale is the floor, 1 / s = inf
+    x[1, 0] = np.linspace(-1, 1, 16, dtype=np.float32)
+    enc = R.encode_side(spec.key, x)
+    decoded = R.decode_side(spec.key, enc.data, enc.scale, enc.zp)
+    err = np.abs(decoded - x.astype(np.float64))
+    bound = R.error_bound(spec.key, x)
+    assert err[0, 0, 0] > 100 * abs(float(x[0, 0, 0]))  # the premise: the tiny value saturated
+    assert np.all(err <= bound), (err[0, 0, :4], bound[0, 0, :4])
+    assert np.all(bound[1] < 0.1)  # a finite scale: an ordinary bound
 
 
 # --- whole cache ----------------------------------------------------------------------------------------------------
