@@ -230,7 +230,8 @@ def show(name, block_size, num_kv_heads, head_size, png):
     try:
         d = fmt.describe(block_size, num_kv_heads, head_size)
     except ValueError as exc:  # a shape this format does not take
-        raise KvgenError(f"{fmt.name} at block size {block_size}, head size {head_size}: {exc}") from None
+        raise OptionError(f"--block-size {block_size} / --head-size {head_size}: {fmt.name} does not take this "
+                          f"shape: {exc}") from None
     console.print(f"[bold]{d['name']}[/]  {escape(fmt.spec.description)}", highlight=False)
     if fmt.spec.origin:
         console.print(f"origin: {escape(fmt.spec.origin)}", highlight=False)

@@ -10,10 +10,12 @@ Rules (the oracle's definition, from docs/SEMANTICS.md, independent of any kerne
     a value that rounds to zero is 0x00 whatever its sign; NaN -> 0x80 (its only NaN).
   * fp4_e2m1 (1 sign | 2 exponent, bias 1 | 1 mantissa; values 0, 0.5, 1, 1.5, 2, 3, 4, 6): clip to [-6, 6], round
     to nearest with ties to the even code (= even mantissa bit). The sign bit is kept, so -0.2 -> -0 = code 0x8.
-    NaN has no fp4 code: the reference stores 0 (kernels are not required to match).
+    NaN has no fp4 code: code 0 (a fallback at the code level; the side encoders have already replaced a NaN
+    input by 0.0, SEMANTICS.md "NaN", which the kernels match).
   * int8 / int4 / int2 (two's complement) and uint8 / uint4 / uint2: round by the side's rule (``half_even`` = rint
     in float32; ``half_away_from_zero`` = ``trunc(v + copysign(0.5, v))`` with the addition in float32, vLLM), then
-    clip to [-2^(b-1), 2^(b-1) - 1] resp. [0, 2^b - 1]. NaN -> code 0 (kernels are not required to match).
+    clip to [-2^(b-1), 2^(b-1) - 1] resp. [0, 2^b - 1]. NaN -> code 0 (the code-level fallback; a NaN input is
+    0.0 by then, as for fp4).
   * Sub-byte packing: element ``i`` sits in byte ``i // (8 / b)``, at bit ``(i mod (8/b)) * b`` (lsb_first) or
     ``(8/b - 1 - i mod (8/b)) * b`` (msb_first). A head whose ``D * b`` is not a multiple of 8 ends in a partial
     byte whose unused bits are 0.

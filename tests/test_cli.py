@@ -214,6 +214,15 @@ def test_show_unknown_name_is_one_line_error():
     assert "bf16" in err  # says which formats exist
 
 
+def test_show_a_head_size_the_format_cannot_take_is_a_usage_error():
+    """q4_0's scale blocks of 32 do not divide head size 20: an option's value the format cannot take (exit 2), one
+    line naming the options and the reason."""
+    r = run_kvgen("show", "q4_0", "--head-size", "20")
+    assert r.returncode == 2, r.stderr
+    err = r.stderr.strip()
+    assert len(err.splitlines()) == 1 and "--head-size 20" in err and "multiple of the key scale block 32" in err, err
+
+
 def test_show_spec_yaml(tmp_path):
     spec = tmp_path / "show_me.yaml"
     spec.write_text("name: show_me\ndescription: shown\nkey:\n  element: fp16\nvalue:\n  element: fp16\n")
