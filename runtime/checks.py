@@ -129,19 +129,26 @@ def slots_match_positions(slot_mapping: torch.Tensor, block_table: torch.Tensor,
 
 
 def attention_ranges(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                     num_blocks: int, block_size: int, num_tokens: int, max_query_len: Optional[int] = None) -> None:
+                     num_blocks: int, block_size: int, num_tokens: int, max_query_len: Optional[int] = None,
+                     planned_longest: bool = False) -> None:
+    """attend's checks of the batch tensors' contents. ``planned_longest``: ``max_query_len`` is what a plan found
+    in ``query_start_loc`` at planning (the caller gave none), so a longer query now calls for a new plan."""
     qsl = query_start_loc.tolist()
     if qsl[0] != 0 or qsl[-1] > num_tokens:
         raise ValueError(f"query_start_loc: must start at 0 and end at most at the number of query tokens "
                          f"{num_tokens} (rows past its end are padding), got {qsl[0]} ... {qsl[-1]}")
-    lens = seq_lens.tolist()
-    longest = max((b - a for a, b in zip(qsl[:-1], qsl[1:])), default=0)
-    if max_query_len is not None and max_query_len < longest:
-        raise ValueError(f"max_query_len: {max_query_len} is below the longest query ({longest} tokens)")
-    max_blocks = block_table.shape[1]
     for s, (a, b) in enumerate(zip(qsl[:-1], qsl[1:])):
         if b < a:
             raise ValueError(f"query_start_loc: must not decrease (sequence {s}: {a} -> {b})")
+    lens = seq_lens.tolist()
+    longest = max((b - a for a, b in zip(qsl[:-1], qsl[1:])), default=0)
+    if max_query_len is not None and max_query_len < longest:
+        if planned_longest:
+            raise ValueError(f"query_start_loc: its longest query ({longest} tokens) is longer than the plan's "
+                             f"({max_query_len}, the longest at planning): plan again, or plan with max_query_len=")
+        raise ValueError(f"max_query_len: {max_query_len} is below the longest query ({longest} tokens)")
+    max_blocks = block_table.shape[1]
+    for s, (a, b) in enumerate(zip(qsl[:-1], qsl[1:])):
         if lens[s] < 0:
             raise ValueError(f"seq_lens: sequence {s} has a negative length ({lens[s]})")
         if lens[s] < b - a:
@@ -182,6 +189,17 @@ def optional_positive_int(name: str, x: Optional[int]) -> Optional[int]:
     v = as_int(x)
     if v is None or v < 1:
         raise ValueError(f"{name}: expected a positive integer or None, got {x!r}")
+    return v
+
+
+INT32_MAX = 2**31 - 1
+
+
+def optional_length(name: str, x: Optional[int]) -> Optional[int]:
+    """A positive token count or None; above int32's range (where seq_lens live) it has no meaning for a kernel."""
+    v = optional_positive_int(name, x)
+    if v is not None and v > INT32_MAX:
+        raise ValueError(f"{name}: {v} is beyond int32's range (seq_lens are int32; at most {INT32_MAX})")
     return v
 
 

@@ -34,6 +34,9 @@ ScaleArg = Union[None, float, int, torch.Tensor, list, tuple]
 
 # the largest head size allocate() takes (the conformance suite runs head sizes 16 to 256)
 MAX_HEAD_SIZE = 1024
+# the most KV splits attend takes: the splits are the launch grid's third dimension (65535 at most in CUDA)
+MAX_SPLITS = 65535
+FP32_MAX = 3.4028234663852886e38
 
 
 @dataclasses.dataclass
@@ -556,6 +559,8 @@ class Format:
         read their contents at launch, so they may be updated in place, but a batch of other sizes (sequences,
         query tokens, the longest query, the block table's width) needs a new plan, and so do another
         ``sm_scale``, ``sliding_window`` or ``dot_precision`` (layers with and without a window: one plan each).
+        Without ``max_query_len`` the plan takes the longest query it finds, and 1 (decode) where every sequence
+        has 0 new tokens (placeholders filled in place, or a warm-up batch); longer queries need it given.
         Runs of one plan share its scratch for split sequences (and ``dequantize_first``'s dense cache), allocated
         on the stream current at planning: run them on that stream, one after another (as layers run), and keep
         the plan alive while a CUDA graph that captured one of its runs may replay.
@@ -564,15 +569,16 @@ class Format:
             query, cache, block_table, seq_lens, query_start_loc, sm_scale, sliding_window, max_query_len, seq_ids,
             dot_precision, max_seq_len, num_splits, None, dequantize_first, planned=True)
         recheck = None
+        planned_longest = max_query_len is None
         if launch is not None:  # attend()'s range checks, as the batch tensors read at each run
             num_tokens, num_blocks, block_size = query.shape[0], cache.num_blocks, cache.block_size
-            if max_query_len is None:  # what the launch was planned for (as _plan found it)
-                max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+            if planned_longest:  # what the launch was planned for (as _plan found it)
+                max_query_len = max(int((query_start_loc[1:] - query_start_loc[:-1]).max()), 1)
             rows = cache.tensors["k_residual"].shape[0] if seq_ids is not None else None
 
             def ranges() -> None:
                 checks.attention_ranges(block_table, seq_lens, query_start_loc, num_blocks, block_size, num_tokens,
-                                        max_query_len)
+                                        max_query_len, planned_longest)
                 if rows is not None:
                     checks.seq_ids_in_range(seq_ids, rows)
 
@@ -606,13 +612,15 @@ class Format:
             raise ValueError(f"query_start_loc: needs num_seqs + 1 = {num_seqs + 1} entries, got "
                              f"{query_start_loc.shape[0]}")
         sliding_window = checks.optional_positive_int("sliding_window", sliding_window)
+        if sliding_window is not None and sliding_window > checks.INT32_MAX:
+            sliding_window = None  # longer than any sequence (seq_lens are int32): no window
         if dot_precision not in DOT_PRECISIONS:
             raise ValueError(f"dot_precision: expected one of {', '.join(map(repr, DOT_PRECISIONS))}, got "
                              f"{dot_precision!r}")
         if dot_precision == "quantized" and not any(self.quantized_dot.values()):
             raise ValueError(f"dot_precision: 'quantized' needs int8 codes with no zero point and no block scales on "
                              f"the key or value side; format {self.name} has neither")
-        max_seq_len = checks.optional_positive_int("max_seq_len", max_seq_len)
+        max_seq_len = checks.optional_length("max_seq_len", max_seq_len)
         if isinstance(dequantize_first, str) and dequantize_first == "auto":
             dequantize_first = auto_dense(self, query, num_seqs, block_table, cache.block_size, cache.num_kv_heads,
                                           dot_precision, max_seq_len)
@@ -622,10 +630,17 @@ class Format:
                 raise ValueError("dot_precision: 'quantized' computes on the cache's codes; dequantize_first runs on "
                                  "dequantized values (use 'auto', 'fast' or 'ieee')")
         num_splits = checks.optional_positive_int("num_splits", num_splits)
+        if num_splits is not None and num_splits > MAX_SPLITS:
+            raise ValueError(f"num_splits: {num_splits} is above {MAX_SPLITS} (a launch grid's third dimension)")
         max_query_len = checks.optional_positive_int("max_query_len", max_query_len)
+        if max_query_len is not None and max_query_len > max(num_tokens, 1):
+            raise ValueError(f"max_query_len: {max_query_len} is above the query's {num_tokens} tokens (no query "
+                             "can be longer)")
         if sm_scale is None:
             sm_scale = 1.0 / math.sqrt(head_size)
         sm_scale = checks.finite_float("sm_scale", sm_scale)
+        if abs(sm_scale) * math.log2(math.e) > FP32_MAX:
+            raise ValueError(f"sm_scale: {sm_scale!r} times log2(e) overflows fp32, where the kernels scale scores")
         if checks.costly_checks_on(block_table, seq_lens, query_start_loc):
             checks.attention_ranges(block_table, seq_lens, query_start_loc, cache.num_blocks, cache.block_size,
                                     num_tokens, max_query_len)
@@ -635,6 +650,9 @@ class Format:
             return None, None
         if max_query_len is None:
             max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+            if planned and max_query_len == 0:
+                # 0 new tokens everywhere: placeholders to fill in place, or a warm-up; a plan launches for decode
+                max_query_len = 1
         ptrs, consts = self._kernel_args(cache)
         qk_scale = float(sm_scale)
         if self.spec.key.rotation is not None:

@@ -195,6 +195,14 @@ ATTEND_CASES = {
     "sm_scale_nan": ("sm_scale", dict(sm_scale=float("nan")), ()),
     "sm_scale_bool": ("sm_scale", dict(sm_scale=True), ("True",)),
     "num_splits_bool": ("num_splits", dict(num_splits=True), ("True",)),
+    "sm_scale_overflows_fp32": ("sm_scale", dict(sm_scale=1.5e308), ("overflows fp32",)),
+    "num_splits_past_the_grid": ("num_splits", dict(num_splits=10 ** 12), ("65535",)),
+    "max_query_len_past_the_query": ("max_query_len", dict(max_query_len=2 ** 40), ("3 tokens",)),
+    "max_seq_len_past_int32": ("max_seq_len", dict(max_seq_len=2 ** 70), ("int32",)),
+    # the rows past the 3 query tokens are named, not the max_query_len the decreasing entries would imply
+    "query_start_loc_decreasing": ("query_start_loc", dict(
+        query_start_loc=torch.tensor([0, 3, 2], dtype=I32), seq_lens=torch.tensor([20, 20], dtype=I32),
+        block_table=torch.tensor([[2, 0], [1, 3]], dtype=I32), max_query_len=3), ("decrease",)),
     "out_wrong_shape": ("out", dict(out=torch.empty(3, 2 * H, HS + 1)), ()),
     "out_wrong_dtype": ("out", dict(out=torch.empty(3, 2 * H, HS, dtype=torch.float16)), ()),
 }
@@ -214,6 +222,34 @@ def test_attend_takes_numpy_scalars_as_python_numbers(int8, filled):
     want = _attend(int8, cache, args, sliding_window=7, sm_scale=0.125, num_splits=2)
     got = _attend(int8, cache, args, sliding_window=np.int64(7), sm_scale=np.float32(0.125), num_splits=np.int32(2))
     assert torch.equal(got, want)
+
+
+def test_a_window_beyond_int32_is_no_window(int8, filled):
+    """Windows of 2**63 or 2**64 (an engine's "no window" sentinel) wrapped or overflowed the kernel's integer
+    argument: any window longer than an int32 sequence is the same as none."""
+    cache, args = filled
+    want = _attend(int8, cache, args)
+    for window in (2 ** 31, 2 ** 63, 2 ** 64):
+        assert torch.equal(_attend(int8, cache, args, sliding_window=window), want), window
+
+
+def test_a_plan_of_placeholder_batches_runs_decode_when_filled(int8, filled):
+    """README: plan with placeholders (0 new and 0 KV tokens) and fill the batch in place. The plan used to find a
+    longest query of 0 and launch nothing on every run; without max_query_len it plans for decode now, and a
+    longer query filled in later is named as the plan's (on CPU tensors, where the range checks run)."""
+    cache, args = filled
+    query = args["query"][:1]
+    seq_lens, qsl = torch.zeros(1, dtype=I32), torch.zeros(2, dtype=I32)
+    plan = int8.plan_attention(query, cache, args["block_table"], seq_lens, qsl)
+    seq_lens[0], qsl[1] = 20, 1
+    want = int8.attend(query, cache, args["block_table"], seq_lens, qsl)
+    assert torch.equal(plan.run(query, cache, out=torch.full_like(query, 123.0)), want)
+    query3, seq_lens[0] = args["query"], 0
+    qsl[1] = 0
+    plan = int8.plan_attention(query3, cache, args["block_table"], seq_lens, qsl)
+    seq_lens[0], qsl[1] = 20, 3
+    raises_named("query_start_loc", lambda: plan.run(query3, cache), "longer than the plan's (1",
+                 "plan again")
 
 
 def test_attend_block_ids_past_seq_len_are_not_checked(int8, filled):
