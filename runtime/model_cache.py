@@ -8,6 +8,7 @@ the same way), and ``padding_bytes`` what that costs per block.
 
 from __future__ import annotations
 
+import collections.abc
 import numbers
 import warnings
 from typing import Iterable, Optional, Union
@@ -71,8 +72,13 @@ class ModelKVCache:
                 kwargs["max_seqs"] = max_seqs
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # one warning for the whole model, below
-                self.layers.append(fmt.allocate(num_blocks, block_size, num_kv_heads, head_size, device=device,
-                                                **kwargs))
+                try:
+                    self.layers.append(fmt.allocate(num_blocks, block_size, num_kv_heads, head_size, device=device,
+                                                    **kwargs))
+                except ValueError as exc:
+                    if str(exc).startswith(("k_scale", "v_scale")):  # the scales came from this layer's entry
+                        raise ValueError(f"scales: layer {i}: {exc}") from None
+                    raise
         self._streaming = any(fmt.spec.streaming for fmt in self.formats)
         if missing:
             warnings.warn(f"kvgen: no K/V scales for layers {format_layers(missing)}; using 1.0 there. Load them from the "
@@ -102,12 +108,15 @@ class ModelKVCache:
             return kwargs
         return {k: v for k, v in kwargs.items() if k not in SEQUENCE_ONLY[call]}
 
-    def _check_layer(self, layer) -> None:
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < len(self.layers):
+    def _check_layer(self, layer) -> int:
+        """``layer`` as a Python int (numpy's ints too), or a ValueError naming it."""
+        index = checks.as_int(layer)
+        if index is None or not 0 <= index < len(self.layers):
             raise ValueError(f"layer: {layer!r} is not a layer index in [0, {len(self.layers)})")
+        return index
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, **kwargs) -> None:
-        self._check_layer(layer)
+        layer = self._check_layer(layer)
         fmt = self.formats[layer]
         fmt.write(self.layers[layer], key, value, slot_mapping, **self._layer_kwargs(fmt, kwargs, "write"))
 
@@ -126,7 +135,7 @@ class ModelKVCache:
 
     def attend(self, layer: int, query: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                query_start_loc: torch.Tensor, **kwargs) -> torch.Tensor:
-        self._check_layer(layer)
+        layer = self._check_layer(layer)
         fmt = self.formats[layer]
         return fmt.attend(query, self.layers[layer], block_table, seq_lens, query_start_loc,
                           **self._layer_kwargs(fmt, kwargs, "attend"))
@@ -153,6 +162,9 @@ class ModelKVCache:
         """Each layer's sliding window from one value for all (None or an int) or a sequence of one per layer."""
         if sliding_window is None or isinstance(sliding_window, numbers.Integral):  # numpy's ints too
             return [sliding_window] * len(self.layers)
+        if isinstance(sliding_window, (str, bytes)) or not isinstance(sliding_window, collections.abc.Iterable):
+            raise ValueError(f"sliding_window: expected a positive integer, None, or one entry per layer, got "
+                             f"{sliding_window!r}")
         windows = list(sliding_window)
         if len(windows) != len(self.layers):
             raise ValueError(f"sliding_window: {len(windows)} entries for {len(self.layers)} layers (give one "
@@ -168,7 +180,7 @@ class ModelWritePlan:
         self._plans = plans
 
     def run(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        self.model._check_layer(layer)
+        layer = self.model._check_layer(layer)
         self._plans[layer].run(self.model.layers[layer], key, value)
 
 
@@ -180,7 +192,7 @@ class ModelAttentionPlan:
         self._plans = plans
 
     def run(self, layer: int, query: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        self.model._check_layer(layer)
+        layer = self.model._check_layer(layer)
         return self._plans[layer].run(query, self.model.layers[layer], out=out)
 
 
@@ -197,9 +209,12 @@ def model_cache(fmt: Union[str, Format], num_layers: int, num_blocks: int, block
     """
     if model_dtype not in ("bf16", "fp16"):
         raise ValueError(f"model_dtype: expected 'bf16' or 'fp16', got {model_dtype!r}")
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-        raise ValueError(f"num_layers: expected a positive integer, got {num_layers!r}")
+    num_layers = checks.positive_int("num_layers", num_layers)  # numpy's ints too
     fmt = load(fmt) if not isinstance(fmt, Format) else fmt
+    if skip_layers is None:
+        skip_layers = ()
+    if isinstance(skip_layers, (str, bytes)) or not isinstance(skip_layers, collections.abc.Iterable):
+        raise ValueError(f"skip_layers: expected layer indices, got {skip_layers!r}")
     skip_layers = list(skip_layers)
     bad = [i for i in skip_layers if checks.as_int(i) is None or not 0 <= checks.as_int(i) < num_layers]
     if bad:

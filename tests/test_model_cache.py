@@ -197,3 +197,26 @@ def test_numpy_layer_indices_are_layer_indices():
                           scales={np.int64(i): (0.5 * (i + 1), 0.25) for i in range(2)})
     assert m.formats[2].name == "bf16"
     assert float(m.layers[1].tensors["k_scale"].reshape(-1)[0]) == 1.0
+
+
+def test_numpy_ints_and_loose_arguments_are_taken_or_named():
+    """A layer index or layer count from numpy is a number (it was refused as "not a layer index"); no skip layers
+    given as None is none; a window that is neither a number nor one per layer, and a bad scale, are named (the
+    scale with its layer)."""
+    m = kvgen.model_cache("bf16", np.int64(2), BLOCKS, BS, H, D, skip_layers=None)
+    k = torch.randn(2, H, D)
+    m.write(np.int64(1), k, k, torch.tensor([0, 1]))
+    plain = kvgen.model_cache("bf16", 2, BLOCKS, BS, H, D)
+    plain.write(1, k, k, torch.tensor([0, 1]))
+    assert torch.equal(m.layers[1].tensors["kv_cache"], plain.layers[1].tensors["kv_cache"])
+    q = torch.randn(1, H, D)
+    table, lens = torch.tensor([[0]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
+    qsl = torch.tensor([0, 1], dtype=torch.int32)
+    assert torch.equal(m.attend(np.int32(1), q, table, lens, qsl), plain.attend(1, q, table, lens, qsl))
+    for window in (2.0, "3"):
+        with pytest.raises(ValueError, match="^sliding_window: expected a positive integer, None, or one entry"):
+            m.plan_attention(q, table, lens, qsl, sliding_window=window)
+    with pytest.raises(ValueError, match="^skip_layers: expected layer indices, got 5"):
+        kvgen.model_cache("bf16", 2, BLOCKS, BS, H, D, skip_layers=5)
+    with pytest.raises(ValueError, match="^scales: layer 1: k_scale: "):
+        kvgen.model_cache("fp8_e4m3", 2, BLOCKS, BS, H, D, scales={0: (1.0, 1.0), 1: (float("nan"), 1.0)})
