@@ -41,6 +41,9 @@ Gain over bf16 = ``max_tokens / max_tokens(bf16 on every layer, same block size 
 from __future__ import annotations
 
 import json
+import math
+import numbers
+import operator
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -75,8 +78,10 @@ _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\
 def parse_size(text: Union[str, int, float], option: str = "--gpu-memory") -> int:
     """Bytes in "80GiB", "80GB", "141GB", "8e10", "512MiB", "1.5 TiB" (decimal kB/MB/GB/TB, binary KiB/MiB/GiB/TiB;
     a bare number is bytes). Anything else is a PlanError naming ``option``."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
+    if isinstance(text, numbers.Real) and not isinstance(text, bool):
         value, unit = float(text), ""
+        if not math.isfinite(value):
+            raise PlanOptionError(f"{option}: {text!r} is not a positive size")
     else:
         m = _SIZE_RE.match(str(text))
         if not m:
@@ -89,6 +94,16 @@ def parse_size(text: Union[str, int, float], option: str = "--gpu-memory") -> in
     if size <= 0:
         raise PlanOptionError(f"{option}: {text!r} is not a positive size")
     return size
+
+
+def _as_int(x) -> Optional[int]:
+    """``x`` as an int where it is an integer (numpy's too), not a bool; else None."""
+    if isinstance(x, bool):
+        return None
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
 
 
 # ---------------------------------------------------------------------------------------------------- config
@@ -300,12 +315,11 @@ def _capacity(budget, block_size, context, per_block, residual):
 def make_plan(shape: ModelShape, format_name: str, budget: Union[int, str], *, block_size: int = 16, tp: int = 1,
               context: int = 32768, skip_layers: Sequence = ()) -> Plan:
     """Plan the KV cache of ``shape`` in ``format_name`` with ``budget`` bytes per GPU (see the module docstring)."""
-    if isinstance(budget, str):
-        budget = parse_size(budget)
-    if block_size < 1:
-        raise PlanOptionError(f"--block-size: {block_size} must be at least 1")
-    if context < 1:
-        raise PlanOptionError(f"--context: {context} must be at least 1")
+    budget = parse_size(budget)  # sizes as text, and numbers of bytes (checked: positive, finite; whole bytes)
+    for option, value in (("--block-size", block_size), ("--context", context), ("--tp", tp)):
+        if _as_int(value) is None or _as_int(value) < 1:
+            raise PlanOptionError(f"{option}: {value!r} must be an integer of at least 1")
+    block_size, context, tp = int(block_size), int(context), int(tp)
     heads = kv_heads_per_rank(shape, tp)
     skip = resolve_skip_layers(shape, skip_layers)
     fmt = _load(format_name)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -301,3 +302,23 @@ def test_cli_bad_spec_as_format_is_exit_1(tmp_path):
 def test_help_has_example():
     r = run("--help")
     assert r.exit_code == 0 and "Example:" in r.output and "--skip-layers" in r.output
+
+
+@pytest.mark.parametrize("kwargs,option", [
+    (dict(budget=-5), "--gpu-memory"), (dict(budget=None), "--gpu-memory"), (dict(budget=float("inf")), "--gpu-memory"),
+    (dict(budget=float("nan")), "--gpu-memory"), (dict(budget=GIB80, block_size="16"), "--block-size"),
+    (dict(budget=GIB80, context=0), "--context"), (dict(budget=GIB80, tp=1.0), "--tp"),
+])
+def test_make_plan_from_python_names_a_bad_budget_or_option(kwargs, option):
+    """From Python, numbers skipped parse_size: a negative budget planned -1 blocks, None / a string block size
+    raised TypeError. Each is now the CLI option's error."""
+    with pytest.raises(PlanError, match=f"^{option}: "):
+        make_plan(read_config(LLAMA), "fp8_e4m3", **kwargs)
+
+
+def test_make_plan_takes_numpy_and_float_budgets_as_whole_bytes():
+    want = make_plan(read_config(LLAMA), "fp8_e4m3", GIB80, block_size=16)
+    got = make_plan(read_config(LLAMA), "fp8_e4m3", np.int64(GIB80), block_size=np.int64(16))
+    assert got == want
+    as_float = make_plan(read_config(LLAMA), "fp8_e4m3", float(GIB80))
+    assert type(as_float.num_blocks) is int and as_float.num_blocks == want.num_blocks
