@@ -408,7 +408,12 @@ class FormatSpec(_Strict):
         return self
 
     def side(self, name: str) -> SideSpec:
-        return self.key if name == "key" else self.value
+        """The "key" or "value" side."""
+        if name == "key":
+            return self.key
+        if name == "value":
+            return self.value
+        raise ValueError(f"side: expected 'key' or 'value', got {name!r}")
 
     def canonical_json(self) -> str:
         """The spec with every default filled in, as sorted JSON: what the hash and generated code depend on."""

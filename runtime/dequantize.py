@@ -112,6 +112,7 @@ def auto_min_new_tokens(fmt, group: int = AUTO_GROUP, head_size: int = AUTO_HEAD
     """The fewest new tokens per sequence, on average, from which dequantize_first="auto" takes the dense path for
     ``fmt`` with ``group`` query heads per KV head at ``head_size`` under ``dot_precision`` (AUTO_DENSE_RULES;
     None: never)."""
+    group, head_size = checks.positive_int("group", group), checks.positive_int("head_size", head_size)
     ks = fmt._kernels
     key = (max(terms for _, terms, _ in ks.module.DOT_OPERANDS.values()), ks.block_scaled, ks.pow2_blocks,
            ks.position_scales, "fast" if dot_precision == "fast" else "auto", max(ks.module.CODE_BITS.values()),

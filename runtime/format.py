@@ -106,6 +106,8 @@ class Format:
     # -- layout -----------------------------------------------------------------------------------------------
     def residual_bytes(self, num_kv_heads: int, head_size: int) -> int:
         """Bytes of one sequence's full-precision residual window (K and V, one layer); 0 for most formats."""
+        num_kv_heads = checks.positive_int("num_kv_heads", num_kv_heads)
+        head_size = checks.positive_int("head_size", head_size)
         return self.layout.residual_bytes(num_kv_heads, head_size)
 
     def page_bytes(self, block_size: int, num_kv_heads: int, head_size: int) -> int:
@@ -689,7 +691,7 @@ class Format:
     # -- description ------------------------------------------------------------------------------------------
     def describe(self, block_size: int = 16, num_kv_heads: int = 8, head_size: int = 128) -> dict:
         """Bytes per token and head, page bytes and where each scale lives: what `kvgen show` prints."""
-        self._check_head_size(head_size)
+        self._check_page_shape(block_size, num_kv_heads, head_size)
         lay = self.layout.page_layout(block_size, num_kv_heads, head_size)
         fields = []
         for name, tensor, region, size, align, what in self.layout.FIELDS:

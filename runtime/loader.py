@@ -112,12 +112,13 @@ def load(name_or_path: Union[str, os.PathLike]) -> Format:
                          f"{type(name_or_path).__name__} {name_or_path!r}")
     key = str(name_or_path)
     p = Path(key)
-    if p.suffix in (".yaml", ".yml"):
-        return load_yaml(p)
-    if p.is_dir():
-        return load_directory(p)
-    if (SHIPPED / key / "__init__.py").is_file():
-        return load_directory(SHIPPED / key)
+    if key.strip():  # an empty name is no format (Path("") would be the current directory)
+        if p.suffix in (".yaml", ".yml"):
+            return load_yaml(p)
+        if p.is_dir():
+            return load_directory(p)
+        if (SHIPPED / key / "__init__.py").is_file():
+            return load_directory(SHIPPED / key)
     names = ", ".join(shipped_names()) or "(none built: run `kvgen build specs/`)"
     raise UnknownFormat(f"no format named {key!r}: not a shipped format ({names}), a generated directory or a "
                         "spec .yaml file")

@@ -616,3 +616,20 @@ def test_allocate_takes_numpy_ints_as_python_ints(int8):
     kivi = kvgen.load("kivi_2bit")
     assert kivi.allocate(2, 32, H, 32, max_seqs=np.int64(3)).tensors["k_residual"].shape[0] == 3
     raises_named("max_seqs", lambda: kivi.allocate(2, 32, H, 32, max_seqs=True))
+
+
+def test_format_queries_name_a_bad_argument():
+    """describe / residual_bytes / auto_min_new_tokens took what page_bytes refuses (a str head size raised TypeError,
+    a group of 0 ZeroDivisionError, -1 heads gave 0 bytes), a side name other than "key" answered for the value side,
+    and an empty name loaded the current directory."""
+    from kvgen.runtime.dequantize import auto_min_new_tokens
+
+    q4 = kvgen.load("q4_0")
+    raises_named("head_size", lambda: q4.describe(16, 1, "16"))
+    raises_named("group", lambda: auto_min_new_tokens(q4, group=0))
+    raises_named("head_size", lambda: auto_min_new_tokens(q4, head_size=0))
+    raises_named("num_kv_heads", lambda: kvgen.load("kivi_2bit").residual_bytes(-1, 16))
+    raises_named("side", lambda: q4.static_scale_kind("keys"), "'keys'")
+    raises_named("side", lambda: q4.scale_summary("v"))
+    with pytest.raises(kvgen.KvgenError, match="no format named ''"):
+        kvgen.load("")
