@@ -646,6 +646,7 @@ class Format:
         if checks.costly_checks_on(block_table, seq_lens, query_start_loc):
             checks.attention_ranges(block_table, seq_lens, query_start_loc, cache.num_blocks, cache.block_size,
                                     num_tokens, max_query_len)
+            self._check_static_scales(cache.tensors, "cache.tensors['{}']")  # copied in after allocate?
         if out is not None:
             checks.output(out, query)
         if num_tokens == 0 or num_seqs == 0:

@@ -593,6 +593,12 @@ def test_static_scales_replaced_in_the_cache_are_checked_on_write(fp8_static, re
         fp8_static.write(cache, x, x, torch.arange(3))
     assert words in str(info.value)
     assert torch.equal(cache.tensors["kv_cache"], before)
+    # attend reads them too: a NaN or negative scale gave a NaN or negated output without a word
+    q, table = torch.ones(1, 1, HS), torch.zeros(1, 1, dtype=torch.int32)
+    lens, qsl = torch.tensor([1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="k_scale") as info:
+        fp8_static.attend(q, cache, table, lens, qsl)
+    assert words in str(info.value)
 
 
 def test_a_cache_too_large_to_allocate_names_num_blocks(fp8_static):
