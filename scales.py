@@ -25,6 +25,7 @@ one value per layer, used for K and V.
 from __future__ import annotations
 
 import json
+import operator
 import re
 import warnings
 from pathlib import Path
@@ -134,16 +135,45 @@ def _name_prefix(where: str) -> str:
     return name[:m.start()] if m else name
 
 
-def _rank_slice(scale: Scale, where: str, num_kv_heads: Optional[int], tp_rank: int) -> Scale:
+def _count(name: str, x: Any, least: int) -> int:
+    """``x`` as an int of at least ``least`` (numpy's ints too, not bools), or a ValueError naming it."""
+    try:
+        v = operator.index(x) if not isinstance(x, bool) else None
+    except TypeError:
+        v = None
+    if v is None or v < least:
+        raise ValueError(f"{name}: expected an integer of at least {least}, got {x!r}")
+    return v
+
+
+def _rank_slice(scale: Scale, where: str, num_kv_heads: Optional[int], tp_rank: int,
+                tp_size: Optional[int] = None) -> Scale:
     """A per-head scale checked against the rank's ``num_kv_heads``: all heads of a model of that many, or under
-    tensor parallelism (a multiple of it in the checkpoint) rank ``tp_rank``'s consecutive slice."""
-    if isinstance(scale, float) or num_kv_heads is None or scale.shape[0] == num_kv_heads:
+    tensor parallelism (a multiple of it in the checkpoint) rank ``tp_rank``'s consecutive slice. With ``tp_size``
+    above the checkpoint's heads, each head is replicated on ``tp_size / heads`` consecutive ranks (vLLM's rule):
+    rank r holds head ``r // (tp_size / heads)``."""
+    if isinstance(scale, float) or num_kv_heads is None:
         return scale
     total = scale.shape[0]
-    if total % num_kv_heads == 0 and 0 <= tp_rank < total // num_kv_heads:
+    if tp_size is not None and tp_size > total:
+        if tp_size % total:
+            raise ScaleError(f"{where}: tp_size {tp_size} is not a multiple of the checkpoint's {total} KV heads "
+                             "(each head is replicated on tp_size / heads ranks)")
+        if num_kv_heads != 1:
+            raise ScaleError(f"{where}: at tp_size {tp_size} over {total} KV heads a rank holds one (replicated) "
+                             f"head, not num_kv_heads={num_kv_heads}")
+        return scale[tp_rank // (tp_size // total)][None].copy()
+    if scale.shape[0] == num_kv_heads and tp_size in (None, 1):
+        return scale
+    if total % num_kv_heads == 0 and 0 <= tp_rank < total // num_kv_heads and \
+            tp_size in (None, total // num_kv_heads):
         return scale[tp_rank * num_kv_heads:(tp_rank + 1) * num_kv_heads].copy()
+    if tp_size is not None and total % num_kv_heads == 0:
+        raise ScaleError(f"{where}: {total} per-head scales give {total // num_kv_heads} ranks of {num_kv_heads} "
+                         f"KV heads, not tp_size {tp_size}")
     raise ScaleError(f"{where}: {total} per-head scales, but the model has {num_kv_heads} KV heads"
-                     + (f" (and tp_rank {tp_rank} is past its {total // num_kv_heads} ranks)"
+                     + (f" (and tp_rank {tp_rank} is past its {total // num_kv_heads} ranks; with more ranks than "
+                        "KV heads, pass tp_size= so that each rank gets the head it replicates)"
                         if total % num_kv_heads == 0 else ""))
 
 
@@ -248,13 +278,14 @@ def _read_json(path: Path, tp_rank: int) -> dict[int, tuple[Any, str]]:
 
 def load_scales(path: PathLike, num_layers: int, tp_rank: int = 0, *,
                 num_kv_heads: Optional[int] = None, prefix: Optional[str] = None,
-                skip_layers: Iterable[int] = ()) -> LayerScales:
+                skip_layers: Iterable[int] = (), tp_size: Optional[int] = None) -> LayerScales:
     """Static K and V scales of every layer ``0 .. num_layers - 1``: ``{layer: (k_scale, v_scale)}``.
 
     ``path``: a ``.safetensors`` file, a directory of ``*.safetensors`` shards, or an SGLang-style ``.json`` (for
     which ``tp_rank`` picks the rank's entry). A scale is a float (per tensor) or a 1-D float32 array (per KV head;
     checked against ``num_kv_heads`` when given: the rank's KV heads under tensor parallelism, so a checkpoint's
-    ``tp * num_kv_heads`` per-head scales give rank ``tp_rank`` its slice). Layers without a scale get 1.0, with one
+    ``tp * num_kv_heads`` per-head scales give rank ``tp_rank`` its slice; with more ranks than the checkpoint's KV
+    heads, pass ``tp_size``: each rank gets the head it replicates, vLLM's rule). Layers without a scale get 1.0, with one
     :class:`MissingScalesWarning` naming them (but ``skip_layers``, which a model cache keeps in the model dtype);
     scales of layers ``>= num_layers`` (e.g. MTP layers) are ignored. ``prefix`` keeps only tensors whose names start with it (``"model.language_model."``): a checkpoint of several
     sub-models, each with its ``layers.N``, is refused without it rather than mixed. Bad shapes, non-finite or
@@ -262,6 +293,11 @@ def load_scales(path: PathLike, num_layers: int, tp_rank: int = 0, *,
     """
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"num_layers: expected a positive integer, got {num_layers!r}")
+    tp_rank = _count("tp_rank", tp_rank, 0)
+    num_kv_heads = None if num_kv_heads is None else _count("num_kv_heads", num_kv_heads, 1)
+    tp_size = None if tp_size is None else _count("tp_size", tp_size, 1)
+    if tp_size is not None and tp_rank >= tp_size:
+        raise ValueError(f"tp_rank: {tp_rank} is not a rank of tp_size {tp_size}")
     p = Path(path)
     k: dict[int, Scale] = {}
     v: dict[int, Scale] = {}
@@ -286,7 +322,7 @@ def load_scales(path: PathLike, num_layers: int, tp_rank: int = 0, *,
                                  "(sub-models with layers of their own?); pass prefix= to pick one, e.g. "
                                  "prefix=\"model.language_model.\"")
             (k if side == "k" else v)[layer] = _rank_slice(_as_scale(value, where, None), where, num_kv_heads,
-                                                            tp_rank)
+                                                            tp_rank, tp_size)
     skip = set(skip_layers)
     miss_k = [i for i in range(num_layers) if i not in k and i not in skip]
     miss_v = [i for i in range(num_layers) if i not in v and i not in skip]

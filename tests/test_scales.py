@@ -414,3 +414,24 @@ def test_zero_points_of_zero_are_a_symmetric_scheme(tmp_path):
          "model.layers.0.self_attn.k_zero_point": np.array([0], np.int8),
          "model.layers.0.self_attn.v_zero_point": np.array([0], np.int8)}
     assert load_scales(_write(tmp_path / "m.safetensors", t), 1) == {0: (0.5, 0.5)}
+
+
+def test_replicated_heads_go_to_the_ranks_that_hold_them(tmp_path):
+    """2 KV heads at tensor parallelism 4: vLLM gives ranks 0-1 head 0 and ranks 2-3 head 1. Without tp_size rank 1
+    took head 1 (right only at tp 2) and ranks 2-3 were refused; with it each rank gets its head."""
+    heads = np.array([1.0, 2.0], np.float32).reshape(2, 1, 1)
+    path = _write(tmp_path / "m.safetensors", {"model.layers.0.self_attn.k_scale": heads,
+                                               "model.layers.0.self_attn.v_scale": heads * 4})
+    for rank, head in ((0, 0), (1, 0), (2, 1), (3, 1)):
+        k, v = load_scales(path, 1, tp_rank=rank, num_kv_heads=1, tp_size=4)[0]
+        assert (k.tolist(), v.tolist()) == ([heads[head, 0, 0]], [4 * heads[head, 0, 0]]), rank
+    k, _ = load_scales(path, 1, tp_rank=1, num_kv_heads=1, tp_size=2)[0]
+    assert k.tolist() == [2.0]  # no replication at tp 2: rank 1 holds head 1
+    with pytest.raises(ScaleError, match="pass tp_size="):
+        load_scales(path, 1, tp_rank=2, num_kv_heads=1)
+    with pytest.raises(ScaleError, match="tp_size 3 is not a multiple of the checkpoint's 2 KV heads"):
+        load_scales(path, 1, tp_rank=0, num_kv_heads=1, tp_size=3)
+    for kwargs, name in ((dict(tp_rank="1"), "tp_rank"), (dict(num_kv_heads=0), "num_kv_heads"),
+                         (dict(tp_rank=4, tp_size=4), "tp_rank")):
+        with pytest.raises(ValueError, match=f"^{name}: "):
+            load_scales(path, 1, **kwargs)
