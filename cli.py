@@ -89,7 +89,7 @@ def build(paths, out_dir, check):
         if r.name == "__init__":
             continue
         state = ("stale" if check else "written") if r.changed else "up to date"
-        console.print(f"  {r.name:<{width}} {state:<11} {r.out_dir}", highlight=False)
+        console.print(f"  {r.name:<{width}} {state:<11} {escape(str(r.out_dir))}", highlight=False)
     if check and stale:
         for r in stale:
             for name, diff in r.diffs.items():
@@ -260,7 +260,7 @@ def show(name, block_size, num_kv_heads, head_size, png):
         from .runtime.bytemap import draw
 
         draw(fmt, png, block_size, num_kv_heads, head_size)
-        console.print(f"byte map written to {png}", highlight=False)
+        console.print(f"byte map written to {escape(str(png))}", highlight=False)
 
 
 def dequantize_first_summary(fmt, head_size: int) -> str:
@@ -437,12 +437,12 @@ def test_cmd(specs, examples, device, dequantize_first):
     console.print(t)
     for name, report in details:
         if any(msg for p, msg in report.failures.items() if p not in ONCE_PER_FORMAT):
-            console.print(f"[bold]{name}[/]: minimal failing case {report.failing_case}", highlight=False)
+            console.print(f"[bold]{name}[/]: minimal failing case {escape(str(report.failing_case))}", highlight=False)
         else:
             console.print(f"[bold]{name}[/]:", highlight=False)
         for p, msg in report.failures.items():
             if msg:
-                console.print(f"  {p}: {msg}", highlight=False)
+                console.print(f"  {p}: {escape(str(msg))}", highlight=False)
     if failed:
         sys.exit(1)
 

@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import errno
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -47,19 +48,50 @@ def find_specs(paths: Iterable[Union[str, Path]]) -> list[Path]:
     found: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            found += sorted(list(p.glob("*.yaml")) + list(p.glob("*.yml")))
+            # not hidden files (an editor's lock or backup, macOS's ._ files), as the shell's *.yaml would not
+            found += sorted(f for f in list(p.glob("*.yaml")) + list(p.glob("*.yml")) if not f.name.startswith("."))
         elif p.exists():
             found.append(p)
         else:
             raise MissingSpecFile("no such file or directory", path=str(p))
-    return found
+    unique: dict[Path, Path] = {}
+    for p in found:  # a file named twice (directly and through its directory) is one spec
+        unique.setdefault(p.resolve(), p)
+    return list(unique.values())
+
+
+def _name_position(path: Path) -> tuple:
+    """(line, column) of a spec file's top-level ``name:`` key, or (None, None)."""
+    try:
+        for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+            if re.match(r"name\s*:", line):
+                return i, 1
+    except (OSError, UnicodeDecodeError):
+        pass
+    return None, None
 
 
 def _current_files(directory: Path) -> dict[str, str]:
     if not directory.is_dir():
         return {}
-    return {p.name: p.read_text(encoding="utf-8") for p in sorted(directory.iterdir()) if p.is_file()
-            and p.suffix == ".py"}
+    return {p.name: _read_text(p) for p in sorted(directory.iterdir()) if p.is_file() and p.suffix == ".py"}
+
+
+def _read_text(path: Path) -> str:
+    """A generated file's text; bytes that are not UTF-8 (an edit) read as replacement characters, so the file
+    compares as stale and a build rewrites it."""
+    return path.read_bytes().decode("utf-8", errors="replace")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _open_to_umask(path: Path, directory: bool) -> None:
+    """tempfile creates 0700 directories and 0600 files; a built package is as readable as any file the user makes."""
+    os.chmod(path, (0o777 if directory else 0o666) & ~_umask())
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -89,6 +121,7 @@ def _write_atomic_dir(target: Path, files: dict[str, str]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.new.", dir=target.parent))
     try:
+        _open_to_umask(tmp, directory=True)
         for name, text in files.items():
             with open(tmp / name, "w", encoding="utf-8", newline="\n") as fh:
                 fh.write(text)
@@ -118,9 +151,14 @@ def _write_atomic_dir(target: Path, files: dict[str, str]) -> None:
 def _write_file_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
+            fh.write(text)
+        _open_to_umask(Path(tmp), directory=False)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)  # nothing half-written left beside the target
+        raise
 
 
 def build_spec(spec: FormatSpec, out_dir: Union[str, Path], *, check: bool = False,
@@ -172,7 +210,7 @@ def ensure_package_init(out_dir: Union[str, Path], check: bool = False) -> bool:
     """The package marker of an output directory; returns True when it is (or would be) changed. An
     ``__init__.py`` that kvgen did not write is never replaced (BuildError)."""
     init = Path(out_dir) / "__init__.py"
-    if init.exists() and init.read_text(encoding="utf-8") == PACKAGE_INIT:
+    if init.exists() and _read_text(init) == PACKAGE_INIT:
         return False
     if _foreign_init(init):
         raise BuildError(f"{init}: exists and is not kvgen's package marker; kvgen build will not replace it: "
@@ -215,8 +253,9 @@ def build_paths(paths: Iterable[Union[str, Path]], out_dir: Union[str, Path], *,
     seen: dict[str, Path] = {}
     for p, spec in specs:
         if spec.name in seen:
+            line, col = _name_position(p)
             raise SpecError(f"format name {spec.name!r} is also used by {seen[spec.name]}", path=str(p),
-                            field="name")
+                            line=line, column=col, field="name")
         owner = (reserved or {}).get(spec.name)
         if owner is not None and Path(p).resolve() != Path(owner).resolve():
             raise SpecError(f"format name {spec.name!r} is kvgen's shipped format ({owner}); building this spec "

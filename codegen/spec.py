@@ -361,7 +361,7 @@ class FormatSpec(_Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not _NAME_RE.match(v):
+        if not _NAME_RE.fullmatch(v):  # fullmatch: "$" alone lets a trailing newline through
             raise ValueError(
                 f"{v!r} is not a valid format name: use lower case letters, digits and '_', starting with a letter "
                 "(at most 64 characters)"

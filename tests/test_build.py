@@ -442,3 +442,60 @@ def test_check_leaves_a_folder_kvgen_did_not_write_out_of_the_leftovers(tmp_path
     r = cli("build", SPECS, "-o", out, "--check")
     assert r.exit_code == 0, r.output
     assert "myhelpers" not in r.output
+
+
+TINY = "name: {name}\nkey: {{element: bf16}}\nvalue: {{element: bf16}}\n"
+
+
+def test_a_generated_file_of_bytes_that_are_not_utf8_is_stale_and_rebuilt(tmp_path):
+    """An edit that left non-UTF-8 bytes in a generated file (or the package marker) crashed --check and build with
+    a UnicodeDecodeError traceback; now --check reports it and a build rewrites it."""
+    (tmp_path / "tiny.yaml").write_text(TINY.format(name="tiny"))
+    out = tmp_path / "out"
+    assert build(out, tmp_path / "tiny.yaml").exit_code == 0
+    for edited in (out / "tiny" / "layout.py", out / "__init__.py"):
+        with open(edited, "ab") as fh:
+            fh.write(b"# caf\xe9\n")
+        r = cli("build", tmp_path / "tiny.yaml", "-o", out, "--check")
+        assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.exception, r.output)
+        assert build(out, tmp_path / "tiny.yaml").exit_code == 0
+        assert cli("build", tmp_path / "tiny.yaml", "-o", out, "--check").exit_code == 0
+        assert b"\xe9" not in edited.read_bytes()
+
+
+def test_a_built_package_is_as_readable_as_the_umask_allows(tmp_path):
+    """tempfile made the package 0700 and its files 0600: other users (a server's account) could not import it."""
+    (tmp_path / "tiny.yaml").write_text(TINY.format(name="tiny"))
+    old = os.umask(0o022)
+    try:
+        assert build(tmp_path / "out", tmp_path / "tiny.yaml").exit_code == 0
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in [tmp_path / "out", *(tmp_path / "out").rglob("*")]
+             if "__pycache__" not in p.parts}
+    assert modes["tiny"] == 0o755 and modes["__init__.py"] == 0o644 and modes["layout.py"] == 0o644, modes
+
+
+def test_hidden_files_and_a_file_named_twice_are_not_specs(tmp_path):
+    """An editor's lock link (.#x.yaml) in a spec folder refused the whole build; a spec named directly and through
+    its folder clashed with itself. Two files of one format name are named with the line of the name."""
+    d = tmp_path / "specs"
+    d.mkdir()
+    (d / "tiny.yaml").write_text(TINY.format(name="tiny"))
+    os.symlink("root@host.1234:1700000000", d / ".#tiny.yaml")
+    (d / "._tiny.yaml").write_bytes(b"\x00\x05\x16\x07 mac metadata \xff")
+    assert build(tmp_path / "a", d).exit_code == 0
+    assert build(tmp_path / "b", d, d / "tiny.yaml").exit_code == 0
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "b.yml").write_text("# a copy\n" + TINY.format(name="tiny"))
+    r = build(tmp_path / "c", d / "tiny.yaml", other / "b.yml")
+    assert r.exit_code == 1 and f"{other / 'b.yml'}:2:1: name: format name 'tiny' is also used by" in r.stderr
+
+
+def test_an_output_path_with_brackets_is_printed_as_written(tmp_path):
+    """Paths went through rich markup: 'm[/]x' crashed after the build, 'm[red]y' printed as 'my'."""
+    (tmp_path / "tiny.yaml").write_text(TINY.format(name="tiny"))
+    for name in ("m[/]x", "m[red]y"):
+        r = build(tmp_path / name, tmp_path / "tiny.yaml")
+        assert r.exit_code == 0 and str(tmp_path / name / "tiny") in r.output, r.output

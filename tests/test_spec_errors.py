@@ -198,6 +198,17 @@ def test_invalid_name(tmp_path, bad):
     assert bad in err.message
 
 
+@pytest.mark.parametrize("written", ['"abc\\n"', "|\n  abc"])
+def test_a_name_ending_in_a_newline_is_invalid(tmp_path, written):
+    """'^...$' matched "abc\n": validate said ok and the build failed on the rendered code as "a kvgen bug"."""
+    text = f"name: {written}\nkey:\n  element: bf16\nvalue:\n  element: bf16\n"
+    p = write(tmp_path, "nl.yaml", text)
+    err = spec_error(p)
+    assert_at(err, p, 1, 1)
+    assert_field(err, "name")
+    assert "is not a valid format name" in err.message
+
+
 def test_name_that_is_not_a_string(tmp_path):
     text = "name: 5\nkey:\n  element: bf16\nvalue:\n  element: bf16\n"
     p = write(tmp_path, "n5.yaml", text)
