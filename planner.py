@@ -90,6 +90,8 @@ def parse_size(text: Union[str, int, float], option: str = "--gpu-memory") -> in
         if unit not in _UNITS:
             raise PlanOptionError(f"{option}: unknown unit {m.group(2)!r} in {text!r} (use B, kB, MB, GB, TB, KiB, "
                                   f"MiB, GiB or TiB)")
+    if not math.isfinite(value * _UNITS[unit]):
+        raise PlanOptionError(f"{option}: {text!r} is not a positive size")
     size = int(value * _UNITS[unit])
     if size <= 0:
         raise PlanOptionError(f"{option}: {text!r} is not a positive size")
@@ -164,6 +166,8 @@ def read_config(config: Union[str, Path, dict], name: Optional[str] = None) -> M
     gemma3 = model_type in _GEMMA3
 
     num_layers = _int_field(cfg, "num_hidden_layers", where)
+    if gemma3:  # transformers' Gemma3TextConfig defaults, which the Hub's gemma-3-4b config leaves out
+        cfg = {"num_attention_heads": 8, "num_key_value_heads": 4, **{k: v for k, v in cfg.items() if v is not None}}
     num_heads = _int_field(cfg, "num_attention_heads", where)
     kv_heads = _int_field(cfg, "num_key_value_heads", where) if cfg.get("num_key_value_heads") is not None else num_heads
     if num_heads % kv_heads:
@@ -184,12 +188,15 @@ def read_config(config: Union[str, Path, dict], name: Optional[str] = None) -> M
             raise PlanError(f"{where}: field 'layer_types' must list {num_layers} entries (num_hidden_layers)")
         sliding = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
     elif gemma3:
-        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+        key = "sliding_window_pattern" if cfg.get("sliding_window_pattern") is not None else "_sliding_window_pattern"
+        pattern = _int_field(cfg, key, where) if cfg.get(key) is not None else 6
         sliding = tuple(i for i in range(num_layers) if (i + 1) % pattern)
     elif cfg.get("use_sliding_window") is False:
         sliding = ()
     elif cfg.get("use_sliding_window") is True and window:
         start = cfg.get("max_window_layers") or 0
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise PlanError(f"{where}: field 'max_window_layers' must be a layer count (0 or more), not {start!r}")
         sliding = tuple(range(start, num_layers))
     elif window:
         sliding = tuple(range(num_layers))

@@ -322,3 +322,34 @@ def test_make_plan_takes_numpy_and_float_budgets_as_whole_bytes():
     assert got == want
     as_float = make_plan(read_config(LLAMA), "fp8_e4m3", float(GIB80))
     assert type(as_float.num_blocks) is int and as_float.num_blocks == want.num_blocks
+
+
+def test_gemma3_4b_takes_the_text_config_defaults_it_leaves_out():
+    """google/gemma-3-4b-it's text_config gives no head counts: transformers' Gemma3TextConfig has 8 attention
+    heads, 4 KV heads and head size 256 (the plan refused it, and with num_attention_heads given took 8 KV heads)."""
+    cfg = {"model_type": "gemma3", "torch_dtype": "bfloat16",
+           "text_config": {"model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240,
+                           "num_hidden_layers": 34, "sliding_window": 1024, "rope_scaling": {"factor": 8.0}}}
+    shape = read_config(cfg, name="gemma-3-4b-it")
+    assert (shape.num_attention_heads, shape.num_kv_heads, shape.head_size) == (8, 4, 256)
+    assert shape.sliding_layers == tuple(i for i in range(34) if (i + 1) % 6)  # 5 local : 1 global
+    explicit = dict(cfg, text_config=dict(cfg["text_config"], num_attention_heads=16, num_key_value_heads=8))
+    assert read_config(explicit).num_kv_heads == 8
+
+
+@pytest.mark.parametrize("field,value", [("max_window_layers", "2"), ("max_window_layers", -2),
+                                         ("sliding_window_pattern", "6")])
+def test_odd_sliding_window_fields_are_named(field, value):
+    """A string or negative layer count raised TypeError or planned negative layer indices."""
+    cfg = {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 512,
+           "sliding_window": 4096, "use_sliding_window": True, field: value}
+    if field == "sliding_window_pattern":
+        cfg["model_type"] = "gemma3_text"
+    with pytest.raises(PlanError, match=f"field '{field}'"):
+        read_config(cfg)
+
+
+def test_a_size_beyond_floats_is_named():
+    for text in ("1e400", "1e400GiB"):
+        with pytest.raises(PlanError, match="^--gpu-memory: .* is not a positive size"):
+            parse_size(text)
