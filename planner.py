@@ -6,8 +6,9 @@ Config (a Hugging Face ``config.json``; a nested ``text_config``, as multimodal 
   * ``num_hidden_layers`` and ``num_attention_heads`` are required.
   * ``num_key_value_heads``: absent means multi-head attention (= ``num_attention_heads``); 1 is MQA; else GQA.
   * ``head_dim``: absent means ``hidden_size // num_attention_heads``. Gemma-3 configs (``model_type`` gemma3 /
-    gemma3_text) leave ``head_dim`` and ``layer_types`` out on the Hub and rely on transformers' defaults: head_dim
-    256 and every 6th layer (``sliding_window_pattern``) full attention; those defaults are applied here too.
+    gemma3_text) leave ``head_dim`` and ``layer_types`` out on the Hub (gemma-3-4b its head counts too) and rely on
+    transformers' defaults: head_dim 256, 8 attention and 4 KV heads, and every 6th layer
+    (``sliding_window_pattern``) full attention; those defaults are applied here too.
   * Sliding-window layers: from ``layer_types`` (``"sliding_attention"`` / ``"full_attention"``); else, when
     ``use_sliding_window`` is false (Qwen2-style), none; when it is true, the layers from ``max_window_layers`` on;
     else, when ``sliding_window`` is set (Mistral-style), every layer.
