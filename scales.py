@@ -56,6 +56,8 @@ _FORMS: tuple[tuple[str, str, int], ...] = (
     ("v_scale", "v", 0),
     ("k_proj.k_scale", "k", 1),
     ("v_proj.v_scale", "v", 1),
+    ("attn.k_scale", "k", 1),  # vLLM's own parameter names (its Attention module under self_attn)
+    ("attn.v_scale", "v", 1),
     ("k_proj.output_scale", "k", 2),
     ("v_proj.output_scale", "v", 2),
     ("kv_scale", "kv", 3),
@@ -101,6 +103,8 @@ def format_layers(layers: Iterable[int]) -> str:
 
 def _as_scale(value: Any, where: str, num_kv_heads: Optional[int] = None) -> Scale:
     """A float (per tensor) or a 1-D float32 array (per head) from a checkpoint value; ScaleError when unusable."""
+    if isinstance(value, bool) or getattr(np.asarray(value), "dtype", None) == np.bool_:
+        raise ScaleError(f"{where}: a boolean, not a scale ({value!r})")
     try:
         a = np.asarray(value, dtype=np.float64)
     except (TypeError, ValueError):
@@ -123,8 +127,11 @@ def _as_scale(value: Any, where: str, num_kv_heads: Optional[int] = None) -> Sca
                          "finite number > 0")
     if (a <= 0).any():
         raise ScaleError(f"{where}: scale must be > 0, got {a.reshape(-1)[(a <= 0).reshape(-1)][0]!r}")
-    if isinstance(out, np.ndarray) and not np.isfinite(out).all():
-        raise ScaleError(f"{where}: scale overflows float32")
+    as_fp32 = np.asarray(out, dtype=np.float32)  # the cache keeps its scales in fp32
+    if not np.isfinite(as_fp32).all():
+        raise ScaleError(f"{where}: scale overflows float32 ({a.reshape(-1).max()!r})")
+    if (as_fp32 == 0).any():
+        raise ScaleError(f"{where}: scale rounds to 0 in float32 ({a.reshape(-1).min()!r})")
     return out
 
 
@@ -310,6 +317,12 @@ def load_scales(path: PathLike, num_layers: int, tp_rank: int = 0, *,
             if layer >= num_layers:
                 continue
             rank, where, value, _ = min(entries, key=lambda e: e[0])
+            tensor = where.split(": ", 1)[-1]
+            clash = [e for e in entries if e[1] != where and e[1].split(": ", 1)[-1] == tensor
+                     and not np.array_equal(np.asarray(e[2], dtype=np.float64), np.asarray(value, dtype=np.float64))]
+            if clash:  # one tensor in two shards, with two values: no way to tell which is the model's
+                raise ScaleError(f"layer {layer}'s {side} scale {tensor} is in two files with different values: "
+                                 f"{where.split(': ', 1)[0]} and {clash[0][1].split(': ', 1)[0]}")
             # each sub-model's preferred name form (its prefix: the name before "layers.N"); two sub-models giving
             # different scales for one layer index are refused, whatever name forms they use
             best: dict[str, tuple] = {}
@@ -324,6 +337,11 @@ def load_scales(path: PathLike, num_layers: int, tp_rank: int = 0, *,
             (k if side == "k" else v)[layer] = _rank_slice(_as_scale(value, where, None), where, num_kv_heads,
                                                             tp_rank, tp_size)
     skip = set(skip_layers)
+    if not k and not v and any(i not in skip for i in range(num_layers)):
+        forms = ", ".join(f"layers.N.self_attn.{f}" for f, _, _ in _FORMS)
+        raise ScaleError(f"{p}: no KV-cache scale found" + (f" under prefix {prefix!r}" if prefix else "")
+                         + f" (kvgen reads {forms}): not a checkpoint with static KV scales? (a format that needs "
+                         "them and has none takes 1.0 without this file)")
     miss_k = [i for i in range(num_layers) if i not in k and i not in skip]
     miss_v = [i for i in range(num_layers) if i not in v and i not in skip]
     if miss_k or miss_v:

@@ -435,3 +435,40 @@ def test_replicated_heads_go_to_the_ranks_that_hold_them(tmp_path):
                          (dict(tp_rank=4, tp_size=4), "tp_rank")):
         with pytest.raises(ValueError, match=f"^{name}: "):
             load_scales(path, 1, **kwargs)
+
+
+def test_a_file_without_any_kv_scale_is_an_error(tmp_path):
+    """Plain weights, or scales under names kvgen does not read, loaded as 1.0 everywhere with only a warning."""
+    path = _write(tmp_path / "w.safetensors", {"model.layers.0.mlp.down_proj.weight": np.ones((2, 2), np.float32)})
+    with pytest.raises(ScaleError, match="no KV-cache scale found"):
+        load_scales(path, 2)
+    with pytest.raises(ScaleError, match="no KV-cache scale found under prefix 'model.text.'"):
+        load_scales(_write(tmp_path / "s.safetensors", {"model.layers.0.self_attn.k_scale": np.float32(0.5)}), 1,
+                    prefix="model.text.")
+
+
+def test_vllms_own_parameter_names_are_read(tmp_path):
+    t = {"model.layers.0.self_attn.attn.k_scale": np.array(0.25, np.float32),
+         "model.layers.0.self_attn.attn.v_scale": np.array(0.5, np.float32)}
+    assert load_scales(_write(tmp_path / "v.safetensors", t), 1) == {0: (0.25, 0.5)}
+
+
+def test_one_tensor_with_two_values_in_two_shards_is_an_error(tmp_path):
+    d = tmp_path / "shards"
+    d.mkdir()
+    _write(d / "a.safetensors", {"model.layers.0.self_attn.k_scale": np.array(0.1, np.float32),
+                                 "model.layers.0.self_attn.v_scale": np.array(0.2, np.float32)})
+    _write(d / "b.safetensors", {"model.layers.0.self_attn.k_scale": np.array(0.9, np.float32)})
+    with pytest.raises(ScaleError, match="self_attn.k_scale is in two files with different values"):
+        load_scales(d, 1)
+
+
+@pytest.mark.parametrize("value,words", [(np.array([1e39]), "overflows float32"), (np.array([1e-50]), "rounds to 0"),
+                                         (np.array([True]), "a boolean")])
+def test_per_tensor_scales_must_fit_float32(tmp_path, value, words):
+    """A float64 checkpoint's 1e39 or 1e-50 (and a bool tensor, as 1.0) passed here and failed in allocate naming no
+    file; the cache keeps fp32 scales."""
+    t = {"model.layers.0.self_attn.k_scale": value, "model.layers.0.self_attn.v_scale": np.array([1.0], np.float32)}
+    save_file(t, str(tmp_path / "m.safetensors"))
+    with pytest.raises(ScaleError, match=words):
+        load_scales(tmp_path / "m.safetensors", 1)
