@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 from rich.markup import escape
@@ -96,6 +97,8 @@ def eval_cmd(specs, contexts, seeds, as_json, png, backend, dot_precision, query
     query_dtype = query_dtype or ("bf16" if dequantize_first else "fp32")
     if dequantize_first and dense_dtype:
         dequantize_first = dense_dtype
+    if png and not Path(png).resolve().parent.is_dir():  # before the evaluation's minutes, not after
+        raise OptionError(f"--png: {Path(png).parent}: no such directory")
     ctxs = list(dict.fromkeys(contexts)) or [1024, 4096]
     if resolve_backend(backend) == "kernels":
         from .runtime.kernels import no_kernel_mode
@@ -112,15 +115,16 @@ def eval_cmd(specs, contexts, seeds, as_json, png, backend, dot_precision, query
 
         rows = evaluate(names, ctxs, seeds, progress=step, backend=backend, dot_precision=dot_precision,
                         query_dtype=query_dtype, dequantize_first=dequantize_first)
-    if png:
-        draw_png(rows, png)
+    where = "generated kernels" if resolve_backend(backend) == "kernels" else "NumPy reference"
     if as_json:
+        if png:
+            draw_png(rows, png, where=where)
         click.echo(json.dumps({"contexts": ctxs, "seeds": seeds, "backend": resolve_backend(backend),
                                "dot_precision": dot_precision, "query_dtype": query_dtype,
                                "dequantize_first": dequantize_first, "num_kv_heads": 8, "num_q_heads": 32,
                                "head_size": 128, "top_k": 8, "results": rows, "png": png}, indent=2))
         return
-    where = "generated kernels" if resolve_backend(backend) == "kernels" else "NumPy reference"
+    chart_where = where
     if dot_precision != "auto":
         where += f", dot_precision={dot_precision}"
     if query_dtype != "fp32" and resolve_backend(backend) == "kernels":
@@ -153,7 +157,8 @@ def eval_cmd(specs, contexts, seeds, as_json, png, backend, dot_precision, query
     if fell_back:
         console.print(f"dot_precision=quantized: {', '.join(fell_back)} ha{'s' if len(fell_back) == 1 else 've'} no "
                       "int8 codes and ran auto", highlight=False)
-    if png:
+    if png:  # after the table: a chart that cannot be written loses no results
+        draw_png(rows, png, where=chart_where)
         console.print(f"chart written to {escape(png)}", highlight=False)
 
 

@@ -365,8 +365,9 @@ def ran_with(f, backend: str, dot_precision: str) -> str:
     return load(f.source).runs_dot_precision(dot_precision)
 
 
-def draw_png(rows: list[dict], path: str, metric: str = "attn_rel_l2") -> None:
-    """Error against bytes per token-head, one point per format (and context), log y."""
+def draw_png(rows: list[dict], path: str, metric: str = "attn_rel_l2", where: str = "NumPy reference") -> None:
+    """Error against bytes per token-head, one point per format (and context), log y; PNG whatever the suffix.
+    ``where``: what computed the attention (the title says it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -386,9 +387,9 @@ def draw_png(rows: list[dict], path: str, metric: str = "attn_rel_l2") -> None:
     ax.set_yscale("log")
     ax.set_xlabel("bytes per token and KV head (head size 128)")
     ax.set_ylabel({"attn_rel_l2": "attention output relative L2 error"}.get(metric, metric))
-    ax.set_title("kvgen eval: accuracy vs cache size (synthetic K/V, NumPy reference)")
+    ax.set_title(f"kvgen eval: accuracy vs cache size (synthetic K/V, {where})")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")
     plt.close(fig)

@@ -67,5 +67,5 @@ def draw(fmt, path: str, block_size: int, num_kv_heads: int, head_size: int) -> 
                loc="lower center", ncol=len(used), frameon=False)
     fig.suptitle(f"kvgen format {fmt.name}: byte map of one page", fontsize=12)
     fig.tight_layout(rect=(0, 0.05, 1, 0.97))
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")
     plt.close(fig)

@@ -235,3 +235,16 @@ def test_global_scale_is_calibrated_within_the_range_allocate_takes():
     assert E.calibrated_scale(spec, "key", x) == pytest.approx(3.0 / (6 * 448))
     assert E.calibrated_scale(spec, "key", x * 1e-9) == 2.0 ** -32
     assert E.calibrated_scale(spec, "key", x * 1e15) == 2.0 ** 32
+
+
+def test_cli_png_is_png_whatever_its_name_and_checked_before_the_work(tmp_path):
+    """--png ev.pdf wrote a PDF and --png x.xyz failed in matplotlib after the whole evaluation, losing its table;
+    a missing directory is refused before any work."""
+    for name in ("ev.pdf", "ev"):
+        out = tmp_path / name
+        res = CliRunner().invoke(eval_cmd, ["bf16", "--context", "64", "--seeds", "1", "--png", str(out)])
+        assert res.exit_code == 0, res.output
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "attn rel L2" in res.stdout
+    res = CliRunner().invoke(eval_cmd, ["bf16", "--context", "64", "--seeds", "1",
+                                        "--png", str(tmp_path / "nowhere" / "a.png")])
+    assert res.exit_code == 2 and "--png" in res.output and "no such directory" in res.output, res.output
