@@ -26,8 +26,12 @@ def import_scheme(config, out, name):
       kvgen import-scheme model/config.json -o my_kv.yaml --name my_kv
       kvgen build my_kv.yaml -o build/formats
     """
+    from .codegen.spec import _NAME_RE
     from .scales import import_scheme as to_yaml
 
+    if name is not None and not _NAME_RE.fullmatch(name):  # the option's fault, not the config's
+        raise OptionError(f"--name: {name!r} is not a valid format name: use lower case letters, digits and '_', "
+                          "starting with a letter (at most 64 characters)")
     text = to_yaml(config, name=name)
     same = _shipped_with_the_same_bytes(text)
     if same:  # on stderr: stdout stays the spec alone
@@ -114,6 +118,11 @@ def calibrate(samples, format_name, observer, percentile, per_head, out, tp_size
     if per_head is None:
         per_head = all(spec.side(s).scale is not None and spec.side(s).scale.granularity.value == "per_head"
                        for s in ("key", "value"))
+    fmt_per_head = all(spec.side(s).scale is not None and spec.side(s).scale.granularity.value == "per_head"
+                       for s in ("key", "value"))
+    if per_head and not fmt_per_head:  # before the samples are read: an option this format cannot take
+        raise OptionError(f"--per-head: format {spec.name} takes one static scale per layer (per_tensor); per-head "
+                          "scales need a per_head format such as fp8_e4m3_per_head")
     if per_head and Path(out).suffix.lower() == ".json":
         raise OptionError(f"--out: {out}: the scale JSON holds one scale per layer; write per-head scales to "
                           ".safetensors (or pass --per-tensor)")

@@ -186,3 +186,13 @@ def test_cli_output_suffix_is_a_usage_error(tmp_path):
                                       "-o", str(tmp_path / "kv.txt")])
     assert r.exit_code == 2, r.output
     assert "--out" in r.stderr and "kv.txt" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_cli_per_head_for_a_per_tensor_format_is_a_usage_error(tmp_path):
+    """--per-head with fp8_e4m3 (one scale per layer) exited 1 after reading the samples; an option the format
+    cannot take exits 2 before any sample is read."""
+    from kvgen.cli import main as cli_main
+
+    r = CliRunner().invoke(cli_main, ["calibrate", str(tmp_path / "missing.npz"), "--format", "fp8_e4m3",
+                                      "--per-head", "-o", str(tmp_path / "kv.safetensors")])
+    assert r.exit_code == 2 and "--per-head" in r.stderr and "per_tensor" in r.stderr, r.stderr

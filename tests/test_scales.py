@@ -472,3 +472,12 @@ def test_per_tensor_scales_must_fit_float32(tmp_path, value, words):
     save_file(t, str(tmp_path / "m.safetensors"))
     with pytest.raises(ScaleError, match=words):
         load_scales(tmp_path / "m.safetensors", 1)
+
+
+def test_import_scheme_names_a_bad_name_option(tmp_path):
+    """--name 'Bad Name!' was reported as the config's fault (exit 1); it is the option's (exit 2)."""
+    from kvgen.cli import main as cli_main
+
+    cfg = _config(tmp_path, SCHEMES[0][0])
+    r = CliRunner().invoke(cli_main, ["import-scheme", str(cfg), "--name", "Bad Name!"])
+    assert r.exit_code == 2 and r.stderr.startswith("error: --name: 'Bad Name!' is not a valid format name"), r.stderr
