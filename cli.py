@@ -294,7 +294,8 @@ def schema(out_file):
 
     from .codegen.spec import FormatSpec
 
-    text = json.dumps(FormatSpec.model_json_schema(), indent=2, sort_keys=True) + "\n"
+    schema = {"$schema": "https://json-schema.org/draft/2020-12/schema", **FormatSpec.model_json_schema()}
+    text = json.dumps(schema, indent=2, sort_keys=True) + "\n"
     if out_file:
         Path(out_file).write_text(text, encoding="utf-8")
         console.print(f"schema written to {escape(out_file)}", highlight=False)

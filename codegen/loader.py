@@ -32,6 +32,16 @@ _YAML_PROBLEMS = {
 }
 
 
+# plain decimal numbers; YAML 1.1 also reads 010 as 8, 0x10 as 16, 3_2 as 32 and 1:30 as 90, which no spec means
+_NUMBER_TAGS = {
+    "tag:yaml.org,2002:int": r"[-+]?(0|[1-9][0-9]*)",
+    "tag:yaml.org,2002:float": r"[-+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+)?|[-+]?\.(inf|Inf|INF)|\.(nan|NaN|NAN)",
+}
+
+
+_EXPONENT_FLOAT = r"[-+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+"
+
+
 def _plain_yaml_problem(problem: str) -> str:
     plain = _YAML_PROBLEMS.get(problem)
     return f"{plain} ({problem})" if plain else problem
@@ -50,8 +60,14 @@ def _compose_with_positions(text: str, path: str) -> tuple[Any, dict[tuple, Posi
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         problem = getattr(exc, "problem", None) or str(exc)
+        context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+        plain = _plain_yaml_problem(problem)
+        if context and plain == problem:  # PyYAML's context says what it was reading ("while scanning a quoted
+            plain = f"{context}, {problem}"  # scalar"): without it "found unexpected end of stream" means little
+        if context_mark is not None and "end of stream" in problem:
+            mark = context_mark  # where the unfinished thing starts (a quote), not the end of the file
         raise SpecError(
-            f"not valid YAML: {_plain_yaml_problem(problem)}",
+            f"not valid YAML: {plain}",
             path=path,
             line=mark.line + 1 if mark else None,
             column=mark.column + 1 if mark else None,
@@ -90,6 +106,13 @@ def _compose_with_positions(text: str, path: str) -> tuple[Any, dict[tuple, Posi
             return out
         if isinstance(n, yaml.SequenceNode):
             return [walk(item, loc + (i,)) for i, item in enumerate(n.value)]
+        if n.style is None and n.tag == "tag:yaml.org,2002:str" and re.fullmatch(_EXPONENT_FLOAT, n.value):
+            return float(n.value)  # 1e-6: a float in YAML 1.2; YAML 1.1 (PyYAML) wants a dot and reads a string
+        if n.style is None and n.tag in _NUMBER_TAGS and not re.fullmatch(_NUMBER_TAGS[n.tag], n.value):
+            value = yaml.SafeLoader("").construct_object(n, deep=True)
+            raise SpecError(f"write numbers in decimal: YAML 1.1 reads {n.value!r} as {value!r}", path=path,
+                            line=n.start_mark.line + 1, column=n.start_mark.column + 1,
+                            field=".".join(map(str, loc)) or None)
         try:
             return yaml.SafeLoader("").construct_object(n, deep=True)
         except yaml.YAMLError as exc:  # e.g. an unknown tag (!foo) or YAML's '=' value key

@@ -174,7 +174,9 @@ class ScaleSpec(_Strict):
                                      ge=2, le=1024)
     group_tokens: Optional[SpecInt] = Field(None, description="Tokens per group (per_channel_group, KIVI keys).",
                                             ge=1, le=1024)
-    min: float = Field(1e-6, description="Floor of a dynamic scale, so an all-zero vector gets a finite scale.", gt=0)
+    # a number: YAML's true or a quoted "0.5" are mistakes, not 1.0 and 0.5
+    min: Annotated[float, Strict()] = Field(
+        1e-6, description="Floor of a dynamic scale, so an all-zero vector gets a finite scale.", gt=0)
     apply: Optional[ApplyScale] = Field(
         None, description="Divide by the scale, or multiply by its reciprocal (default: divide for static scales, "
         "reciprocal_multiply for dynamic ones, as vLLM does)."
@@ -351,12 +353,20 @@ class FormatSpec(_Strict):
     """A whole KV-cache format."""
 
     kvgen_spec: Literal[1] = Field(1, description="Spec format version.")
-    name: str = Field(description="Identifier: lower case letters, digits and '_', starting with a letter.")
+    name: str = Field(description="Identifier: lower case letters, digits and '_', starting with a letter.",
+                      json_schema_extra={"pattern": "^[a-z][a-z0-9_]{0,63}$"})  # for editors; _name checks it
     description: str = Field("", max_length=2000)
     origin: str = Field("", max_length=2000, description="Where the format comes from (engine, paper).")
     cache: CacheSpec = Field(default_factory=CacheSpec)
     key: SideSpec
     value: SideSpec
+
+    @field_validator("kvgen_spec", mode="before")
+    @classmethod
+    def _version_is_an_integer(cls, v):
+        if isinstance(v, bool) or not isinstance(v, int):  # the Literal alone took true and 1.0
+            raise ValueError(f"'kvgen_spec' is the integer {SPEC_VERSION}, got {v!r}")
+        return v
 
     @field_validator("name")
     @classmethod

@@ -286,6 +286,15 @@ def test_schema_is_the_spec_json_schema(tmp_path):
     assert schema["additionalProperties"] is False  # unknown keys are errors in editors too
     assert {"name", "key", "value"} <= set(schema["required"])
     assert "fp8_e4m3" in json.dumps(schema["$defs"]["ElementType"])
+    # editors learn the draft and the name rule: a name the validator refuses does not pass the schema either
+    assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    import re
+
+    pattern = re.compile(schema["properties"]["name"]["pattern"])
+    for name in ("kivi_2bit", "q4_0"):
+        assert pattern.search(name)
+    for name in ("Bad", "a.b", "1x", "café"):
+        assert not pattern.search(name)
 
 
 def test_doctor_reports_the_interpreter_and_runs():

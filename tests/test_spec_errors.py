@@ -891,3 +891,48 @@ def test_every_error_of_a_spec_is_listed_with_its_line(tmp_path):
     assert f"value.scale.block (line {line_of(text, 'block: abc')})" in err.message and "'abc'" in err.message
     assert f"value.colour (line {line_of(text, 'colour')})" in err.message
     assert "more error" not in err.message
+
+
+SIDE_WITH = "name: a\nkey: {{element: int8, scale: {{granularity: per_block, {field}}}}}\nvalue: {{element: bf16}}\n"
+
+
+@pytest.mark.parametrize("field,words", [
+    ("block: 010", "YAML 1.1 reads '010' as 8"), ("block: 0x10", "reads '0x10' as 16"),
+    ("block: 1:30", "reads '1:30' as 90"), ("block: 3_2", "reads '3_2' as 32"),
+    ("block: 32, min: 1_0.5", "reads '1_0.5' as 10.5"),
+    ("block: 32, min: true", "valid number"), ("block: 32, min: '0.5'", "valid number"),
+])
+def test_numbers_yaml_would_read_otherwise_are_named(tmp_path, field, words):
+    """YAML 1.1 took 010 as 8, 0x10 as 16, 3_2 as 32 and 1:30 as 90 without a word; the floor took true as 1.0 and a
+    quoted "0.5" as 0.5."""
+    text = SIDE_WITH.format(field=field)
+    p = write(tmp_path, "n.yaml", text)
+    err = spec_error(p)
+    assert words in err.message and err.line == 2, err
+
+
+def test_an_exponent_without_a_dot_is_a_number(tmp_path):
+    """min: 1e-6 (YAML 1.2's float, a string to YAML 1.1) is the floor 1.0e-6, the same spec."""
+    a = kvgen.load_spec(write(tmp_path, "a.yaml", SIDE_WITH.format(field="block: 32, min: 1e-6")))
+    b = kvgen.load_spec(write(tmp_path, "b.yaml", SIDE_WITH.format(field="block: 32, min: 1.0e-6")))
+    assert a.key.scale.min == 1e-6 and a.spec_hash() == b.spec_hash()
+
+
+@pytest.mark.parametrize("version", ["true", "1.0"])
+def test_spec_version_is_the_integer_1(tmp_path, version):
+    p = write(tmp_path, "v.yaml", f"kvgen_spec: {version}\nname: a\nkey: {{element: bf16}}\nvalue: {{element: bf16}}\n")
+    err = spec_error(p)
+    assert_field(err, "kvgen_spec")
+    assert "is the integer 1" in err.message
+
+
+def test_yaml_errors_keep_what_the_parser_was_reading(tmp_path):
+    """A second document said only "but found another document"; an unclosed quote pointed at the end of the file."""
+    p = write(tmp_path, "two.yaml", "name: a\nkey: {element: bf16}\nvalue: {element: bf16}\n---\nname: b\n")
+    err = spec_error(p)
+    assert "expected a single document in the stream, but found another document" in err.message
+    assert_at(err, p, 4, 1)
+    p = write(tmp_path, "quote.yaml", 'name: "abc\nkey: {element: bf16}\nvalue: {element: bf16}\n')
+    err = spec_error(p)
+    assert "while scanning a quoted scalar" in err.message
+    assert_at(err, p, 1, 7)
