@@ -499,3 +499,17 @@ def test_an_output_path_with_brackets_is_printed_as_written(tmp_path):
     for name in ("m[/]x", "m[red]y"):
         r = build(tmp_path / name, tmp_path / "tiny.yaml")
         assert r.exit_code == 0 and str(tmp_path / name / "tiny") in r.output, r.output
+
+
+def test_a_build_that_fails_before_any_package_leaves_no_marker(tmp_path, monkeypatch):
+    """The package marker is written first: a failure in the first package's write (a full disk, Ctrl-C) left a new
+    output directory holding only __init__.py."""
+    (tmp_path / "tiny.yaml").write_text(TINY.format(name="tiny"))
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device", str(tmp_path / "out" / "tiny"))
+
+    monkeypatch.setattr(build_mod, "_write_atomic_dir", full)
+    r = build(tmp_path / "out", tmp_path / "tiny.yaml")
+    assert r.exit_code == 1 and "No space left on device" in r.stderr, r.output
+    assert not (tmp_path / "out").exists()
