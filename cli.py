@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import sys
 from pathlib import Path
 
@@ -224,6 +225,8 @@ def show(name, block_size, num_kv_heads, head_size, png):
     """
     from .runtime.loader import load
 
+    if png and not Path(png).resolve().parent.is_dir():  # before the table, not after it
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(png))
     fmt = load(name)
     if block_size is None:
         block_size = fmt.layout.RESIDUAL["group"] if fmt.layout.RESIDUAL else 16

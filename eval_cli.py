@@ -5,6 +5,7 @@ Register with ``main.add_command(eval_cmd)`` in cli.py.
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
 from pathlib import Path
@@ -98,7 +99,7 @@ def eval_cmd(specs, contexts, seeds, as_json, png, backend, dot_precision, query
     if dequantize_first and dense_dtype:
         dequantize_first = dense_dtype
     if png and not Path(png).resolve().parent.is_dir():  # before the evaluation's minutes, not after
-        raise OptionError(f"--png: {Path(png).parent}: no such directory")
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(png))
     ctxs = list(dict.fromkeys(contexts)) or [1024, 4096]
     if resolve_backend(backend) == "kernels":
         from .runtime.kernels import no_kernel_mode

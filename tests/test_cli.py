@@ -382,6 +382,7 @@ def test_an_output_file_that_cannot_be_written_is_one_line_error(tmp_path, args)
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
     assert f"error: {tmp_path}/no/such/dir/x." in r.stderr and "No such file or directory" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+    assert r.stdout == ""  # refused before the table is printed
 
 
 def test_a_case_that_cannot_run_is_one_line_error_not_a_pass(monkeypatch):

@@ -245,6 +245,9 @@ def test_cli_png_is_png_whatever_its_name_and_checked_before_the_work(tmp_path):
         res = CliRunner().invoke(eval_cmd, ["bf16", "--context", "64", "--seeds", "1", "--png", str(out)])
         assert res.exit_code == 0, res.output
         assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "attn rel L2" in res.stdout
-    res = CliRunner().invoke(eval_cmd, ["bf16", "--context", "64", "--seeds", "1",
+    from kvgen.cli import main as cli_main
+
+    res = CliRunner().invoke(cli_main, ["eval", "bf16", "--context", "64", "--seeds", "1",
                                         "--png", str(tmp_path / "nowhere" / "a.png")])
-    assert res.exit_code == 2 and "--png" in res.output and "no such directory" in res.output, res.output
+    assert res.exit_code == 1 and "a.png: No such file or directory" in res.stderr, res.output
+    assert "attn rel L2" not in res.stdout  # refused before the evaluation
