@@ -141,6 +141,11 @@ def check_static_sides(spec) -> None:
         if side.scale is None or not side.scale.granularity.is_static:
             what = "is stored unquantized" if side.scale is None else \
                 f"computes its scales on write ({side.scale.granularity.value})"
+            if side.scale is not None and side.scale.global_scale:
+                raise CalibrationError(
+                    f"format {spec.name}: the {side_name} side's k_scale / v_scale is a per-layer global scale over "
+                    f"the block scales it computes on write ({side.scale.granularity.value}); calibrate does not fit "
+                    "global scales (yet): take the checkpoint's (kvgen.scales.load_scales) or allocate's 1.0")
             raise CalibrationError(f"format {spec.name}: the {side_name} side {what}; calibration is for static "
                                    "scales (granularity per_tensor or per_head), e.g. fp8_e4m3")
 

@@ -196,3 +196,9 @@ def test_cli_per_head_for_a_per_tensor_format_is_a_usage_error(tmp_path):
     r = CliRunner().invoke(cli_main, ["calibrate", str(tmp_path / "missing.npz"), "--format", "fp8_e4m3",
                                       "--per-head", "-o", str(tmp_path / "kv.safetensors")])
     assert r.exit_code == 2 and "--per-head" in r.stderr and "per_tensor" in r.stderr, r.stderr
+
+
+def test_a_global_scale_format_is_told_what_its_scales_are():
+    """nvfp4 was refused as computing its scales on write, though its k_scale / v_scale are static global scales."""
+    with pytest.raises(CalibrationError, match="per-layer global scale over the block scales"):
+        calibrate({0: (np.ones((4, 1, 16), np.float32),) * 2}, "nvfp4")
