@@ -108,6 +108,9 @@ def calibrate(samples, format_name, observer, percentile, per_head, out, tp_size
 
     if Path(out).suffix.lower() not in (".safetensors", ".json"):
         raise OptionError(f"--out: {out}: must end in .safetensors or .json")
+    if tp_size != 1 and Path(out).suffix.lower() != ".json":  # it was ignored without a word
+        raise OptionError(f"--tp-size: the scale JSON's ranks; a .safetensors file holds the whole model's scales "
+                          f"(load_scales slices them per rank): drop --tp-size {tp_size} or write .json")
     from .calibrate import CalibrationError, check_static_sides
 
     try:

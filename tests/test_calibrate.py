@@ -202,3 +202,11 @@ def test_a_global_scale_format_is_told_what_its_scales_are():
     """nvfp4 was refused as computing its scales on write, though its k_scale / v_scale are static global scales."""
     with pytest.raises(CalibrationError, match="per-layer global scale over the block scales"):
         calibrate({0: (np.ones((4, 1, 16), np.float32),) * 2}, "nvfp4")
+
+
+def test_cli_tp_size_goes_with_json_output(tmp_path):
+    from kvgen.cli import main as cli_main
+
+    r = CliRunner().invoke(cli_main, ["calibrate", str(tmp_path / "missing.npz"), "--format", "fp8_e4m3",
+                                      "--tp-size", "2", "-o", str(tmp_path / "kv.safetensors")])
+    assert r.exit_code == 2 and r.stderr.startswith("error: --tp-size:"), r.stderr
