@@ -130,7 +130,10 @@ def calibrate(samples, format_name, observer, percentile, per_head, out, tp_size
         raise OptionError(f"--out: {out}: the scale JSON holds one scale per layer; write per-head scales to "
                           ".safetensors (or pass --per-tensor)")
     data = load_samples(samples)
-    scales = run(data, spec, observer=observer, per_head=per_head, percentile=percentile, progress=True)
+    try:
+        scales = run(data, spec, observer=observer, per_head=per_head, percentile=percentile, progress=True)
+    except CalibrationError as exc:  # about the samples' contents: name their file
+        raise CalibrationError(f"{samples}: {exc}") from None
     dtype = JSON_DTYPES.get(spec.key.element.value, spec.key.element.value)
     save_scales(scales, out, dtype=dtype, tp_size=tp_size)
     ks = np.concatenate([np.ravel(k) for k, _ in scales.values()])

@@ -210,3 +210,17 @@ def test_cli_tp_size_goes_with_json_output(tmp_path):
     r = CliRunner().invoke(cli_main, ["calibrate", str(tmp_path / "missing.npz"), "--format", "fp8_e4m3",
                                       "--tp-size", "2", "-o", str(tmp_path / "kv.safetensors")])
     assert r.exit_code == 2 and r.stderr.startswith("error: --tp-size:"), r.stderr
+
+
+def test_cli_names_the_samples_file_of_a_bad_layer(tmp_path):
+    from kvgen.cli import main as cli_main
+
+    rng = np.random.default_rng(3)
+    np.savez(tmp_path / "acts.npz", **{"layers.0.k": _uniform(rng, 1.0, (8, 2, 16)),
+                                       "layers.0.v": _uniform(rng, 1.0, (8, 2, 16)),
+                                       "layers.1.k": _uniform(rng, 1.0, (8, 3, 16)),
+                                       "layers.1.v": _uniform(rng, 1.0, (8, 3, 16))})
+    r = CliRunner().invoke(cli_main, ["calibrate", str(tmp_path / "acts.npz"), "--format", "fp8_e4m3",
+                                      "-o", str(tmp_path / "kv.safetensors")])
+    assert r.exit_code == 1 and f"error: {tmp_path / 'acts.npz'}: layer 1: 3 K / 3 V heads, expected 2" in r.stderr, \
+        r.stderr
