@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -31,7 +32,11 @@ class _EvalCommand(click.Command):
             root = ctx.find_root()
             if root.params.get("debug") or (root.obj or {}).get("debug"):
                 raise
-            err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
+            msg = str(exc)
+            if isinstance(exc, OptionError):  # evaluate()'s parameter names as the options the user typed
+                msg = re.sub(r"\b(dot_precision|query_dtype|dequantize_first)\b",
+                             lambda m: "--" + m.group(1).replace("_", "-"), msg)
+            err_console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False)
             sys.exit(exc.exit_code)
 
 
