@@ -181,7 +181,7 @@ def test_dot_precision_needs_the_kernel_backend():
     res = CliRunner().invoke(eval_cmd, ["int8_per_token_head", "--seeds", "1", "--backend", "reference",
                                         "--dot-precision", "quantized"])
     assert res.exit_code == 2 and "--backend kernels" in res.stderr  # an option's value eval cannot take
-    assert res.stderr.startswith("error: --dot-precision: 'quantized'"), res.stderr  # the option, not the parameter
+    assert res.stderr.strip().startswith("error: --dot-precision: 'quantized'"), res.stderr  # the option
 
 
 def test_dequantize_first_costs_a_16_bit_rounding():
