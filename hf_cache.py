@@ -12,7 +12,10 @@ runs on the dequantized cache: the bytes the kernel stored, decoded by the spec'
 plugged into transformers' attention here; that is the engine's job. Decoding on the host is slow and meant for
 accuracy runs and tests, not for speed.) Formats with a residual window (KIVI) work too: each batch row is a
 sequence with its own residual row, written by the streaming kernels; since tokens leaving the window change from
-bf16 to quantized values, the layer re-reads every position after each write.
+bf16 to quantized values, the layer re-reads every position after each write. The Cache operations generation
+uses keep the kvgen cache in step: ``reset`` (a fresh cache for the next batch), ``crop`` (KIVI: only inside its
+full-precision window, since quantized groups cannot be undone), and ``reorder_cache`` / ``batch_select_indices`` /
+``batch_repeat_interleave`` (beam search, batch pruning), which copy each row's blocks and residual row.
 """
 
 from __future__ import annotations
@@ -44,6 +47,73 @@ class KvgenLayer(DynamicLayer):
         self.k_scale, self.v_scale = k_scale, v_scale
         self.cache = None
         self.length = 0
+
+    # -- transformers' Cache operations: the kvgen cache follows every one (rows own their blocks and, for KIVI, the
+    # residual row of their index), or refuses it in words
+    def reset(self) -> None:
+        """Forget every row: the next update allocates a fresh cache for its batch."""
+        super().reset()
+        self.cache, self.length = None, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the newest tokens (a negative count, as transformers' own layers take it). A KIVI cache crops only
+        inside its full-precision window: tokens that left it for quantized groups cannot come back."""
+        super().crop(tokens_to_remove)  # refuses a positive count
+        if tokens_to_remove == 0 or self.cache is None:
+            return
+        new_length = max(self.length - abs(tokens_to_remove), 0)
+        if self.fmt.spec.streaming:
+            res = self.fmt.layout.RESIDUAL
+            q = lambda n: R.quantized_length(n, res["group"], res["tokens"])  # noqa: E731
+            if q(new_length) != q(self.length):
+                most = self.length - q(self.length) - res["tokens"]
+                raise ValueError(f"crop: {self.fmt.name} quantized positions {q(new_length)}..{q(self.length) - 1} "
+                                 f"when they left its {res['tokens']}-token window, so a crop to {new_length} tokens "
+                                 f"cannot be undone there; it can remove the newest {most} or fewer (or reset() and "
+                                 "prefill again)")
+        self.length = new_length
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row r takes row ``beam_idx[r]``'s tokens (pages and residual window copied)."""
+        super().reorder_cache(beam_idx)
+        self._gather_rows(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        rows = torch.arange(self._rows())[indices.cpu()] if self.cache is not None else None  # before keys shrink
+        super().batch_select_indices(indices)
+        self._gather_rows(rows)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        rows = torch.arange(self._rows()).repeat_interleave(repeats) if self.cache is not None else None
+        super().batch_repeat_interleave(repeats)
+        self._gather_rows(rows)
+
+    def _rows(self) -> int:
+        """Batch rows the cache holds now (its keys' batch), or its capacity before any token."""
+        if self.keys is not None and self.keys.numel():
+            return self.keys.shape[0]
+        return self.cache.num_blocks // self.blocks_per_row
+
+    def _gather_rows(self, src) -> None:
+        """Make row r of the kvgen cache a copy of row ``src[r]`` (its blocks; KIVI: its residual row), in a larger
+        cache where there are more rows than it holds."""
+        if self.cache is None or src is None:
+            return
+        src = torch.as_tensor(src, dtype=torch.long).reshape(-1).cpu()
+        n, bpr, old = src.numel(), self.blocks_per_row, self.cache
+        capacity = old.num_blocks // bpr
+        new = old if n <= capacity else self.fmt.allocate(
+            n * bpr, self.block_size, old.num_kv_heads, old.head_size, device=self.device,
+            **({"max_seqs": n} if self.fmt.spec.streaming else {}),
+            **{k: old.tensors[k] for k in ("k_scale", "v_scale") if k in old.tensors})
+        blocks = (src[:, None] * bpr + torch.arange(bpr)[None, :]).reshape(-1).to(self.device)
+        for name, t in old.tensors.items():
+            if name in ("k_scale", "v_scale"):
+                continue  # per layer: the same for every row
+            index = src.to(self.device) if "residual" in name else blocks
+            gathered = t[index].clone()  # a copy first: rows may move onto one another
+            new.tensors[name][:gathered.shape[0]].copy_(gathered)
+        self.cache = new
 
     def _allocate(self, batch: int, heads: int, head_size: int, device) -> None:
         blocks_per_row = math.ceil(self.max_tokens / self.block_size)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,3 +131,68 @@ def test_importing_kvgen_first_selects_the_interpreter_without_a_gpu():
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "generated 6" in r.stdout, r.stdout
+
+
+KIVI16 = (Path(__file__).resolve().parent.parent / "specs" / "kivi_2bit.yaml").read_text().replace(
+    "name: kivi_2bit", "name: kivi_2bit_g16").replace("group_tokens: 32", "group_tokens: 16").replace(
+    "tokens: 128", "tokens: 16")
+
+
+@pytest.fixture(scope="module")
+def kivi16(tmp_path_factory):
+    """kivi_2bit with groups of 16 tokens and a 16-token window: 40 tokens already flush a group."""
+    import kvgen
+
+    path = tmp_path_factory.mktemp("kivi16") / "kivi_2bit_g16.yaml"
+    path.write_text(KIVI16)
+    return kvgen.load(path)
+
+
+def _logits(model, cache, ids):
+    with torch.no_grad():
+        return model(ids, past_key_values=cache).logits
+
+
+@pytest.mark.parametrize("name", ["bf16", "kivi16"])
+def test_cache_operations_leave_what_a_fresh_cache_would_hold(name, kivi16):
+    """reset, crop, reorder_cache, batch_select_indices and batch_repeat_interleave: the next step's logits equal a
+    fresh cache's on the batch they describe. KIVI re-reads its pages and residual rows on every step, so it kept
+    the old rows' tokens (reset, crop, reorder, select: wrong logits) and a repeated batch overflowed its slots."""
+    fmt = kivi16 if name == "kivi16" else name
+    model = tiny_model(torch.bfloat16, **KIVI_MODEL)
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randint(1, 255, (2, 40), generator=g), torch.randint(1, 255, (2, 20), generator=g)
+    step = torch.randint(1, 255, (2, 1), generator=g)
+
+    def fresh(*prompts):
+        cache = KvgenCache(fmt, model.config, max_tokens=64, block_size=16)
+        for ids in prompts:
+            out = _logits(model, cache, ids)
+        return out
+
+    cache = KvgenCache(fmt, model.config, max_tokens=64, block_size=16)
+    for _ in range(3):  # rounds of 40 tokens in a 64-token cache: each reset must free the rows
+        _logits(model, cache, a)
+        cache.reset()
+    assert torch.equal(_logits(model, cache, b), fresh(b))
+
+    cache = KvgenCache(fmt, model.config, max_tokens=64, block_size=16)
+    _logits(model, cache, a)
+    cache.crop(-4)  # inside KIVI's window: Q(36) = Q(40) = 16
+    assert cache.get_seq_length() == 36
+    assert torch.equal(_logits(model, cache, step), fresh(a[:, :36], step))
+    if name == "kivi16":
+        with pytest.raises(ValueError, match="crop: .* cannot be undone there; it can remove the newest 5 or fewer"):
+            cache.crop(-10)  # 37 -> 27: Q(27) = 0, the group quantized at 32 tokens cannot be unquantized
+
+    for op, batch in (("reorder", a.flip(0)), ("select", a[1:]), ("repeat", a.repeat_interleave(2, dim=0))):
+        cache = KvgenCache(fmt, model.config, max_tokens=64, block_size=16)
+        _logits(model, cache, a)
+        if op == "reorder":
+            cache.reorder_cache(torch.tensor([1, 0]))
+        elif op == "select":
+            cache.batch_select_indices(torch.tensor([1]))
+        else:
+            cache.batch_repeat_interleave(2)
+        nxt = step[:batch.shape[0]] if op != "repeat" else step.repeat(2, 1)
+        assert torch.equal(_logits(model, cache, nxt), fresh(batch, nxt)), op
