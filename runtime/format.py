@@ -450,7 +450,10 @@ class Format:
         if checks.costly_checks_on(seq_ids, qsl, seq_lens, bt):
             checks.seq_ids_in_range(seq_ids, cache.tensors["k_residual"].shape[0])
             first_of: dict[int, int] = {}
+            starts = qsl.tolist()
             for i, r in enumerate(seq_ids.tolist()):
+                if starts[i + 1] <= starts[i]:
+                    continue  # appends nothing (a CUDA graph's padding sequence): its row may be anyone's
                 if r in first_of:
                     raise ValueError(f"seq_ids: sequences {first_of[r]} and {i} of the batch both append to "
                                      f"residual row {r}")

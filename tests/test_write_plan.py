@@ -236,6 +236,23 @@ def test_a_kivi_write_refuses_two_sequences_on_one_residual_row():
     assert all(torch.equal(t, before[k]) for k, t in cache.tensors.items())
 
 
+def test_kivi_padding_sequences_may_share_a_residual_row():
+    """A CUDA graph's padding sequences (0 new tokens) append nothing: they may name any row, one already in the
+    batch included (they were refused as "both append"), and the bytes equal the write without them."""
+    fmt = kvgen.load("kivi_2bit")
+    (key, value), = inputs(2, 1)
+    table = torch.arange(1, 11, dtype=torch.int32, device=DEVICE).reshape(2, 5)
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    real = dict(seq_ids=i32(0, 1), block_table=table, seq_lens=i32(1, 1), query_start_loc=i32(0, 1, 2))
+    padded = dict(seq_ids=i32(0, 1, 0, 0), block_table=torch.cat([table, table]), seq_lens=i32(1, 1, 0, 0),
+                  query_start_loc=i32(0, 1, 2, 2, 2))
+    slots = torch.tensor([1 * 32, 6 * 32], dtype=torch.int64, device=DEVICE)
+    want, got = caches(fmt, 12, 1)[0], caches(fmt, 12, 1)[0]
+    fmt.write(want, key, value, slots, **real)
+    fmt.write(got, key, value, slots, **padded)
+    assert all(torch.equal(t, want.tensors[k]) for k, t in got.tensors.items())
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="the sequence checks read host tensors (or run with KVGEN_DEBUG)")
 def test_a_kivi_write_refuses_slots_the_block_table_does_not_give():
     """KIVI places tokens by the sequence metadata; a slot_mapping that disagrees with it (a caller's bookkeeping
