@@ -415,7 +415,7 @@ def test_show_gives_each_regions_byte_start():
     (["demo", "--format", "no_such_format"], "--format"),
     (["calibrate", "{d}/acts.npz", "-f", "no_such_format", "-o", "{d}/kv.json"], "--format"),
     (["calibrate", "{d}/acts.npz", "-f", "int8_per_token_head", "-o", "{d}/kv.json"], "--format"),
-    (["eval", "bf16", "--backend", "reference", "--query-dtype", "bf16"], "query_dtype"),
+    (["eval", "bf16", "--backend", "reference", "--query-dtype", "bf16"], "--query-dtype"),
     (["test", "no_such_format", "--examples", "1", "--device", "cpu"], "no_such_format"),
     # a spec path that names nothing (README, "Exit codes")
     (["build", "{d}/nope.yaml", "-o", "{d}/out"], "nope.yaml: no such file"),
