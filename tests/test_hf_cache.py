@@ -140,7 +140,7 @@ KIVI16 = (Path(__file__).resolve().parent.parent / "specs" / "kivi_2bit.yaml").r
 
 @pytest.fixture(scope="module")
 def kivi16(tmp_path_factory):
-    """kivi_2bit with groups of 16 tokens and a 16-token window: 40 tokens already flush a group."""
+    """kivi_2bit with groups of 16 tokens and a 16-token window: 32 tokens already flush a group."""
     import kvgen
 
     path = tmp_path_factory.mktemp("kivi16") / "kivi_2bit_g16.yaml"
@@ -161,7 +161,7 @@ def test_cache_operations_leave_what_a_fresh_cache_would_hold(name, kivi16):
     fmt = kivi16 if name == "kivi16" else name
     model = tiny_model(torch.bfloat16, **KIVI_MODEL)
     g = torch.Generator().manual_seed(1)
-    a, b = torch.randint(1, 255, (2, 40), generator=g), torch.randint(1, 255, (2, 20), generator=g)
+    a, b = torch.randint(1, 255, (2, 34), generator=g), torch.randint(1, 255, (2, 20), generator=g)
     step = torch.randint(1, 255, (2, 1), generator=g)
 
     def fresh(*prompts):
@@ -171,19 +171,19 @@ def test_cache_operations_leave_what_a_fresh_cache_would_hold(name, kivi16):
         return out
 
     cache = KvgenCache(fmt, model.config, max_tokens=64, block_size=16)
-    for _ in range(3):  # rounds of 40 tokens in a 64-token cache: each reset must free the rows
+    for _ in range(2):  # rounds of 34 tokens in a 64-token cache: each reset must free the rows
         _logits(model, cache, a)
         cache.reset()
     assert torch.equal(_logits(model, cache, b), fresh(b))
 
     cache = KvgenCache(fmt, model.config, max_tokens=64, block_size=16)
     _logits(model, cache, a)
-    cache.crop(-4)  # inside KIVI's window: Q(36) = Q(40) = 16
-    assert cache.get_seq_length() == 36
-    assert torch.equal(_logits(model, cache, step), fresh(a[:, :36], step))
+    cache.crop(-2)  # inside KIVI's window: Q(32) = Q(34) = 16
+    assert cache.get_seq_length() == 32
+    assert torch.equal(_logits(model, cache, step), fresh(a[:, :32], step))
     if name == "kivi16":
-        with pytest.raises(ValueError, match="crop: .* cannot be undone there; it can remove the newest 5 or fewer"):
-            cache.crop(-10)  # 37 -> 27: Q(27) = 0, the group quantized at 32 tokens cannot be unquantized
+        with pytest.raises(ValueError, match="crop: .* cannot be undone there; it can remove the newest 1 or fewer"):
+            cache.crop(-10)  # 33 -> 23: Q(23) = 0, the group quantized at 32 tokens cannot be unquantized
 
     for op, batch in (("reorder", a.flip(0)), ("select", a[1:]), ("repeat", a.repeat_interleave(2, dim=0))):
         cache = KvgenCache(fmt, model.config, max_tokens=64, block_size=16)
