@@ -134,6 +134,19 @@ def _spec(fmt: Any):
     raise TypeError(f"fmt: expected a kvgen Format, FormatSpec or format name, got {type(fmt).__name__}")
 
 
+def resolve_per_head(spec, per_head: Optional[bool]) -> bool:
+    """``per_head`` as given, or the format's own kind where None; per-head scales for a format of one scale per
+    layer are a CalibrationError."""
+    fmt_per_head = all(spec.side(s).scale is not None and spec.side(s).scale.granularity.value == "per_head"
+                       for s in ("key", "value"))
+    if per_head is None:
+        return fmt_per_head
+    if per_head and not fmt_per_head:
+        raise CalibrationError(f"format {spec.name} takes one static scale per layer (per_tensor); per-head scales "
+                               "need a per_head format such as fp8_e4m3_per_head")
+    return per_head
+
+
 def check_static_sides(spec) -> None:
     """Raise a CalibrationError unless both sides of the format take static scales."""
     for side_name in ("key", "value"):
@@ -208,12 +221,7 @@ def calibrate(samples: dict[int, tuple[np.ndarray, np.ndarray]], fmt: Any, obser
         raise CalibrationError(f"observer {observer!r}: expected one of {', '.join(OBSERVERS)}")
     if not (0 < float(percentile) <= 100):
         raise CalibrationError(f"percentile {percentile}: expected a value in (0, 100]")
-    fmt_per_head = all(spec.side(s).scale.granularity.value == "per_head" for s in ("key", "value"))
-    if per_head is None:
-        per_head = fmt_per_head
-    elif per_head and not fmt_per_head:
-        raise CalibrationError(f"format {spec.name} takes one static scale per layer (per_tensor); per-head scales "
-                               "need a per_head format such as fp8_e4m3_per_head")
+    per_head = resolve_per_head(spec, per_head)
     if not samples:
         raise CalibrationError("no samples")
     from .reference import rotate_side

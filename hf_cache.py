@@ -58,11 +58,11 @@ class KvgenLayer(DynamicLayer):
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the newest tokens (a negative count, as transformers' own layers take it). A KIVI cache crops only
         inside its full-precision window: tokens that left it for quantized groups cannot come back."""
-        super().crop(tokens_to_remove)  # refuses a positive count
-        if tokens_to_remove == 0 or self.cache is None:
+        if tokens_to_remove > 0 or tokens_to_remove == 0 or self.cache is None:
+            super().crop(tokens_to_remove)  # refuses a positive count; nothing else to do
             return
         new_length = max(self.length - abs(tokens_to_remove), 0)
-        if self.fmt.spec.streaming:
+        if self.fmt.spec.streaming:  # checked before anything is cut: a refused crop leaves the layer as it was
             res = self.fmt.layout.RESIDUAL
             q = lambda n: R.quantized_length(n, res["group"], res["tokens"])  # noqa: E731
             if q(new_length) != q(self.length):
@@ -71,6 +71,7 @@ class KvgenLayer(DynamicLayer):
                                  f"when they left its {res['tokens']}-token window, so a crop to {new_length} tokens "
                                  f"cannot be undone there; it can remove the newest {most} or fewer (or reset() and "
                                  "prefill again)")
+        super().crop(tokens_to_remove)
         self.length = new_length
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

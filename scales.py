@@ -293,7 +293,8 @@ def load_scales(path: PathLike, num_layers: int, tp_rank: int = 0, *,
     checked against ``num_kv_heads`` when given: the rank's KV heads under tensor parallelism, so a checkpoint's
     ``tp * num_kv_heads`` per-head scales give rank ``tp_rank`` its slice; with more ranks than the checkpoint's KV
     heads, pass ``tp_size``: each rank gets the head it replicates, vLLM's rule). Layers without a scale get 1.0, with one
-    :class:`MissingScalesWarning` naming them (but ``skip_layers``, which a model cache keeps in the model dtype);
+    :class:`MissingScalesWarning` naming them (but ``skip_layers``, which a model cache keeps in the model dtype); a
+    file with no KV scale at all is a :class:`ScaleError` (a wrong file, or names kvgen does not read);
     scales of layers ``>= num_layers`` (e.g. MTP layers) are ignored. ``prefix`` keeps only tensors whose names start with it (``"model.language_model."``): a checkpoint of several
     sub-models, each with its ``layers.N``, is refused without it rather than mixed. Bad shapes, non-finite or
     non-positive values and an asymmetric scheme's zero points raise :class:`ScaleError` naming the file and tensor.
@@ -303,6 +304,8 @@ def load_scales(path: PathLike, num_layers: int, tp_rank: int = 0, *,
     tp_rank = _count("tp_rank", tp_rank, 0)
     num_kv_heads = None if num_kv_heads is None else _count("num_kv_heads", num_kv_heads, 1)
     tp_size = None if tp_size is None else _count("tp_size", tp_size, 1)
+    if tp_size is not None and num_kv_heads is None:
+        raise ValueError("tp_size: slices per-head scales by the rank's KV heads: pass num_kv_heads= too")
     if tp_size is not None and tp_rank >= tp_size:
         raise ValueError(f"tp_rank: {tp_rank} is not a rank of tp_size {tp_size}")
     p = Path(path)
@@ -338,10 +341,13 @@ def load_scales(path: PathLike, num_layers: int, tp_rank: int = 0, *,
                                                             tp_rank, tp_size)
     skip = set(skip_layers)
     if not k and not v and any(i not in skip for i in range(num_layers)):
-        forms = ", ".join(f"layers.N.self_attn.{f}" for f, _, _ in _FORMS)
-        raise ScaleError(f"{p}: no KV-cache scale found" + (f" under prefix {prefix!r}" if prefix else "")
-                         + f" (kvgen reads {forms}): not a checkpoint with static KV scales? (a format that needs "
-                         "them and has none takes 1.0 without this file)")
+        if p.suffix.lower() == ".json" and not p.is_dir():
+            where = f"for layers 0..{num_layers - 1} in tp rank {tp_rank}'s entry"
+        else:
+            forms = ", ".join(f"layers.N.self_attn.{f}" for f, _, _ in _FORMS)
+            where = (f"under prefix {prefix!r} " if prefix else "") + f"(kvgen reads {forms})"
+        raise ScaleError(f"{p}: no KV-cache scale found {where}: not a checkpoint with static KV scales? (a format "
+                         "that needs them and has none takes 1.0 without this file)")
     miss_k = [i for i in range(num_layers) if i not in k and i not in skip]
     miss_v = [i for i in range(num_layers) if i not in v and i not in skip]
     if miss_k or miss_v:

@@ -111,21 +111,17 @@ def calibrate(samples, format_name, observer, percentile, per_head, out, tp_size
     if tp_size != 1 and Path(out).suffix.lower() != ".json":  # it was ignored without a word
         raise OptionError(f"--tp-size: the scale JSON's ranks; a .safetensors file holds the whole model's scales "
                           f"(load_scales slices them per rank): drop --tp-size {tp_size} or write .json")
-    from .calibrate import CalibrationError, check_static_sides
+    from .calibrate import CalibrationError, check_static_sides, resolve_per_head
 
     try:
         spec = _load_format_spec(format_name)
         check_static_sides(spec)
     except (UnknownFormat, CalibrationError) as exc:  # a format this command cannot take: a usage error
         raise OptionError(f"--format: {exc}") from None
-    if per_head is None:
-        per_head = all(spec.side(s).scale is not None and spec.side(s).scale.granularity.value == "per_head"
-                       for s in ("key", "value"))
-    fmt_per_head = all(spec.side(s).scale is not None and spec.side(s).scale.granularity.value == "per_head"
-                       for s in ("key", "value"))
-    if per_head and not fmt_per_head:  # before the samples are read: an option this format cannot take
-        raise OptionError(f"--per-head: format {spec.name} takes one static scale per layer (per_tensor); per-head "
-                          "scales need a per_head format such as fp8_e4m3_per_head")
+    try:  # before the samples are read: an option this format cannot take
+        per_head = resolve_per_head(spec, per_head)
+    except CalibrationError as exc:
+        raise OptionError(f"--per-head: {exc}") from None
     if per_head and Path(out).suffix.lower() == ".json":
         raise OptionError(f"--out: {out}: the scale JSON holds one scale per layer; write per-head scales to "
                           ".safetensors (or pass --per-tensor)")

@@ -18,6 +18,7 @@ import difflib
 import errno
 import os
 import re
+import secrets
 import shutil
 import tempfile
 from pathlib import Path
@@ -78,20 +79,15 @@ def _current_files(directory: Path) -> dict[str, str]:
 
 
 def _read_text(path: Path) -> str:
-    """A generated file's text; bytes that are not UTF-8 (an edit) read as replacement characters, so the file
-    compares as stale and a build rewrites it."""
-    return path.read_bytes().decode("utf-8", errors="replace")
+    """A generated file's text (newlines translated, as git may check them out); bytes that are not UTF-8 (an edit)
+    read as replacement characters, so the file compares as stale and a build rewrites it."""
+    return path.read_text(encoding="utf-8", errors="replace")
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _open_to_umask(path: Path, directory: bool) -> None:
-    """tempfile creates 0700 directories and 0600 files; a built package is as readable as any file the user makes."""
-    os.chmod(path, (0o777 if directory else 0o666) & ~_umask())
+def _fresh_name(parent: Path, prefix: str) -> Path:
+    """A new name beside a target. Created with os.mkdir / open(..., "x"), not tempfile's 0700 / 0600: a built
+    package is as readable as any file the user makes (the umask decides)."""
+    return parent / f"{prefix}{secrets.token_hex(6)}"
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -119,9 +115,9 @@ def _write_atomic_dir(target: Path, files: dict[str, str]) -> None:
     renames second finds the other's result and, when it is the same, keeps it.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.new.", dir=target.parent))
+    tmp = _fresh_name(target.parent, f".{target.name}.new.")
+    os.mkdir(tmp)
     try:
-        _open_to_umask(tmp, directory=True)
         for name, text in files.items():
             with open(tmp / name, "w", encoding="utf-8", newline="\n") as fh:
                 fh.write(text)
@@ -150,14 +146,13 @@ def _write_atomic_dir(target: Path, files: dict[str, str]) -> None:
 
 def _write_file_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    tmp = _fresh_name(path.parent, f".{path.name}.")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
+        with open(tmp, "x", encoding="utf-8", newline="\n") as fh:
             fh.write(text)
-        _open_to_umask(Path(tmp), directory=False)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)  # nothing half-written left beside the target
+        tmp.unlink(missing_ok=True)  # nothing half-written left beside the target
         raise
 
 

@@ -12,7 +12,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from .errors import MissingSpecFile, SpecError
-from .spec import FormatSpec
+from .spec import YAML12_FLOAT, FormatSpec, PlainNumber
 
 Position = tuple[int, int]  # 1-based line and column
 
@@ -37,9 +37,6 @@ _NUMBER_TAGS = {
     "tag:yaml.org,2002:int": r"[-+]?(0|[1-9][0-9]*)",
     "tag:yaml.org,2002:float": r"[-+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+)?|[-+]?\.(inf|Inf|INF)|\.(nan|NaN|NAN)",
 }
-
-
-_EXPONENT_FLOAT = r"[-+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+"
 
 
 def _plain_yaml_problem(problem: str) -> str:
@@ -106,8 +103,8 @@ def _compose_with_positions(text: str, path: str) -> tuple[Any, dict[tuple, Posi
             return out
         if isinstance(n, yaml.SequenceNode):
             return [walk(item, loc + (i,)) for i, item in enumerate(n.value)]
-        if n.style is None and n.tag == "tag:yaml.org,2002:str" and re.fullmatch(_EXPONENT_FLOAT, n.value):
-            return float(n.value)  # 1e-6: a float in YAML 1.2; YAML 1.1 (PyYAML) wants a dot and reads a string
+        if n.style is None and n.tag == "tag:yaml.org,2002:str" and re.fullmatch(YAML12_FLOAT, n.value):
+            return PlainNumber(n.value)  # 1e-6: a number to YAML 1.2, text to PyYAML; the field decides
         if n.style is None and n.tag in _NUMBER_TAGS and not re.fullmatch(_NUMBER_TAGS[n.tag], n.value):
             value = yaml.SafeLoader("").construct_object(n, deep=True)
             raise SpecError(f"write numbers in decimal: YAML 1.1 reads {n.value!r} as {value!r}", path=path,

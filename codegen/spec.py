@@ -32,6 +32,14 @@ FP32_MAX = 3.4028234663852886e38
 GLOBAL_SCALE_RANGE = (2.0 ** -32, 2.0 ** 32)
 FP32_OVERFLOW = 2.0 ** 128 - 2.0 ** 103
 
+# a YAML 1.2 float that YAML 1.1 (PyYAML) reads as text: 1e-6, +.5
+YAML12_FLOAT = r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?"
+
+
+class PlainNumber(str):
+    """Unquoted spec text in YAML 1.2's float form (codegen.loader marks it): a number where the schema wants one,
+    text where it wants text. Quoted text is a plain str."""
+
 SPEC_VERSION = 1
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 
@@ -182,6 +190,13 @@ class ScaleSpec(_Strict):
         "reciprocal_multiply for dynamic ones, as vLLM does)."
     )
     global_scale: bool = Field(False, description="A second-level fp32 scale per layer (NVFP4).")
+
+    @field_validator("min", mode="before")
+    @classmethod
+    def _min_as_yaml_12_number(cls, v):
+        # YAML 1.1 (PyYAML) reads 1e-6 and +.5 as text; YAML 1.2 and every spec author mean numbers. A quoted
+        # "0.5" or true stays what it is, and the strict field refuses it
+        return float(v) if isinstance(v, PlainNumber) else v
 
     @field_validator("min")
     @classmethod

@@ -17,9 +17,9 @@ from .dequantize import DequantizedLaunch, auto_dense, dense_dtype
 from .kernels import DOT_PRECISIONS, KernelSet, write_pads
 
 try:
-    from ..codegen.spec import ELEMENTS, GLOBAL_SCALE_RANGE, FormatSpec, Granularity, ScaleDType
+    from ..codegen.spec import ELEMENTS, FP32_MAX, GLOBAL_SCALE_RANGE, FormatSpec, Granularity, ScaleDType
 except ImportError:  # running from a source checkout with the repo root on sys.path
-    from codegen.spec import ELEMENTS, GLOBAL_SCALE_RANGE, FormatSpec, Granularity, ScaleDType
+    from codegen.spec import ELEMENTS, FP32_MAX, GLOBAL_SCALE_RANGE, FormatSpec, Granularity, ScaleDType
 
 STORAGE_TORCH_DTYPES = {
     "uint8": torch.uint8,
@@ -36,7 +36,6 @@ ScaleArg = Union[None, float, int, torch.Tensor, list, tuple]
 MAX_HEAD_SIZE = 1024
 # the most KV splits attend takes: the splits are the launch grid's third dimension (65535 at most in CUDA)
 MAX_SPLITS = 65535
-FP32_MAX = 3.4028234663852886e38
 
 
 @dataclasses.dataclass

@@ -184,6 +184,7 @@ def test_cache_operations_leave_what_a_fresh_cache_would_hold(name, kivi16):
     if name == "kivi16":
         with pytest.raises(ValueError, match="crop: .* cannot be undone there; it can remove the newest 1 or fewer"):
             cache.crop(-10)  # 33 -> 23: Q(23) = 0, the group quantized at 32 tokens cannot be unquantized
+        assert cache.get_seq_length() == 33  # a refused crop cut nothing
 
     for op, batch in (("reorder", a.flip(0)), ("select", a[1:]), ("repeat", a.repeat_interleave(2, dim=0))):
         cache = KvgenCache(fmt, model.config, max_tokens=64, block_size=16)

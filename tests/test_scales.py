@@ -432,7 +432,7 @@ def test_replicated_heads_go_to_the_ranks_that_hold_them(tmp_path):
     with pytest.raises(ScaleError, match="tp_size 3 is not a multiple of the checkpoint's 2 KV heads"):
         load_scales(path, 1, tp_rank=0, num_kv_heads=1, tp_size=3)
     for kwargs, name in ((dict(tp_rank="1"), "tp_rank"), (dict(num_kv_heads=0), "num_kv_heads"),
-                         (dict(tp_rank=4, tp_size=4), "tp_rank")):
+                         (dict(tp_rank=4, tp_size=4, num_kv_heads=1), "tp_rank"), (dict(tp_size=4), "tp_size")):
         with pytest.raises(ValueError, match=f"^{name}: "):
             load_scales(path, 1, **kwargs)
 

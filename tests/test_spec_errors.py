@@ -916,6 +916,8 @@ def test_an_exponent_without_a_dot_is_a_number(tmp_path):
     a = kvgen.load_spec(write(tmp_path, "a.yaml", SIDE_WITH.format(field="block: 32, min: 1e-6")))
     b = kvgen.load_spec(write(tmp_path, "b.yaml", SIDE_WITH.format(field="block: 32, min: 1.0e-6")))
     assert a.key.scale.min == 1e-6 and a.spec_hash() == b.spec_hash()
+    c = kvgen.load_spec(write(tmp_path, "c.yaml", SIDE_WITH.format(field="block: 32, min: +.5") + "origin: 1e5\n"))
+    assert c.key.scale.min == 0.5 and c.origin == "1e5"  # +.5 a number (YAML 1.2); text fields keep their text
 
 
 @pytest.mark.parametrize("version", ["true", "1.0"])
