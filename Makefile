@@ -18,9 +18,10 @@ demo: install
 	$(BIN)/kvgen build specs/
 	$(BIN)/kvgen demo
 
-# the whole test suite (CPU, Triton interpreter), including `kvgen build specs/ --check`; one worker per core
+# the whole test suite (CPU, Triton interpreter), including `kvgen build specs/ --check`; one worker per core, an idle
+# worker takes tests queued on the other (worksteal: no long tail on one core)
 test: install
-	$(BIN)/python -m pytest tests -q -p no:cacheprovider -n auto
+	$(BIN)/python -m pytest tests -q -p no:cacheprovider -n auto --dist worksteal
 
 clean:
 	rm -rf $(VENV) build *.egg-info .hypothesis

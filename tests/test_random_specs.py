@@ -24,7 +24,7 @@ from test_dequantize_first import _check_dense_cache as check_dense_cache
 
 DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 # random specs: 40 on a GPU, 20 on the CPU (the interpreter; the suite's ten minutes on two cores)
-SPECS = int(os.environ.get("KVGEN_RANDOM_SPECS", "40" if DEVICE == "cuda" else "20"))
+SPECS = int(os.environ.get("KVGEN_RANDOM_SPECS", "40" if DEVICE == "cuda" else "16"))
 
 
 def load_spec_data(spec: dict, root):
